@@ -1,0 +1,62 @@
+"""The interface every self-attention variant implements.
+
+An attention module is built as ``AttentionClass(config, layer_idx)`` and called as::
+
+    out = attention(hidden_states, attention_mask=None, global_attention_mask=None, output_attentions=False)
+
+Inputs:
+    hidden_states: ``(batch, seq_len, hidden)``.
+    attention_mask: ``(batch, seq_len)`` bool, True for real tokens (keys to attend to), or None.
+    global_attention_mask: ``(batch, seq_len)`` bool, True for tokens with global attention, or None.
+        Only modules with ``supports_global_attention = True`` accept it.
+    output_attentions: also return attention probabilities (may be slower: no fused kernel).
+
+Returns an :class:`AttentionOutput`. ``context`` is the attention result *before* the output projection
+(``(batch, seq_len, hidden)``); the encoder layer owns the output projection, residual and LayerNorm, so an
+attention variant is only the part that differs between architectures.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+
+class AttentionOutput(NamedTuple):
+    context: torch.Tensor
+    """``(batch, seq_len, hidden)``"""
+    attentions: torch.Tensor | None = None
+    """Probabilities; the shape is documented by each module."""
+    global_attentions: torch.Tensor | None = None
+    """Probabilities of the global tokens, for modules with global attention."""
+
+
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``(batch, seq, heads * dim)`` -> ``(batch, heads, seq, dim)``."""
+    batch, seq, _ = x.shape
+    return x.view(batch, seq, num_heads, -1).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """``(batch, heads, seq, dim)`` -> ``(batch, seq, heads * dim)``."""
+    batch, heads, seq, dim = x.shape
+    return x.transpose(1, 2).reshape(batch, seq, heads * dim)
+
+
+class QKVProjection(nn.Module):
+    """Separate query, key and value projections, named as in BERT/RoBERTa checkpoints."""
+
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        if hidden_size % num_heads != 0:
+            raise ValueError(
+                f"hidden_size ({hidden_size}) must be a multiple of num_attention_heads ({num_heads}); "
+                "change one of them in the config."
+            )
+        self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        self.query = nn.Linear(hidden_size, hidden_size)
+        self.key = nn.Linear(hidden_size, hidden_size)
+        self.value = nn.Linear(hidden_size, hidden_size)

@@ -1,0 +1,50 @@
+"""Full (quadratic) bidirectional self-attention through PyTorch's fused SDPA kernel.
+
+The reference every efficient variant is compared with, and the ``original_full`` mode of
+architectures that offer one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionOutput, QKVProjection, merge_heads, split_heads
+
+
+class HfxFullSelfAttention(QKVProjection):
+    """Softmax attention over every non-padding key.
+
+    ``attentions`` (with ``output_attentions=True``): ``(batch, heads, seq_len, seq_len)``.
+    """
+
+    supports_global_attention = False
+
+    def __init__(self, config, layer_idx: int = 0) -> None:
+        super().__init__(config.hidden_size, config.num_attention_heads)
+        self.dropout_p = config.attention_probs_dropout_prob
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> AttentionOutput:
+        q = split_heads(self.query(hidden_states), self.num_heads)
+        k = split_heads(self.key(hidden_states), self.num_heads)
+        v = split_heads(self.value(hidden_states), self.num_heads)
+        mask = None
+        if attention_mask is not None:
+            # A row of pure padding would have no key at all (NaN); let it see everything, it is ignored anyway.
+            mask = (attention_mask | ~attention_mask.any(-1, keepdim=True))[:, None, None, :]
+        dropout = self.dropout_p if self.training else 0.0
+        if not output_attentions:
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            return AttentionOutput(merge_heads(context))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        context = torch.matmul(F.dropout(probs, dropout, self.training), v)
+        return AttentionOutput(merge_heads(context), probs)

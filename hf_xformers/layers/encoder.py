@@ -1,0 +1,121 @@
+"""The post-LayerNorm Transformer encoder (BERT/RoBERTa layout) with a pluggable self-attention module.
+
+Only ``attention.self`` differs between architectures; the output projection, feed-forward block, residuals
+and LayerNorms are shared. Parameter names match BERT/RoBERTa/Longformer checkpoints
+(``attention.self.query``, ``attention.output.dense``, ``intermediate.dense``, ``output.LayerNorm`` ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+
+@dataclass
+class HfxModelOutput(BaseModelOutputWithPooling):
+    """``BaseModelOutputWithPooling`` plus ``global_attentions``: one tensor per layer for attention
+    variants with global tokens (``(batch, heads, num_global, seq_len)`` for Longformer), else None."""
+
+    global_attentions: tuple[torch.Tensor, ...] | None = None
+
+
+class HfxDenseResidual(nn.Module):
+    """``LayerNorm(x + dropout(dense(h)))``: the second half of both attention and feed-forward blocks."""
+
+    def __init__(self, in_features: int, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(hidden)) + residual)
+
+
+class HfxAttentionBlock(nn.Module):
+    """Self-attention variant (``self``) followed by the shared output projection (``output``)."""
+
+    def __init__(self, config, attention: nn.Module) -> None:
+        super().__init__()
+        self.self = attention
+        self.output = HfxDenseResidual(config.hidden_size, config)
+
+    def forward(self, hidden_states, attention_mask=None, global_attention_mask=None, output_attentions=False):
+        out = self.self(hidden_states, attention_mask, global_attention_mask, output_attentions)
+        return self.output(out.context, hidden_states), out
+
+
+class HfxIntermediate(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(hidden_states))
+
+
+class HfxEncoderLayer(GradientCheckpointingLayer):
+    """One post-LN Transformer layer: attention block, then feed-forward block."""
+
+    def __init__(self, config, attention: nn.Module) -> None:
+        super().__init__()
+        self.attention = HfxAttentionBlock(config, attention)
+        self.intermediate = HfxIntermediate(config)
+        self.output = HfxDenseResidual(config.intermediate_size, config)
+
+    def forward(self, hidden_states, attention_mask=None, global_attention_mask=None, output_attentions=False):
+        """``hidden_states`` ``(batch, seq_len, hidden)`` -> (same shape, :class:`AttentionOutput`)."""
+        attended, attention_out = self.attention(hidden_states, attention_mask, global_attention_mask, output_attentions)
+        return self.output(self.intermediate(attended), attended), attention_out
+
+
+class HfxEncoder(nn.Module):
+    """A stack of :class:`HfxEncoderLayer`, the attention of layer ``i`` built as ``attention_class(config, i)``."""
+
+    def __init__(self, config, attention_class: type[nn.Module]) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(
+            HfxEncoderLayer(config, attention_class(config, i)) for i in range(config.num_hidden_layers)
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> HfxModelOutput:
+        all_hidden = (hidden_states,) if output_hidden_states else None
+        all_attn = () if output_attentions else None
+        all_global = () if output_attentions else None
+        for layer in self.layer:
+            hidden_states, attn = layer(hidden_states, attention_mask, global_attention_mask, output_attentions)
+            if output_hidden_states:
+                all_hidden += (hidden_states,)
+            if output_attentions:
+                all_attn += (attn.attentions,)
+                all_global += (attn.global_attentions,)
+        if all_global is not None and all(g is None for g in all_global):
+            all_global = None
+        return HfxModelOutput(
+            last_hidden_state=hidden_states, hidden_states=all_hidden, attentions=all_attn, global_attentions=all_global
+        )
+
+
+class HfxPooler(nn.Module):
+    """``tanh(dense(h[:, 0]))``: the BERT/RoBERTa pooler over the first token."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.dense(hidden_states[:, 0]))

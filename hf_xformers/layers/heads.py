@@ -1,0 +1,337 @@
+"""Task heads shared by every encoder-only text architecture.
+
+Each ``Hfx*HeadMixin`` holds the whole ``__init__``/``forward`` of one task; an architecture gets the head by
+mixing it into its ``PreTrainedModel`` subclass and naming its base model class::
+
+    class HfxLongformerForSequenceClassification(HfxSequenceClassificationHeadMixin, HfxLongformerPreTrainedModel):
+        base_model_class = HfxLongformerModel
+
+The base model is stored under ``base_model_prefix`` (``self.longformer`` ...) so checkpoints keep the names
+users know from ``transformers``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import gelu
+from transformers.modeling_outputs import (
+    MaskedLMOutput,
+    MultipleChoiceModelOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+
+
+class HfxLMHead(nn.Module):
+    """``decoder(LayerNorm(gelu(dense(h))))``, RoBERTa's MLM head; ``decoder.weight`` is tied to the input
+    embeddings. ``(batch, seq_len, hidden)`` -> ``(batch, seq_len, vocab)``."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.layer_norm(gelu(self.dense(hidden_states))))
+
+
+class HfxClassificationHead(nn.Module):
+    """RoBERTa's sentence head on the first token: ``out_proj(dropout(tanh(dense(dropout(h[:, 0])))))``."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        dropout = getattr(config, "classifier_dropout", None)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob if dropout is None else dropout)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.dense(self.dropout(hidden_states[:, 0])))
+        return self.out_proj(self.dropout(x))
+
+
+def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
+    """Loss by ``config.problem_type`` (set on first use as transformers does): ``regression`` (MSE, e.g.
+    STS-B, when ``num_labels == 1``), ``single_label_classification`` (cross-entropy on integer labels) or
+    ``multi_label_classification`` (BCE with logits on float multi-hot labels)."""
+    if config.problem_type is None:
+        if config.num_labels == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    if config.problem_type == "regression":
+        return F.mse_loss(logits.squeeze(-1), labels.squeeze(-1).to(logits.dtype))
+    if config.problem_type == "single_label_classification":
+        if labels.numel() and (int(labels.max()) >= config.num_labels or int(labels.min()) < -100):
+            raise ValueError(
+                f"labels must lie in [0, {config.num_labels - 1}] (config.num_labels={config.num_labels}); "
+                f"got values from {int(labels.min())} to {int(labels.max())}. Set num_labels when loading the model."
+            )
+        return F.cross_entropy(logits.view(-1, config.num_labels), labels.view(-1))
+    if config.problem_type == "multi_label_classification":
+        if labels.shape != logits.shape:
+            raise ValueError(
+                f"multi-label labels must be multi-hot floats of shape {tuple(logits.shape)}, got {tuple(labels.shape)}."
+            )
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+    raise ValueError(
+        f"Unknown config.problem_type {config.problem_type!r}; use 'regression', "
+        "'single_label_classification' or 'multi_label_classification'."
+    )
+
+
+class HfxHeadMixin:
+    """Plumbing shared by the heads: builds the base model and runs it with a task's default global mask."""
+
+    base_model_class: type[nn.Module]
+    task: str
+
+    def _build_base_model(self, config, add_pooling_layer: bool = False) -> None:
+        setattr(self, self.base_model_prefix, self.base_model_class(config, add_pooling_layer=add_pooling_layer))
+
+    def _encode(self, input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, **kw):
+        if global_attention_mask is None and getattr(self.base_model_class.attention_class, "supports_global_attention", False):
+            global_attention_mask = self.default_global_attention_mask(self.task, input_ids, attention_mask)
+        return self.base_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            global_attention_mask=global_attention_mask,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            **kw,
+        )
+
+    @staticmethod
+    def _finish(output, return_dict: bool | None, config):
+        return_dict = config.return_dict if return_dict is None else return_dict
+        return output if return_dict else output.to_tuple()
+
+
+class HfxMaskedLMHeadMixin(HfxHeadMixin):
+    """Masked language modelling. ``labels`` ``(batch, seq_len)``, -100 where no loss is wanted."""
+
+    task = "masked_lm"
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._build_base_model(config)
+        self.lm_head = HfxLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head.decoder = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> MaskedLMOutput | tuple:
+        """Returns ``logits`` ``(batch, seq_len, vocab_size)`` and the loss when ``labels`` are given."""
+        out = self._encode(
+            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states,
+            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+        )  # fmt: skip
+        logits = self.lm_head(out.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1).to(logits.device))
+        result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        return self._finish(result, return_dict, self.config)
+
+
+class HfxSequenceClassificationHeadMixin(HfxHeadMixin):
+    """Sentence (pair) classification or regression from the first token; see :func:`sequence_classification_loss`."""
+
+    task = "sequence_classification"
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._build_base_model(config)
+        self.classifier = HfxClassificationHead(config)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> SequenceClassifierOutput | tuple:
+        """Returns ``logits`` ``(batch, num_labels)``; ``labels`` ``(batch,)`` (or ``(batch, num_labels)`` multi-label)."""
+        out = self._encode(
+            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states,
+            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+        )  # fmt: skip
+        logits = self.classifier(out.last_hidden_state)
+        loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
+        result = SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
+        )
+        return self._finish(result, return_dict, self.config)
+
+
+class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
+    """Scores each choice from its pooled first token. Inputs are ``(batch, num_choices, seq_len)``."""
+
+    task = "multiple_choice"
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._build_base_model(config, add_pooling_layer=True)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> MultipleChoiceModelOutput | tuple:
+        """Returns ``logits`` ``(batch, num_choices)``; ``labels`` ``(batch,)`` holds the right choice."""
+        ref = input_ids if input_ids is not None else inputs_embeds
+        if ref is None or ref.dim() != (3 if input_ids is not None else 4):
+            raise ValueError(
+                "Multiple-choice inputs must be shaped (batch, num_choices, seq_len); tokenize every "
+                "(context, choice) pair and stack them per example."
+            )
+        num_choices = ref.shape[1]
+
+        def flat(t):
+            return None if t is None else t.reshape(-1, *t.shape[2:])
+
+        out = self._encode(
+            flat(input_ids), flat(attention_mask), flat(global_attention_mask), output_attentions,
+            output_hidden_states, token_type_ids=flat(token_type_ids), position_ids=flat(position_ids),
+            inputs_embeds=flat(inputs_embeds),
+        )  # fmt: skip
+        logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)
+        loss = None
+        if labels is not None:
+            if labels.numel() and (int(labels.max()) >= num_choices or int(labels.min()) < 0):
+                raise ValueError(f"labels must be choice indices in [0, {num_choices - 1}], got {labels.tolist()}.")
+            loss = F.cross_entropy(logits, labels.view(-1))
+        result = MultipleChoiceModelOutput(
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
+        )
+        return self._finish(result, return_dict, self.config)
+
+
+class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
+    """Extractive QA: start and end logits per token. Positions outside the input are ignored in the loss."""
+
+    task = "question_answering"
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._build_base_model(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.Tensor | None = None,
+        end_positions: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> QuestionAnsweringModelOutput | tuple:
+        """Returns ``start_logits`` and ``end_logits``, each ``(batch, seq_len)``."""
+        out = self._encode(
+            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states,
+            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+        )  # fmt: skip
+        start_logits, end_logits = self.qa_outputs(out.last_hidden_state).unbind(-1)
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            ignored = start_logits.shape[1]
+            start = start_positions.view(-1).clamp(0, ignored)
+            end = end_positions.view(-1).clamp(0, ignored)
+            loss = (
+                F.cross_entropy(start_logits, start, ignore_index=ignored)
+                + F.cross_entropy(end_logits, end, ignore_index=ignored)
+            ) / 2
+        result = QuestionAnsweringModelOutput(
+            loss=loss,
+            start_logits=start_logits.contiguous(),
+            end_logits=end_logits.contiguous(),
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+        )
+        return self._finish(result, return_dict, self.config)
+
+
+class HfxTokenClassificationHeadMixin(HfxHeadMixin):
+    """Per-token labels (NER, POS). ``labels`` ``(batch, seq_len)``, -100 where no loss is wanted."""
+
+    task = "token_classification"
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._build_base_model(config)
+        dropout = getattr(config, "classifier_dropout", None)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob if dropout is None else dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> TokenClassifierOutput | tuple:
+        """Returns ``logits`` ``(batch, seq_len, num_labels)``."""
+        out = self._encode(
+            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states,
+            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+        )  # fmt: skip
+        logits = self.classifier(self.dropout(out.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        result = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        return self._finish(result, return_dict, self.config)

@@ -1,0 +1,147 @@
+"""Base classes shared by the encoder-only text architectures: ``PreTrainedModel`` defaults and the base model.
+
+An architecture subclasses :class:`HfxPreTrainedModel` (sets ``config_class`` and ``base_model_prefix``) and
+builds its base model as ``class XModel(HfxTextModel, XPreTrainedModel)`` with ``attention_class`` set.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .embeddings import HfxTextEmbeddings
+from .encoder import HfxEncoder, HfxModelOutput, HfxPooler
+from .heads import HfxLMHead
+
+
+class HfxPreTrainedModel(PreTrainedModel):
+    """Defaults common to every hf_xformers model."""
+
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    # Our forward passes take **kwargs only to pass them on; losses are plain means. Without this, Trainer
+    # multiplies the loss by the world size under DDP (see the team notes on transformers v5).
+    accepts_loss_kwargs = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, HfxLMHead):
+            nn.init.zeros_(module.decoder.bias)
+
+    def default_global_attention_mask(
+        self, task: str, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Global-attention mask a task head uses when the caller gives none (None: no global tokens).
+
+        ``task`` is one of ``"sequence_classification"``, ``"multiple_choice"``, ``"question_answering"``,
+        ``"token_classification"``, ``"masked_lm"``. Architectures with global attention override this.
+        """
+        return None
+
+
+class HfxTextModel:
+    """Embeddings -> encoder of :class:`HfxEncoderLayer` -> optional pooler. Mixed into ``XModel`` classes."""
+
+    attention_class: type[nn.Module]
+
+    def __init__(self, config, add_pooling_layer: bool = True) -> None:
+        super().__init__(config)
+        self.embeddings = HfxTextEmbeddings(config)
+        self.encoder = HfxEncoder(config, self.attention_class)
+        self.pooler = HfxPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
+        if len(shape) != 2:
+            raise ValueError(
+                f"`input_ids` must have shape (batch, seq_len), got {shape}. Add a batch dimension with "
+                "`unsqueeze(0)`; multiple-choice inputs (batch, choices, seq_len) go to the ForMultipleChoice head."
+            )
+        limit = self.embeddings.max_tokens
+        if shape[1] > limit:
+            raise ValueError(
+                f"Sequence length {shape[1]} exceeds the {limit} tokens this model's position embeddings cover "
+                f"(config.max_position_embeddings={self.config.max_position_embeddings}, minus pad_token_id + 1). "
+                "Truncate the input (tokenizer(..., truncation=True, max_length=...)) or make a longer model with "
+                "conversion/convert_roberta_to_long.py --max-length."
+            )
+        if input_ids is not None and input_ids.numel() and int(input_ids.max()) >= self.config.vocab_size:
+            raise ValueError(
+                f"`input_ids` contains id {int(input_ids.max())} but vocab_size is {self.config.vocab_size}; "
+                "use the tokenizer that belongs to this checkpoint."
+            )
+        for name, mask in (("attention_mask", attention_mask), ("global_attention_mask", global_attention_mask)):
+            if mask is not None and tuple(mask.shape) != shape:
+                raise ValueError(
+                    f"`{name}` must have the shape of `input_ids` {shape}, got {tuple(mask.shape)}. "
+                    "Pass the mask the tokenizer returned for the same batch (1 = keep, 0 = padding)."
+                )
+        if global_attention_mask is not None and not getattr(self.attention_class, "supports_global_attention", False):
+            raise ValueError(
+                f"{type(self).__name__} has no global attention; drop `global_attention_mask` from the inputs."
+            )
+        if token_type_ids is not None and token_type_ids.numel():
+            if tuple(token_type_ids.shape) != shape:
+                raise ValueError(f"`token_type_ids` must have shape {shape}, got {tuple(token_type_ids.shape)}.")
+            if int(token_type_ids.max()) >= self.config.type_vocab_size:
+                raise ValueError(
+                    f"`token_type_ids` contains {int(token_type_ids.max())} but config.type_vocab_size is "
+                    f"{self.config.type_vocab_size}; RoBERTa-style models use a single segment, so drop "
+                    "`token_type_ids` (return_token_type_ids=False in the tokenizer)."
+                )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> HfxModelOutput | tuple:
+        """Encode a batch.
+
+        Args:
+            input_ids: ``(batch, seq_len)`` token ids (or ``inputs_embeds`` ``(batch, seq_len, hidden)``).
+            attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding.
+            global_attention_mask: ``(batch, seq_len)``, 1 for tokens with global attention (architectures
+                with global attention only).
+        Returns:
+            :class:`HfxModelOutput` with ``last_hidden_state`` ``(batch, seq_len, hidden)`` and
+            ``pooler_output`` ``(batch, hidden)`` (None without a pooler).
+        """
+        self._check_inputs(input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids)
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+
+        hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
+        if attention_mask is not None:
+            attention_mask = attention_mask.bool()
+        if global_attention_mask is not None:
+            global_attention_mask = global_attention_mask.bool()
+        out = self.encoder(hidden, attention_mask, global_attention_mask, output_attentions, output_hidden_states)
+        out = HfxModelOutput(
+            last_hidden_state=out.last_hidden_state,
+            pooler_output=self.pooler(out.last_hidden_state) if self.pooler is not None else None,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+            global_attentions=out.global_attentions,
+        )
+        return out if return_dict else out.to_tuple()

@@ -1,0 +1,3 @@
+from . import longformer
+
+__all__ = ["longformer"]

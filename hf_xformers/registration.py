@@ -1,0 +1,36 @@
+"""The one table that tells ``transformers``' Auto classes about our architectures.
+
+Each row: ``model_type`` -> (config class, {Auto class name: model class}). ``register_all()`` runs on
+``import hf_xformers``; registering twice is harmless. The remaining ``model_type`` names are reserved for
+the architectures still to come: ``hfx-bigbird``, ``hfx-linformer``, ``hfx-performer``, ``hfx-reformer``,
+``hfx-transfo-xl``, ``hfx-universal``, ``hfx-swin``.
+"""
+
+from __future__ import annotations
+
+import transformers
+from transformers import AutoConfig
+
+from . import models
+
+REGISTRY = {
+    "hfx-longformer": (
+        models.longformer.HfxLongformerConfig,
+        {
+            "AutoModel": models.longformer.HfxLongformerModel,
+            "AutoModelForMaskedLM": models.longformer.HfxLongformerForMaskedLM,
+            "AutoModelForSequenceClassification": models.longformer.HfxLongformerForSequenceClassification,
+            "AutoModelForMultipleChoice": models.longformer.HfxLongformerForMultipleChoice,
+            "AutoModelForQuestionAnswering": models.longformer.HfxLongformerForQuestionAnswering,
+            "AutoModelForTokenClassification": models.longformer.HfxLongformerForTokenClassification,
+        },
+    ),
+}
+
+
+def register_all() -> None:
+    """Register every config with ``AutoConfig`` and every model with its ``AutoModel*`` class."""
+    for model_type, (config_class, heads) in REGISTRY.items():
+        AutoConfig.register(model_type, config_class, exist_ok=True)
+        for auto_name, model_class in heads.items():
+            getattr(transformers, auto_name).register(config_class, model_class, exist_ok=True)
