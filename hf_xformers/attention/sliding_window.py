@@ -48,7 +48,8 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
     ``attentions`` (with ``output_attentions=True``): ``(batch, heads, seq_len, G + 2w + 1)``, the first ``G``
     columns are the global keys (``G`` = most global tokens of any example), then relative offsets ``-w .. w``;
     the same layout as transformers' Longformer (rows of global tokens are zero there: their output comes from
-    global attention). ``global_attentions``: ``(batch, heads, G, seq_len)``, the transpose of transformers'.
+    global attention). ``global_attentions``: ``(batch, heads, G, seq_len)``, the transpose of transformers' (rows of empty
+    slots, in examples with fewer than ``G`` global tokens, are zero).
     """
 
     supports_global_attention = True
@@ -217,5 +218,6 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             return merge_heads(out), None
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = probs.masked_fill(~global_valid[:, None, :, None], 0.0)
         out = torch.matmul(F.dropout(probs, dropout, self.training), v)
         return merge_heads(out), probs

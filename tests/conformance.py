@@ -1,0 +1,297 @@
+"""The conformance suite every text architecture runs with a tiny config.
+
+Use it by subclassing :class:`TextModelConformance` in a ``test_<arch>.py`` file::
+
+    class TestLongformerConformance(TextModelConformance):
+        config_class = HfxLongformerConfig
+        base_config = dict(attention_window=4, ...)        # tiny: hidden <= 64, <= 2 layers
+        heads = {"AutoModel": HfxLongformerModel, "AutoModelForMaskedLM": HfxLongformerForMaskedLM, ...}
+        bad_configs = [(dict(attention_window=3), "even")]  # (overrides, regex the ValueError must match)
+
+Sequence lengths used here are chosen longer than the tiny windows/blocks, so the efficient path is
+exercised, not only its short-input fallback.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig, Trainer, TrainingArguments
+
+SEQ_LEN = 24
+VOCAB = 99
+NUM_LABELS = 3
+NUM_CHOICES = 2
+ATOL = 1e-5
+
+_TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=37,
+    max_position_embeddings=64,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    num_labels=NUM_LABELS,
+)
+
+
+def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Ids 0-4 are the special tokens of our tiny vocabularies (<s>, <pad>, </s>, <unk>, <mask>).
+    ids = torch.randint(5, VOCAB, (batch, length), generator=g)
+    ids[:, 0] = 0
+    ids[:, -1] = 2
+    return ids
+
+
+class TextModelConformance:
+    config_class: type
+    base_config: dict = {}
+    heads: dict[str, type] = {}
+    bad_configs: list[tuple[dict, str]] = []
+    pad_token_id: int = 1
+
+    # ----- helpers -------------------------------------------------------------------------------
+    def make_config(self, **overrides):
+        return self.config_class(**{**_TINY, **self.base_config, **overrides})
+
+    def make_model(self, auto_name: str, **overrides):
+        torch.manual_seed(0)
+        return self.heads[auto_name](self.make_config(**overrides)).eval()
+
+    def inputs_for(self, auto_name: str, batch: int = 2, length: int = SEQ_LEN) -> dict:
+        ids = _ids(batch, length)
+        mask = torch.ones_like(ids)
+        if auto_name == "AutoModelForMultipleChoice":
+            ids = torch.stack([ids, _ids(batch, length, seed=1)], dim=1)
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1][:batch])}
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        if auto_name == "AutoModelForMaskedLM":
+            inputs["labels"] = ids.masked_fill(torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)) > 0.3, -100)
+        elif auto_name == "AutoModelForSequenceClassification":
+            inputs["labels"] = torch.arange(batch) % NUM_LABELS
+        elif auto_name == "AutoModelForTokenClassification":
+            inputs["labels"] = torch.randint(0, NUM_LABELS, ids.shape, generator=torch.Generator().manual_seed(4))
+        elif auto_name == "AutoModelForQuestionAnswering":
+            inputs["start_positions"] = torch.tensor([1, 3][:batch])
+            inputs["end_positions"] = torch.tensor([2, 5][:batch])
+        return inputs
+
+    @staticmethod
+    def main_output(auto_name: str, out) -> torch.Tensor:
+        if auto_name == "AutoModel":
+            return out.last_hidden_state
+        if auto_name == "AutoModelForQuestionAnswering":
+            return torch.stack([out.start_logits, out.end_logits], -1)
+        return out.logits
+
+    def expected_shape(self, auto_name: str, batch: int, length: int) -> tuple:
+        hidden = self.make_config().hidden_size
+        return {
+            "AutoModel": (batch, length, hidden),
+            "AutoModelForMaskedLM": (batch, length, VOCAB),
+            "AutoModelForSequenceClassification": (batch, NUM_LABELS),
+            "AutoModelForMultipleChoice": (batch, NUM_CHOICES),
+            "AutoModelForTokenClassification": (batch, length, NUM_LABELS),
+            "AutoModelForQuestionAnswering": (batch, length, 2),
+        }[auto_name]
+
+    # ----- shapes and outputs ----------------------------------------------------------------------
+    def test_head_output_shapes_and_losses(self):
+        for auto_name in self.heads:
+            model = self.make_model(auto_name)
+            inputs = self.inputs_for(auto_name)
+            out = model(**inputs)
+            assert tuple(self.main_output(auto_name, out).shape) == self.expected_shape(auto_name, 2, SEQ_LEN), auto_name
+            if auto_name != "AutoModel":
+                assert out.loss is not None and out.loss.dim() == 0 and torch.isfinite(out.loss), auto_name
+                out.loss.backward()
+                grads = [p.grad for p in model.parameters() if p.requires_grad]
+                assert any(g is not None and g.abs().sum() > 0 for g in grads), auto_name
+
+    def test_base_model_pooler_and_tuple_output(self):
+        model = self.make_model("AutoModel")
+        inputs = self.inputs_for("AutoModel")
+        out = model(**inputs)
+        assert out.pooler_output.shape == (2, model.config.hidden_size)
+        as_tuple = model(**inputs, return_dict=False)
+        assert torch.equal(as_tuple[0], out.last_hidden_state)
+
+    def test_output_attentions_and_hidden_states(self):
+        config = self.make_config()
+        for auto_name in self.heads:
+            model = self.make_model(auto_name)
+            inputs = self.inputs_for(auto_name)
+            out = model(**inputs, output_attentions=True, output_hidden_states=True)
+            rows = 2 * NUM_CHOICES if auto_name == "AutoModelForMultipleChoice" else 2
+            assert len(out.hidden_states) == config.num_hidden_layers + 1
+            assert all(h.shape == (rows, SEQ_LEN, config.hidden_size) for h in out.hidden_states)
+            assert len(out.attentions) == config.num_hidden_layers
+            for att in out.attentions:
+                assert att.shape[:3] == (rows, config.num_attention_heads, SEQ_LEN)
+                assert torch.all(att >= 0)
+            # Attentions must not change the result.
+            plain = model(**inputs)
+            torch.testing.assert_close(self.main_output(auto_name, out), self.main_output(auto_name, plain), atol=ATOL, rtol=0)
+
+    def test_classification_problem_types(self):
+        inputs = self.inputs_for("AutoModel")
+        inputs.pop("labels", None)
+        if "AutoModelForSequenceClassification" not in self.heads:
+            pytest.skip("no sequence classification head")
+        head = self.heads["AutoModelForSequenceClassification"]
+        torch.manual_seed(0)
+        reg = head(self.make_config(num_labels=1))
+        out = reg(**inputs, labels=torch.tensor([0.5, -1.0]))
+        assert reg.config.problem_type == "regression" and out.logits.shape == (2, 1)
+        torch.testing.assert_close(out.loss, torch.nn.functional.mse_loss(out.logits.squeeze(-1), torch.tensor([0.5, -1.0])))
+        multi = head(self.make_config())
+        labels = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+        out = multi(**inputs, labels=labels)
+        assert multi.config.problem_type == "multi_label_classification"
+        torch.testing.assert_close(out.loss, torch.nn.functional.binary_cross_entropy_with_logits(out.logits, labels))
+        single = head(self.make_config())
+        with pytest.raises(ValueError, match="num_labels"):
+            single(**inputs, labels=torch.tensor([0, NUM_LABELS]))
+
+    # ----- Auto classes and serialisation ----------------------------------------------------------
+    def test_auto_resolution(self):
+        model_type = self.config_class.model_type
+        assert model_type.startswith("hfx-")
+        config = AutoConfig.for_model(model_type, **{**_TINY, **self.base_config})
+        assert type(config) is self.config_class
+        for auto_name, cls in self.heads.items():
+            model = getattr(transformers, auto_name).from_config(config)
+            assert type(model) is cls, auto_name
+
+    def test_save_load_roundtrip(self, tmp_path):
+        for auto_name, cls in self.heads.items():
+            model = self.make_model(auto_name)
+            inputs = self.inputs_for(auto_name)
+            with torch.no_grad():
+                before = self.main_output(auto_name, model(**inputs))
+            path = tmp_path / auto_name
+            model.save_pretrained(path)
+            loaded = getattr(transformers, auto_name).from_pretrained(path).eval()
+            assert type(loaded) is cls
+            with torch.no_grad():
+                after = self.main_output(auto_name, loaded(**inputs))
+            assert torch.equal(before, after), auto_name
+            assert loaded.config.to_dict() == model.config.to_dict() or loaded.config.to_diff_dict() == model.config.to_diff_dict()
+
+    def test_masked_lm_weights_tied(self, tmp_path):
+        if "AutoModelForMaskedLM" not in self.heads:
+            pytest.skip("no masked LM head")
+        model = self.make_model("AutoModelForMaskedLM")
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        model.save_pretrained(tmp_path)
+        loaded = self.heads["AutoModelForMaskedLM"].from_pretrained(tmp_path)
+        assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+
+    # ----- invariances -----------------------------------------------------------------------------
+    def test_padding_invariance(self):
+        """Right padding (and padding far past the real tokens) leaves real positions unchanged."""
+        for auto_name in ("AutoModel", "AutoModelForMaskedLM"):
+            if auto_name not in self.heads:
+                continue
+            model = self.make_model(auto_name)
+            short = _ids(1, SEQ_LEN - 7, seed=5)
+            long = _ids(1, SEQ_LEN, seed=6)
+            padded = torch.full((2, SEQ_LEN + 5), self.pad_token_id)
+            padded[0, : short.shape[1]] = short[0]
+            padded[1, :SEQ_LEN] = long[0]
+            mask = (padded != self.pad_token_id).long()
+            with torch.no_grad():
+                batch_out = self.main_output(auto_name, model(input_ids=padded, attention_mask=mask))
+                alone_short = self.main_output(auto_name, model(input_ids=short))
+                alone_long = self.main_output(auto_name, model(input_ids=long))
+            torch.testing.assert_close(batch_out[0, : short.shape[1]], alone_short[0], atol=ATOL, rtol=0)
+            torch.testing.assert_close(batch_out[1, :SEQ_LEN], alone_long[0], atol=ATOL, rtol=0)
+
+    def test_batch_invariance(self):
+        """An example's output does not depend on its batch-mates."""
+        for auto_name in self.heads:
+            model = self.make_model(auto_name)
+            inputs = self.inputs_for(auto_name, batch=2)
+            inputs = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
+            with torch.no_grad():
+                both = self.main_output(auto_name, model(**inputs))
+                first = self.main_output(auto_name, model(**{k: v[:1] for k, v in inputs.items()}))
+                second = self.main_output(auto_name, model(**{k: v[1:] for k, v in inputs.items()}))
+            torch.testing.assert_close(both[:1], first, atol=ATOL, rtol=0)
+            torch.testing.assert_close(both[1:], second, atol=ATOL, rtol=0)
+
+    # ----- training ----------------------------------------------------------------------------------
+    def test_gradient_checkpointing_same_gradients(self):
+        auto_name = "AutoModelForMaskedLM" if "AutoModelForMaskedLM" in self.heads else "AutoModel"
+        inputs = self.inputs_for(auto_name)
+
+        def grads(checkpointing: bool):
+            model = self.make_model(auto_name).train()
+            if checkpointing:
+                model.gradient_checkpointing_enable()
+                assert model.is_gradient_checkpointing
+            out = self.main_output(auto_name, model(**inputs))
+            (out.float().pow(2).mean()).backward()
+            return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+        plain, checkpointed = grads(False), grads(True)
+        assert plain.keys() == checkpointed.keys() and plain
+        for name in plain:
+            torch.testing.assert_close(plain[name], checkpointed[name], atol=1e-6, rtol=1e-5, msg=name)
+
+    def test_trainer_step(self, tmp_path):
+        head = self.heads["AutoModelForSequenceClassification"]
+        torch.manual_seed(0)
+        model = head(self.make_config())
+        ids = _ids(8, SEQ_LEN, seed=7)
+        rows = [{"input_ids": ids[i], "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": i % NUM_LABELS} for i in range(8)]
+        before = copy.deepcopy(model.state_dict())
+        args = TrainingArguments(
+            output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
+            use_cpu=True, report_to="none", save_strategy="no", eval_strategy="no", disable_tqdm=True,
+        )  # fmt: skip
+        result = Trainer(model=model, args=args, train_dataset=rows).train()
+        assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+        changed = [n for n, p in model.state_dict().items() if not torch.equal(p, before[n])]
+        assert any("classifier" in n for n in changed) and any("encoder.layer.0" in n for n in changed)
+
+    # ----- bad inputs ----------------------------------------------------------------------------------
+    def test_too_long_input_raises(self):
+        model = self.make_model("AutoModel")
+        limit = model.config.max_position_embeddings
+        with pytest.raises(ValueError, match="max_position_embeddings"):
+            model(input_ids=_ids(1, limit + 1))
+
+    def test_wrong_mask_shape_raises(self):
+        model = self.make_model("AutoModel")
+        ids = _ids(2, SEQ_LEN)
+        with pytest.raises(ValueError, match="attention_mask"):
+            model(input_ids=ids, attention_mask=torch.ones(2, SEQ_LEN - 1))
+        with pytest.raises(ValueError, match="input_ids"):
+            model(input_ids=ids[0])
+        with pytest.raises(ValueError, match="exactly one"):
+            model()
+        with pytest.raises(ValueError, match="vocab_size"):
+            model(input_ids=ids.clamp(max=VOCAB - 1) + 1)
+
+    def test_multiple_choice_needs_3d_inputs(self):
+        if "AutoModelForMultipleChoice" not in self.heads:
+            pytest.skip("no multiple choice head")
+        model = self.make_model("AutoModelForMultipleChoice")
+        with pytest.raises(ValueError, match="num_choices"):
+            model(input_ids=_ids(2, SEQ_LEN))
+
+    def test_invalid_config_values_raise(self):
+        assert self.bad_configs, "list at least one invalid config value"
+        for overrides, pattern in self.bad_configs:
+            with pytest.raises(ValueError, match=pattern):
+                self.make_config(**overrides)
+        with pytest.raises(ValueError, match=re.escape("num_attention_heads")):
+            self.make_config(hidden_size=30, num_attention_heads=4)

@@ -1,0 +1,233 @@
+"""hfx-longformer: the conformance suite, parity with transformers' Longformer and with full-attention RoBERTa."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LongformerConfig, LongformerForMaskedLM, LongformerModel, RobertaConfig, RobertaModel
+
+from hf_xformers import (
+    HfxLongformerConfig,
+    HfxLongformerForMaskedLM,
+    HfxLongformerForMultipleChoice,
+    HfxLongformerForQuestionAnswering,
+    HfxLongformerForSequenceClassification,
+    HfxLongformerForTokenClassification,
+    HfxLongformerModel,
+)
+
+from .conformance import TextModelConformance
+
+
+class TestLongformerConformance(TextModelConformance):
+    config_class = HfxLongformerConfig
+    base_config = dict(attention_window=[4, 6], type_vocab_size=1)
+    heads = {
+        "AutoModel": HfxLongformerModel,
+        "AutoModelForMaskedLM": HfxLongformerForMaskedLM,
+        "AutoModelForSequenceClassification": HfxLongformerForSequenceClassification,
+        "AutoModelForMultipleChoice": HfxLongformerForMultipleChoice,
+        "AutoModelForQuestionAnswering": HfxLongformerForQuestionAnswering,
+        "AutoModelForTokenClassification": HfxLongformerForTokenClassification,
+    }
+    bad_configs = [
+        (dict(attention_window=5), "even"),
+        (dict(attention_window=[4, 4, 4]), "one window per layer"),
+        (dict(attention_window=0), "positive even"),
+        (dict(max_position_embeddings=2), "max_position_embeddings"),
+    ]
+
+
+TINY = dict(
+    vocab_size=120,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=48,
+    max_position_embeddings=130,
+    type_vocab_size=1,
+    layer_norm_eps=1e-5,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+
+
+def hf_to_hfx_state_dict(state_dict: dict) -> dict:
+    """transformers Longformer/RoBERTa names -> ours (tests only; conversion/ has the full importer)."""
+    out = {}
+    for key, value in state_dict.items():
+        if key.endswith("position_ids"):
+            continue
+        key = key.replace("roberta.", "longformer.", 1)
+        out["lm_head.decoder.bias" if key == "lm_head.bias" else key] = value
+    return out
+
+
+def padded_batch_with_globals(length: int = 53):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, TINY["vocab_size"], (3, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, length - 9 :] = 0
+    mask[2, 12:] = 0
+    ids[mask == 0] = 1
+    ids[:, 0] = 0
+    glob = torch.zeros_like(ids)
+    glob[0, [0, 7, 30]] = 1
+    glob[1, 0] = 1
+    glob[2, [0, 4, 11]] = 1
+    return ids, mask, glob
+
+
+@pytest.fixture(scope="module")
+def mlm_pair():
+    torch.manual_seed(0)
+    kw = dict(TINY, attention_window=[4, 10])
+    ref = LongformerForMaskedLM(LongformerConfig(**kw)).eval()
+    ours = HfxLongformerForMaskedLM(HfxLongformerConfig(**kw)).eval()
+    result = ours.load_state_dict(hf_to_hfx_state_dict(ref.state_dict()), strict=False)
+    assert not result.unexpected_keys and not result.missing_keys
+    return ref, ours
+
+
+@pytest.mark.parametrize("use_globals", [False, True])
+def test_masked_lm_matches_transformers(mlm_pair, use_globals):
+    ref, ours = mlm_pair
+    ids, mask, glob = padded_batch_with_globals()
+    glob = glob if use_globals else None
+    with torch.no_grad():
+        expected = ref(ids, attention_mask=mask, global_attention_mask=glob).logits
+        got = ours(ids, attention_mask=mask, global_attention_mask=glob).logits
+    assert (expected - got).abs().max() <= 1e-5
+
+
+def test_base_model_and_attentions_match_transformers():
+    torch.manual_seed(1)
+    kw = dict(TINY, attention_window=6)
+    ref = LongformerModel(LongformerConfig(**kw)).eval()
+    ours = HfxLongformerModel(HfxLongformerConfig(**kw)).eval()
+    ours.load_state_dict(hf_to_hfx_state_dict(ref.state_dict()))
+    ids, mask, glob = padded_batch_with_globals(length=40)
+    with torch.no_grad():
+        a = ref(ids, attention_mask=mask, global_attention_mask=glob, output_attentions=True)
+        b = ours(ids, attention_mask=mask, global_attention_mask=glob, output_attentions=True)
+    real = mask.bool()
+    assert (a.last_hidden_state - b.last_hidden_state).abs()[real].max() <= 1e-5
+    assert (a.pooler_output - b.pooler_output).abs().max() <= 1e-5
+    for ra, oa, rg, og in zip(a.attentions, b.attentions, a.global_attentions, b.global_attentions):
+        assert ra.shape == oa.shape  # (batch, heads, seq, globals + window + 1)
+        assert (ra - oa).abs().max() <= 1e-5
+        # transformers lays global attentions out as (batch, heads, padded seq, globals).
+        valid = torch.arange(og.shape[2])[None, :] < glob.sum(-1, keepdim=True)  # examples have 3, 1, 3 globals
+        assert (rg[:, :, : ids.shape[1]].transpose(-1, -2) - og).abs().permute(0, 2, 1, 3)[valid].max() <= 1e-5
+        assert torch.all(og.permute(0, 2, 1, 3)[~valid] == 0)
+
+
+@pytest.mark.parametrize("length", [9, 17])
+def test_equals_full_attention_roberta_when_window_covers_sequence(length):
+    torch.manual_seed(2)
+    ref = RobertaModel(RobertaConfig(**TINY), add_pooling_layer=False).eval()
+    ours = HfxLongformerModel(HfxLongformerConfig(**TINY, attention_window=2 * length), add_pooling_layer=False).eval()
+    state = hf_to_hfx_state_dict({f"roberta.{k}": v for k, v in ref.state_dict().items()})
+    result = ours.load_state_dict({k.removeprefix("longformer."): v for k, v in state.items()}, strict=False)
+    assert set(result.missing_keys) == {
+        f"encoder.layer.{i}.attention.self.{n}_global.{p}" for i in range(2) for n in ("query", "key", "value") for p in ("weight", "bias")
+    }
+    ids = torch.randint(5, TINY["vocab_size"], (2, length))
+    mask = torch.ones_like(ids)
+    mask[1, length - 3 :] = 0
+    with torch.no_grad():
+        expected = ref(ids, attention_mask=mask).last_hidden_state
+        fused = ours(ids, attention_mask=mask).last_hidden_state
+        blocked = ours(ids, attention_mask=mask, output_attentions=True).last_hidden_state  # banded eager path
+    real = mask.bool()
+    assert (expected - fused).abs()[real].max() <= 1e-5
+    assert (expected - blocked).abs()[real].max() <= 1e-5
+
+
+def test_fused_and_eager_paths_agree_with_globals():
+    torch.manual_seed(3)
+    model = HfxLongformerModel(HfxLongformerConfig(**TINY, attention_window=[4, 8])).eval()
+    ids, mask, glob = padded_batch_with_globals()
+    with torch.no_grad():
+        fused = model(ids, attention_mask=mask, global_attention_mask=glob).last_hidden_state
+        eager = model(ids, attention_mask=mask, global_attention_mask=glob, output_attentions=True)
+    assert (fused - eager.last_hidden_state).abs().max() <= 1e-5
+    for att in eager.attentions:
+        rows = att.sum(-1)  # every real, non-global query's probabilities sum to one
+        local = mask.bool() & ~glob.bool()
+        torch.testing.assert_close(rows.permute(0, 2, 1)[local], torch.ones_like(rows.permute(0, 2, 1)[local]))
+
+
+def test_window_limits_receptive_field():
+    """A token beyond the window (and not global) must not influence a query after one layer."""
+    torch.manual_seed(4)
+    config = HfxLongformerConfig(**dict(TINY, num_hidden_layers=1), attention_window=4)
+    model = HfxLongformerModel(config).eval()
+    ids = torch.randint(5, TINY["vocab_size"], (1, 30))
+    changed = ids.clone()
+    changed[0, 20] = 7 if ids[0, 20] != 7 else 8
+    with torch.no_grad():
+        a, b = model(ids).last_hidden_state, model(changed).last_hidden_state
+    diff = (a - b).abs().amax(-1)[0]
+    assert torch.all(diff[[i for i in range(30) if abs(i - 20) > 2]] == 0)
+    assert torch.all(diff[18:23] > 0)
+    # Made global, the same token reaches every position.
+    glob = torch.zeros_like(ids)
+    glob[0, 20] = 1
+    with torch.no_grad():
+        a = model(ids, global_attention_mask=glob).last_hidden_state
+        b = model(changed, global_attention_mask=glob).last_hidden_state
+    assert torch.all((a - b).abs().amax(-1) > 0)
+
+
+def test_global_projections_get_gradients_without_global_tokens():
+    """DDP needs every parameter in the graph even when no token is global."""
+    model = HfxLongformerModel(HfxLongformerConfig(**TINY, attention_window=4)).train()
+    out = model(torch.randint(5, TINY["vocab_size"], (2, 20)))
+    (out.last_hidden_state.sum() + out.pooler_output.sum()).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert missing == []
+
+
+def test_classification_makes_first_token_global_by_default():
+    torch.manual_seed(5)
+    model = HfxLongformerForSequenceClassification(HfxLongformerConfig(**TINY, attention_window=4, num_labels=2)).eval()
+    ids, mask, _ = padded_batch_with_globals()
+    first = torch.zeros_like(ids)
+    first[:, 0] = 1
+    with torch.no_grad():
+        default = model(ids, attention_mask=mask).logits
+        explicit = model(ids, attention_mask=mask, global_attention_mask=first).logits
+        none = model(ids, attention_mask=mask, global_attention_mask=torch.zeros_like(ids)).logits
+    torch.testing.assert_close(default, explicit, atol=0, rtol=0)
+    assert (default - none).abs().max() > 1e-4
+
+
+def test_question_answering_makes_question_global_and_needs_a_separator():
+    torch.manual_seed(6)
+    model = HfxLongformerForQuestionAnswering(HfxLongformerConfig(**TINY, attention_window=4)).eval()
+    ids = torch.randint(5, TINY["vocab_size"], (1, 20))
+    ids[0, 0], ids[0, 5], ids[0, 6], ids[0, -1] = 0, 2, 2, 2
+    question = torch.zeros_like(ids)
+    question[0, :5] = 1
+    with torch.no_grad():
+        default = model(ids).start_logits
+        explicit = model(ids, global_attention_mask=question).start_logits
+    torch.testing.assert_close(default, explicit, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="sep_token_id"):
+        model(torch.randint(5, TINY["vocab_size"], (1, 20)))
+
+
+def test_lengths_that_are_not_a_multiple_of_the_window():
+    """Inputs are padded to the block size inside each layer and cut back: any length works."""
+    torch.manual_seed(7)
+    model = HfxLongformerModel(HfxLongformerConfig(**TINY, attention_window=[6, 8])).eval()
+    for length in (1, 2, 5, 13, 31):
+        out = model(torch.randint(5, TINY["vocab_size"], (2, length))).last_hidden_state
+        assert out.shape == (2, length, TINY["hidden_size"]) and torch.isfinite(out).all()
+
+
+def test_global_attention_mask_needs_matching_shape():
+    model = HfxLongformerModel(HfxLongformerConfig(**TINY, attention_window=4))
+    with pytest.raises(ValueError, match="global_attention_mask"):
+        model(torch.randint(5, 100, (2, 10)), global_attention_mask=torch.ones(2, 9))
