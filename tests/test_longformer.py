@@ -78,7 +78,7 @@ def padded_batch_with_globals(length: int = 53):
     return ids, mask, glob
 
 
-@pytest.fixture(scope="module", params=[[4, 10], [128, 130]], ids=["small-windows", "quarter-window-blocks"])
+@pytest.fixture(scope="module", params=[[4, 10], [128, 256]], ids=["small-windows", "quarter-window-blocks"])
 def mlm_pair(request):
     """Windows under 64 use whole-window query blocks, larger ones quarter-window blocks: test both."""
     torch.manual_seed(0)
