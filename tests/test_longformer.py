@@ -232,3 +232,35 @@ def test_global_attention_mask_needs_matching_shape():
     model = HfxLongformerModel(HfxLongformerConfig(**TINY, attention_window=4))
     with pytest.raises(ValueError, match="global_attention_mask"):
         model(torch.randint(5, 100, (2, 10)), global_attention_mask=torch.ones(2, 9))
+
+
+def test_pipelines_work_from_a_saved_directory(tmp_path):
+    from transformers import pipeline
+
+    from .tiny_tokenizers import roberta_tokenizer
+
+    tok = roberta_tokenizer()
+    config = HfxLongformerConfig(**dict(TINY, vocab_size=len(tok)), attention_window=4, num_labels=2)
+    torch.manual_seed(8)
+    HfxLongformerForMaskedLM(config).save_pretrained(tmp_path / "mlm")
+    tok.save_pretrained(tmp_path / "mlm")
+    fill = pipeline("fill-mask", model=str(tmp_path / "mlm"), top_k=3)
+    preds = fill("the quick brown <mask> jumps over the lazy dog")
+    assert len(preds) == 3 and all(0 <= p["score"] <= 1 for p in preds)
+
+    config.id2label, config.label2id = {0: "neg", 1: "pos"}, {"neg": 0, "pos": 1}
+    HfxLongformerForSequenceClassification(config).save_pretrained(tmp_path / "cls")
+    tok.save_pretrained(tmp_path / "cls")
+    classify = pipeline("text-classification", model=str(tmp_path / "cls"))
+    assert classify("hello world")[0]["label"] in {"neg", "pos"}
+
+
+def test_bfloat16_forward_is_finite_and_close_to_float32():
+    torch.manual_seed(9)
+    model = HfxLongformerForMaskedLM(HfxLongformerConfig(**TINY, attention_window=[4, 8])).eval()
+    ids, mask, glob = padded_batch_with_globals()
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, global_attention_mask=glob).logits
+        half = model.to(torch.bfloat16)(ids, attention_mask=mask, global_attention_mask=glob).logits.float()
+    assert torch.isfinite(half).all()
+    assert (half - full).abs()[mask.bool()].max() < 0.1 * full.abs().max()
