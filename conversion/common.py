@@ -21,6 +21,15 @@ logger = logging.getLogger(__name__)
 
 # Buffers that some checkpoints store next to the weights; they are rebuilt by the model, never loaded.
 BUFFER_SUFFIXES = (".position_ids", ".token_type_ids")
+# Any of these next to a checkpoint means a tokenizer was saved there.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "sentencepiece.bpe.model",
+    "spiece.model",
+)
 
 
 def read_config(source: str | Path, accepted: Iterable[str]) -> dict:
@@ -97,7 +106,9 @@ def drop_buffers(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in weights.items() if not k.endswith(BUFFER_SUFFIXES)}
 
 
-def split_prefix(weights: dict[str, torch.Tensor], prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def split_prefix(
+    weights: dict[str, torch.Tensor], prefix: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Split a checkpoint into base-model weights (``prefix`` removed) and everything else (the heads).
 
     Checkpoints saved from a bare base model have no prefix at all: their ``embeddings.*``/``encoder.*``/
@@ -119,7 +130,10 @@ def split_prefix(weights: dict[str, torch.Tensor], prefix: str) -> tuple[dict[st
 
 
 def load_converted_weights(
-    model: nn.Module, weights: dict[str, torch.Tensor], may_be_missing: Iterable[str] = (), may_be_unused: Iterable[str] = ()
+    model: nn.Module,
+    weights: dict[str, torch.Tensor],
+    may_be_missing: Iterable[str] = (),
+    may_be_unused: Iterable[str] = (),
 ) -> None:
     """Load renamed weights into ``model`` and fail loudly when the renaming did not line up.
 
@@ -155,16 +169,20 @@ def load_tokenizer(source: str | Path, required: bool = True) -> PreTrainedToken
     Raises:
         ValueError: ``required`` and no tokenizer could be loaded from ``source``.
     """
-    try:
-        return AutoTokenizer.from_pretrained(str(source))
-    except (OSError, ValueError, TypeError) as error:
-        if required:
-            raise ValueError(
-                f"Could not load a tokenizer from {str(source)!r} ({error}); save the source tokenizer into the same "
-                "directory (tokenizer.save_pretrained(source))."
-            ) from error
-        logger.info("No tokenizer in %s; converting the model only.", source)
-        return None
+    error: Exception | None = None
+    # Without any tokenizer file AutoTokenizer does not fail: it builds an empty tokenizer from the model type.
+    if any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+        try:
+            return AutoTokenizer.from_pretrained(str(source))
+        except (OSError, ValueError, TypeError) as caught:
+            error = caught
+    if required:
+        raise ValueError(
+            f"Could not load a tokenizer from {str(source)!r} ({error or 'no tokenizer files'}); save the source "
+            "tokenizer into the same directory (tokenizer.save_pretrained(source))."
+        ) from error
+    logger.info("No tokenizer in %s; converting the model only.", source)
+    return None
 
 
 def save_model_and_tokenizer(

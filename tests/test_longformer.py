@@ -264,3 +264,22 @@ def test_bfloat16_forward_is_finite_and_close_to_float32():
         half = model.to(torch.bfloat16)(ids, attention_mask=mask, global_attention_mask=glob).logits.float()
     assert torch.isfinite(half).all()
     assert (half - full).abs()[mask.bool()].max() < 0.1 * full.abs().max()
+
+
+def test_multiple_choice_default_global_mask_matches_transformers():
+    """Without a mask, the choice tokens (after the first </s></s>) are global, as in transformers."""
+    from transformers import LongformerForMultipleChoice
+
+    torch.manual_seed(10)
+    kw = dict(TINY, attention_window=4)
+    ref = LongformerForMultipleChoice(LongformerConfig(**kw)).eval()
+    ours = HfxLongformerForMultipleChoice(HfxLongformerConfig(**kw)).eval()
+    ours.load_state_dict(hf_to_hfx_state_dict(ref.state_dict()))
+    ids = torch.randint(5, TINY["vocab_size"], (2, 2, 21))
+    ids[..., 0] = 0
+    ids[..., 8], ids[..., 9], ids[..., -1] = 2, 2, 2  # <s> context </s></s> choice </s>
+    with torch.no_grad():
+        expected, got = ref(ids).logits, ours(ids).logits
+    assert (expected - got).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="sep_token_id"):
+        ours(torch.randint(5, TINY["vocab_size"], (1, 2, 21)))

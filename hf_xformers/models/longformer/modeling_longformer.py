@@ -26,23 +26,33 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
     _no_split_modules = ["HfxEncoderLayer"]
 
     def default_global_attention_mask(self, task, input_ids, attention_mask):
-        """``<s>`` is global for sentence-level tasks (classification, multiple choice); for question
-        answering, the question (every token before the first ``sep_token_id``). None otherwise."""
+        """The paper's defaults, as in transformers' Longformer heads:
+
+        * sequence classification: ``<s>`` is global;
+        * question answering: the question, i.e. every token before the first ``sep_token_id``;
+        * multiple choice: the choice, i.e. every token after the first ``</s></s>`` pair;
+        * masked LM and token classification: no global token.
+        """
         if input_ids is None or task in ("masked_lm", "token_classification"):
             return None
-        mask = torch.zeros_like(input_ids, dtype=torch.bool)
+        if task == "sequence_classification":
+            mask = torch.zeros_like(input_ids, dtype=torch.bool)
+            mask[:, 0] = True
+            return mask
+        is_sep = input_ids == self.config.sep_token_id
+        if not bool(is_sep.any(-1).all()):
+            part = "question" if task == "question_answering" else "choice"
+            raise ValueError(
+                f"{task} puts global attention on the {part}, found through the first separator "
+                f"(sep_token_id={self.config.sep_token_id}), but some inputs have none; encode text pairs "
+                "with the tokenizer or pass `global_attention_mask`."
+            )
+        first_sep = is_sep.int().argmax(-1, keepdim=True)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         if task == "question_answering":
-            is_sep = input_ids == self.config.sep_token_id
-            if not bool(is_sep.any(-1).all()):
-                raise ValueError(
-                    "Question answering puts global attention on the question, the tokens before the first "
-                    f"separator (sep_token_id={self.config.sep_token_id}), but some inputs have none; encode "
-                    "(question, context) pairs with the tokenizer or pass `global_attention_mask`."
-                )
-            first_sep = is_sep.int().argmax(-1, keepdim=True)
-            return torch.arange(input_ids.shape[1], device=input_ids.device)[None] < first_sep
-        mask[:, 0] = True
-        return mask
+            return positions < first_sep
+        mask = positions > first_sep + 1
+        return mask if attention_mask is None else mask & attention_mask.bool()
 
 
 class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
