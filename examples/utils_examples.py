@@ -1,0 +1,156 @@
+"""Helpers shared by the Trainer example scripts (``run_glue.py``, ``run_wikihop.py``).
+
+The scripts put ``examples/`` on ``sys.path`` and import this module by name, so it stays a plain file next
+to them (``examples/`` is not a package).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import torch
+import transformers
+from datasets import Dataset, load_dataset
+from transformers import TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+logger = logging.getLogger(__name__)
+
+# File extensions load_dataset can read without a loading script, and the builder that reads them.
+LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json"}
+
+
+@dataclass
+class RunArguments:
+    """Options about the output directory that ``TrainingArguments`` no longer has in transformers v5."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start training from scratch even if output_dir holds checkpoints (by default training "
+            "resumes from the last checkpoint-* folder there)."
+        },
+    )
+
+
+def launched_processes() -> int:
+    """How many processes the launcher (torchrun, accelerate launch ...) started: ``WORLD_SIZE``, 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def enable_cpu_distributed() -> None:
+    """Make ``torchrun`` work on machines without GPUs; call before the arguments are parsed.
+
+    accelerate (1.15), which Trainer uses to set up processes, only builds a multi-process CPU (gloo) group when
+    told to use the CPU. Otherwise each process silently trains alone on the whole data set. This sets
+    ``ACCELERATE_USE_CPU``, the variable ``TrainingArguments`` reads as ``--use_cpu``, when several processes
+    were launched and no accelerator is present.
+    """
+    # torch.accelerator (CUDA, XPU, MPS ...) appeared in torch 2.6; older versions only know about CUDA here.
+    accelerator = getattr(torch, "accelerator", None)
+    has_accelerator = accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+    if launched_processes() > 1 and not has_accelerator:
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+
+def check_world_size(training_args: TrainingArguments) -> None:
+    """Raise a ``ValueError`` when Trainer would not use all the processes that were launched (each would then
+    train alone on all the data and write into the same output_dir)."""
+    launched = launched_processes()
+    if launched > 1 and training_args.world_size != launched:
+        raise ValueError(
+            f"{launched} processes were launched but Trainer set up {training_args.world_size} "
+            f"(parallel mode {training_args.parallel_mode.value}). On a machine without GPUs pass --use_cpu."
+        )
+
+
+def setup_logging(training_args: TrainingArguments, *script_loggers: logging.Logger) -> None:
+    """Log to stdout: the scripts' own messages at INFO on the main process, transformers and datasets at the
+    level ``--log_level`` / ``--log_level_replica`` ask for (their defaults keep them at warnings).
+
+    Progress bars are left alone: ``--disable_tqdm`` is the user's choice.
+    """
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+        force=True,  # the scripts may run several times in one process (the tests do)
+    )
+    level = training_args.get_process_log_level()
+    datasets.utils.logging.set_verbosity(level)
+    transformers.utils.logging.set_verbosity(level)
+    # Replicas under torchrun would repeat every message; only the main process reports progress.
+    for script_logger in (logger, *script_loggers):
+        script_logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
+
+
+def resume_checkpoint(training_args: TrainingArguments, overwrite_output_dir: bool) -> str | None:
+    """The checkpoint to resume training from, or None.
+
+    ``--resume_from_checkpoint PATH`` wins. Otherwise, when training into an ``output_dir`` that already holds
+    ``checkpoint-*`` folders, resume from the last one (the convention of transformers' example scripts), unless
+    ``--overwrite_output_dir`` asks for a fresh start.
+
+    Raises:
+        ValueError: ``--resume_from_checkpoint`` names a folder that does not exist.
+    """
+    if training_args.resume_from_checkpoint:
+        path = training_args.resume_from_checkpoint
+        if not os.path.isdir(path):
+            raise ValueError(f"--resume_from_checkpoint {path}: no such checkpoint folder.")
+        logger.info("Resuming training from %s", path)
+        return path
+    if not training_args.do_train or overwrite_output_dir or not os.path.isdir(training_args.output_dir):
+        return None
+    last = get_last_checkpoint(training_args.output_dir)
+    if last is not None:
+        logger.info("Resuming training from %s; pass --overwrite_output_dir to train from scratch instead.", last)
+    return last
+
+
+def load_local_file(path: str, cache_dir: str | None = None) -> Dataset:
+    """Read one csv, json or jsonl file as a ``Dataset`` (a json file may hold a list of objects).
+
+    Raises:
+        ValueError: the extension is not one of .csv, .json, .jsonl.
+        FileNotFoundError: the file does not exist.
+    """
+    suffix = Path(path).suffix.lower()
+    builder = LOCAL_FORMATS.get(suffix)
+    if builder is None:
+        raise ValueError(f"{path}: unsupported file type {suffix!r}; use one of {sorted(LOCAL_FORMATS)}.")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file.")
+    # One file per call, so the splits of a run may mix formats (csv for training, json for evaluation ...).
+    return load_dataset(builder, data_files=path, split="train", cache_dir=cache_dir)
+
+
+def require_columns(dataset: Dataset, columns: list[str], source: str) -> None:
+    """Raise a ``ValueError`` naming ``source`` when ``dataset`` lacks any of ``columns``."""
+    missing = [name for name in columns if name not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{source} lacks the column(s) {missing}; it needs {columns} (found {dataset.column_names}).")
+
+
+def take(dataset: Dataset, limit: int | None) -> Dataset:
+    """The first ``limit`` rows of ``dataset`` (all of them when ``limit`` is None)."""
+    return dataset if limit is None else dataset.select(range(min(limit, len(dataset))))
+
+
+def supports_global_attention(model) -> bool:
+    """Whether ``model``'s forward accepts a ``global_attention_mask`` that it actually uses.
+
+    hfx models say so on their attention class (every hfx base model *accepts* the argument but refuses it
+    with a ValueError when its attention has no global tokens); other models (e.g. transformers' Longformer)
+    are judged by their forward signature.
+    """
+    attention_class = getattr(model, "attention_class", None)
+    if attention_class is not None:
+        return bool(getattr(attention_class, "supports_global_attention", False))
+    return "global_attention_mask" in inspect.signature(model.forward).parameters
