@@ -133,8 +133,11 @@ def build_sdpa_roberta(c: BenchConfig, length: int):
         hidden_dropout_prob=c.dropout,
         attention_probs_dropout_prob=c.dropout,
         type_vocab_size=1,
+        attn_implementation="sdpa",
     )
-    return RobertaModel(config, add_pooling_layer=False, attn_implementation="sdpa")
+    model = RobertaModel(config, add_pooling_layer=False)
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    return model
 
 
 ARCHS: dict[str, Arch] = {
@@ -145,6 +148,159 @@ ARCHS: dict[str, Arch] = {
         "reference = transformers.LongformerModel",
     ),
 }
+
+
+# BigBird: --window is the block size (run with --window 64); 3 random blocks. Both BigBirds use exact GELU, like
+# the SDPA RoBERTa baseline, so the comparison is about attention, not activation functions.
+BIGBIRD_RANDOM_BLOCKS = 3
+
+
+def _hfx_bigbird(c: BenchConfig, length: int):
+    import hf_xformers
+
+    config = hf_xformers.HfxBigBirdConfig(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=c.heads,
+        intermediate_size=c.intermediate,
+        hidden_act="gelu",
+        attention_type="block_sparse",
+        block_size=c.window,
+        num_random_blocks=BIGBIRD_RANDOM_BLOCKS,
+        max_position_embeddings=length,
+        hidden_dropout_prob=c.dropout,
+        attention_probs_dropout_prob=c.dropout,
+        type_vocab_size=1,
+    )
+    return hf_xformers.HfxBigBirdModel(config, add_pooling_layer=False)
+
+
+def _ref_bigbird(c: BenchConfig, length: int):
+    from transformers import BigBirdConfig, BigBirdModel
+
+    config = BigBirdConfig(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=c.heads,
+        intermediate_size=c.intermediate,
+        hidden_act="gelu",
+        attention_type="block_sparse",
+        block_size=c.window,
+        num_random_blocks=BIGBIRD_RANDOM_BLOCKS,
+        # transformers pads the input to a multiple of the block size before the embeddings.
+        max_position_embeddings=_padded(length, c.window),
+        hidden_dropout_prob=c.dropout,
+        attention_probs_dropout_prob=c.dropout,
+        type_vocab_size=1,
+    )
+    return BigBirdModel(config, add_pooling_layer=False)
+
+
+ARCHS["bigbird"] = Arch(
+    build_hfx=_hfx_bigbird,
+    build_reference=_ref_bigbird,
+    description="block sparse (block_size = --window, 3 random blocks, ITC), hidden_act gelu; reference = "
+    "transformers.BigBirdModel(attention_type='block_sparse'), which switches to full attention at or below "
+    "(5 + 2 * 3) blocks",
+)
+
+
+
+
+# Linformer: --window is the projected length k (run with --window 256), one E and one F per layer shared by the
+# heads (headwise, lucidrains' default too). Performer: --window is the number of random features per head (run with
+# --window 266, int(d ln d) for d = 64: lucidrains' default). The references are lucidrains' `linformer` and
+# `performer-pytorch` stacks (pre-LN, GELU feed-forward of 4 x hidden) under a token + learned position embedding,
+# as in the anchor benchmarks; they take no pooler, and neither do ours here.
+
+
+def _hfx_linformer(c: BenchConfig, length: int):
+    import hf_xformers
+
+    config = hf_xformers.HfxLinformerConfig(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=c.heads,
+        intermediate_size=c.intermediate,
+        linformer_k=c.window,
+        linformer_sharing="headwise",
+        max_position_embeddings=length + 2,
+        hidden_dropout_prob=c.dropout,
+        attention_probs_dropout_prob=c.dropout,
+        type_vocab_size=1,
+    )
+    return hf_xformers.HfxLinformerModel(config, add_pooling_layer=False)
+
+
+def _hfx_performer(c: BenchConfig, length: int):
+    import hf_xformers
+
+    config = hf_xformers.HfxPerformerConfig(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=c.heads,
+        intermediate_size=c.intermediate,
+        num_random_features=c.window,
+        max_position_embeddings=length + 2,
+        hidden_dropout_prob=c.dropout,
+        attention_probs_dropout_prob=c.dropout,
+        type_vocab_size=1,
+    )
+    return hf_xformers.HfxPerformerModel(config, add_pooling_layer=False)
+
+
+def _lucidrains_encoder(c: BenchConfig, length: int, stack, takes_mask: bool):
+    """Token + learned position embeddings in front of a lucidrains stack, with our models' call signature."""
+    from types import SimpleNamespace
+
+    import torch
+
+    class LucidrainsEncoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.token_emb = torch.nn.Embedding(c.vocab, c.hidden)
+            self.pos_emb = torch.nn.Embedding(length, c.hidden)
+            self.stack = stack
+
+        def forward(self, input_ids, attention_mask=None):
+            x = self.token_emb(input_ids) + self.pos_emb(torch.arange(input_ids.shape[1], device=input_ids.device))
+            kwargs = {"mask": attention_mask.bool()} if takes_mask and attention_mask is not None else {}
+            return SimpleNamespace(last_hidden_state=self.stack(x, **kwargs))
+
+    return LucidrainsEncoder()
+
+
+def _ref_linformer(c: BenchConfig, length: int):
+    from linformer import Linformer  # pip install linformer (the `benchmarks` extra)
+
+    stack = Linformer(dim=c.hidden, seq_len=length, depth=c.layers, k=c.window, heads=c.heads, dropout=c.dropout)
+    return _lucidrains_encoder(c, length, stack, takes_mask=False)
+
+
+def _ref_performer(c: BenchConfig, length: int):
+    from performer_pytorch import Performer  # pip install performer-pytorch (the `benchmarks` extra)
+
+    stack = Performer(dim=c.hidden, depth=c.layers, heads=c.heads, dim_head=c.hidden // c.heads,
+                      nb_features=c.window, ff_dropout=c.dropout, attn_dropout=c.dropout)  # fmt: skip
+    return _lucidrains_encoder(c, length, stack, takes_mask=True)
+
+
+ARCHS["linformer"] = Arch(
+    build_hfx=_hfx_linformer,
+    build_reference=_ref_linformer,
+    description="projected length k = --window, headwise sharing; reference = lucidrains linformer.Linformer "
+    "(same k, headwise) under token + position embeddings",
+)
+ARCHS["performer"] = Arch(
+    build_hfx=_hfx_performer,
+    build_reference=_ref_performer,
+    description="FAVOR+ with --window orthogonal random features per head; reference = lucidrains "
+    "performer_pytorch.Performer (same number of features) under token + position embeddings",
+)
 
 
 def build_model(arch: str, impl: str, c: BenchConfig, length: int):
@@ -214,6 +370,18 @@ class BackgroundLoad:
         own = self.proc.cpu_times()
         return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
 
+    def other_share(self, interval: float) -> float:
+        """Share of the CPU used by other processes over the next ``interval`` seconds (while we idle)."""
+        return self.measure(lambda: time.sleep(interval))[1]
+
+    def wait_quiet(self, threshold: float, max_wait: float) -> float:
+        """Idle until other processes use at most ``threshold`` of the CPU (checked over 0.5 s), or ``max_wait``."""
+        t0 = time.perf_counter()
+        while True:
+            other = self.other_share(0.5)
+            if other <= threshold or time.perf_counter() - t0 > max_wait:
+                return other
+
     def measure(self, fn):
         t0, b0, o0 = self._snap()
         fn()
@@ -223,8 +391,23 @@ class BackgroundLoad:
         return wall, min(other, 1.0)
 
 
+def hfx_source_hash() -> str:
+    """Short hash of the hf_xformers sources, to catch code that changed between cells of one run."""
+    import hashlib
+
+    import hf_xformers
+
+    h = hashlib.sha1()
+    root = Path(hf_xformers.__file__).parent
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:10]
+
+
 def run_worker(spec: dict) -> dict:
     import torch
+
+    src = hfx_source_hash()
 
     threads = spec["threads"]
     torch.set_num_threads(threads)
@@ -261,10 +444,16 @@ def run_worker(spec: dict) -> dict:
     warm_t, warm_load = load.measure(step)
     times, loads = [], []
     attempts = 0
-    # Timed calls; calls during which other processes used more than --max-background of the CPU are redone
-    # (up to 2 * repeats extra attempts), and the quietest ones are kept if the machine never calms down.
+    # Timed calls. Before each, wait (up to --quiet-wait s per cell in all) until other processes leave the CPU nearly idle; a call
+    # during which they used more than --max-background of it is redone (at most 3 * repeats attempts in all), and
+    # the quietest calls are kept if the machine never calms down.
     all_calls = []
+    waited = 0.0
     while len(times) < spec["repeats"] and attempts < 3 * spec["repeats"]:
+        if spec["max_background"] < 1 and waited < spec["quiet_wait"]:
+            t_wait = time.perf_counter()
+            load.wait_quiet(spec["max_background"], spec["quiet_wait"] - waited)
+            waited += time.perf_counter() - t_wait
         t, other = load.measure(step)
         attempts += 1
         all_calls.append((t, other))
@@ -283,10 +472,12 @@ def run_worker(spec: dict) -> dict:
         "warmup_s": warm_t,
         "background_cpu": loads,
         "attempts": attempts,
+        "waited_s": waited,
         "peak_mib": max(0, peak_b - base) / 2**20,
         "baseline_mib": base / 2**20,
         "params_m": params / 1e6,
         "mem_method": peak.mode,
+        "hfx_src": src,
         "torch": torch.__version__,
     }
 
@@ -379,7 +570,7 @@ def render_markdown(meta: dict, results: dict) -> str:
         "- memory = growth of the process's peak RSS (VmHWM reset after building model and inputs) over warm-up + "
         "timed calls, MiB.",
         f"- ratios > 1 mean ours is faster / leaner. Machine: {meta['machine']}; torch {meta.get('torch', '?')}, "
-        f"transformers {meta.get('transformers', '?')}; run {meta['date']}.",
+        f"transformers {meta.get('transformers', '?')}; hf_xformers {meta.get('git', '?')}; run {meta['date']}.",
         "",
     ]
     for mode in modes:
@@ -401,6 +592,10 @@ def render_markdown(meta: dict, results: dict) -> str:
                 f"{fmt_mib(s)} | - | - | - |"
             )
         out.append("")
+    hashes = {v.get("hfx_src") for k, v in results.items() if k.startswith("hfx|") and v.get("hfx_src")}
+    if len(hashes) > 1:
+        out += [f"**Warning:** the hf_xformers sources changed during the run ({len(hashes)} versions: "
+                f"{', '.join(sorted(hashes))}); rerun for comparable hfx cells.", ""]
     out += [
         "`bg CPU max`: the largest share of the machine's CPU used by other processes during any counted timed call "
         "of that row (calls above `--max-background` are redone when possible).",
@@ -456,6 +651,17 @@ def render_plot(meta: dict, results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _git_describe() -> str:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "hf_xformers"], cwd=root, capture_output=True,
+                               text=True).stdout.strip()
+        return f"{rev}{' (hf_xformers modified)' if dirty else ''}, src {hfx_source_hash()}"
+    except Exception:  # noqa: BLE001 - informational only
+        return "?"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="longformer", choices=sorted(ARCHS))
@@ -470,15 +676,24 @@ def main(argv=None) -> int:
     p.add_argument("--intermediate", type=int, default=None, help="default: 4 * hidden")
     p.add_argument("--vocab", type=int, default=1000)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dropout", type=float, default=0.1,
+                   help="hidden and attention-probability dropout of every model (active in the backward mode only); "
+                   "note that CPU SDPA leaves its fused kernel for the O(L^2) math path when attention dropout > 0")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per (impl, length, mode) process")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per (impl, length, mode) process")
     p.add_argument("--mem-limit-gib", type=float, default=16.0, help="kill a run whose RSS exceeds this: 'OOM'")
     p.add_argument("--max-background", type=float, default=0.15,
                    help="redo timed calls during which other processes used more than this share of the CPU")
+    p.add_argument("--quiet-wait", type=float, default=120.0,
+                   help="most seconds per cell to spend waiting, before timed calls, for other processes to calm down")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--merge", action="store_true",
                    help="keep cells of an earlier results JSON in --out that this run does not measure")
+    p.add_argument("--rerun-noisy", action="store_true",
+                   help="rerun only the cells of the results JSON in --out (within --lengths/--modes/--impls) whose "
+                   "counted calls saw more than --max-background of other CPU load, or that failed with an error; "
+                   "implies --merge")
     p.add_argument("--render-only", action="store_true", help="only redraw the table and plot from the JSON")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -495,13 +710,17 @@ def main(argv=None) -> int:
 
     cfg = BenchConfig(hidden=args.hidden, layers=args.layers, heads=args.heads,
                       intermediate=args.intermediate or 4 * args.hidden, vocab=args.vocab, window=args.window,
-                      batch=args.batch)
+                      batch=args.batch, dropout=args.dropout)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{args.arch}_w{cfg.window}_h{cfg.hidden}_l{cfg.layers}_b{cfg.batch}"
+    if cfg.dropout != 0.1:
+        stem += f"_drop{cfg.dropout:g}"
     json_path, md_path, png_path = (args.out / f"{stem}.{ext}" for ext in ("json", "md", "png"))
 
     results: dict = {}
     meta: dict = {}
+    if args.rerun_noisy:
+        args.merge = True
     if (args.merge or args.render_only) and json_path.exists():
         saved = json.loads(json_path.read_text())
         results, meta = saved["results"], saved["meta"]
@@ -522,14 +741,22 @@ def main(argv=None) -> int:
             "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, "
                        f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM",
             "date": time.strftime("%Y-%m-%d %H:%M"),
+            "git": _git_describe(),
         }
         # Lengths outermost and implementations innermost, so slow drifts of machine load hit all three alike.
+        previous = dict(results)
         for L in args.lengths:
             for mode in args.modes:
                 for impl in args.impls:
+                    if args.rerun_noisy:
+                        old = previous.get(key(impl, L, mode))
+                        noisy = old is None or old["status"] == "error" or (
+                            old["status"] == "ok" and max(old["background_cpu"]) > args.max_background)
+                        if not noisy:
+                            continue
                     spec = {"arch": args.arch, "impl": impl, "length": L, "mode": mode, "config": dataclasses.asdict(cfg),
                             "repeats": args.repeats, "threads": args.threads, "seed": args.seed,
-                            "max_background": args.max_background}
+                            "max_background": args.max_background, "quiet_wait": args.quiet_wait}
                     res = run_cell(spec, args.timeout, args.mem_limit_gib)
                     results[key(impl, L, mode)] = res
                     extra = (f"{res['time_s']:.3f}s {res['peak_mib']:.0f}MiB times={['%.3f' % t for t in res['times_s']]} "

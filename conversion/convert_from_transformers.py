@@ -15,6 +15,7 @@ plug in there.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -38,6 +39,11 @@ from conversion.common import (  # noqa: E402
     split_prefix,
 )
 from hf_xformers import (  # noqa: E402
+    HfxBigBirdConfig,
+    HfxBigBirdForMaskedLM,
+    HfxBigBirdForMultipleChoice,
+    HfxBigBirdForTokenClassification,
+    HfxBigBirdModel,
     HfxLongformerConfig,
     HfxLongformerForMaskedLM,
     HfxLongformerForMultipleChoice,
@@ -45,6 +51,15 @@ from hf_xformers import (  # noqa: E402
     HfxLongformerForSequenceClassification,
     HfxLongformerForTokenClassification,
     HfxLongformerModel,
+    HfxSwinBackbone,
+    HfxSwinConfig,
+    HfxSwinForImageClassification,
+    HfxSwinForMaskedImageModeling,
+    HfxSwinImageProcessor,
+    HfxSwinModel,
+    HfxTransfoXLConfig,
+    HfxTransfoXLForCausalLM,
+    HfxTransfoXLModel,
 )
 
 logger = logging.getLogger(__name__)
@@ -130,9 +145,239 @@ def import_longformer(source: Path, config: dict) -> PreTrainedModel:
     return model
 
 
+SWIN_CLASSES: dict[str, type[PreTrainedModel]] = {
+    "SwinModel": HfxSwinModel,
+    "SwinForImageClassification": HfxSwinForImageClassification,
+    "SwinForMaskedImageModeling": HfxSwinForMaskedImageModeling,
+    "SwinBackbone": HfxSwinBackbone,
+}
+# hfx-swin uses the names of the Swin checkpoints on the Hub, which transformers 5.x also writes on save; its
+# in-memory modules (what `state_dict()` returns) use these newer names instead.
+_SWIN_RENAMES = (
+    ("attention.q_proj.", "attention.self.query."),
+    ("attention.k_proj.", "attention.self.key."),
+    ("attention.v_proj.", "attention.self.value."),
+    ("attention.relative_position_bias.relative_position_bias_table", "attention.self.relative_position_bias_table"),
+    ("attention.o_proj.", "attention.output.dense."),
+    ("mlp.fc1.", "intermediate.dense."),
+    ("mlp.fc2.", "output.dense."),
+)
+# Image processor settings that carry over from a Swin checkpoint's preprocessor_config.json.
+_IMAGE_PROCESSOR_KEYS = (
+    "do_resize", "size", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std",
+    "do_center_crop", "crop_size", "do_convert_rgb",
+)  # fmt: skip
+
+
+def rename_swin_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers Swin tensor names (saved Hub layout or 5.x in-memory layout) -> hfx-swin's; the recomputed
+    ``relative_position_index`` buffers of older checkpoints are dropped."""
+    renamed = {}
+    for key, tensor in weights.items():
+        if key.endswith("relative_position_index"):
+            continue
+        for old, new in _SWIN_RENAMES:
+            key = key.replace(old, new)
+        renamed[key] = tensor
+    return renamed
+
+
+def import_swin(source: Path, config: dict) -> PreTrainedModel:
+    """``transformers`` Swin (model, classifier, SimMIM or backbone) -> the matching ``HfxSwin*`` class.
+
+    Names are ours already in saved checkpoints (see :func:`rename_swin_weights`); base-model tensors saved
+    without the ``swin.`` prefix (SwinModel, SwinBackbone) get it, and the backbone drops the unused final LayerNorm.
+    """
+    weights = rename_swin_weights(load_weights(source))
+    architectures = config.get("architectures") or []
+    known = [name for name in architectures if name in SWIN_CLASSES]
+    if architectures and not known:
+        raise ValueError(f"Unsupported architectures {architectures}; accepted: {sorted(SWIN_CLASSES)}.")
+    model_class = SWIN_CLASSES[known[0] if known else "SwinModel"]
+
+    kwargs = {k: v for k, v in config.items() if k not in _SOURCE_ONLY_CONFIG_KEYS}
+    kwargs["architectures"] = [model_class.__name__]
+    model = model_class(HfxSwinConfig(**kwargs))
+
+    state = {}
+    for key, tensor in weights.items():
+        # Base-model tensors: `swin.*`, or unprefixed in SwinModel checkpoints and (partly) in SwinBackbone ones.
+        if key.startswith("swin.") or key.startswith(("embeddings.", "encoder.", "layernorm.")):
+            key = key.removeprefix("swin.")
+            key = key if model_class is HfxSwinModel else f"swin.{key}"
+        state[key] = tensor
+    load_converted_weights(
+        model, state, may_be_unused=("swin.layernorm.",) if model_class is HfxSwinBackbone else ()
+    )
+    return model
+
+
+def convert_image_processor(source: Path) -> HfxSwinImageProcessor | None:
+    """The source's ``preprocessor_config.json`` (ViT-style, as the Swin checkpoints ship it) as an
+    :class:`HfxSwinImageProcessor`, or None when the source has none."""
+    path = Path(source) / "preprocessor_config.json"
+    if not path.is_file():
+        return None
+    settings = {k: v for k, v in json.loads(path.read_text()).items() if k in _IMAGE_PROCESSOR_KEYS}
+    for key in ("size", "crop_size"):
+        if isinstance(settings.get(key), int):  # old feature extractors store one side for a square
+            settings[key] = {"height": settings[key], "width": settings[key]}
+    return HfxSwinImageProcessor(**settings)
+
+
+# transformers 4.x Transformer-XL tensor names -> hfx-transfo-xl's (the layer pieces are renamed; the rest is kept).
+_TRANSFO_XL_RENAMES = (
+    ("dec_attn.qkv_net.", "attention.qkv_net."),
+    ("dec_attn.r_net.", "attention.r_net."),
+    ("dec_attn.r_w_bias", "attention.r_w_bias"),
+    ("dec_attn.r_r_bias", "attention.r_r_bias"),
+    ("dec_attn.o_net.", "attention_output."),
+    ("dec_attn.layer_norm.", "attention_layer_norm."),
+    ("pos_ff.CoreNet.0.", "ff_in."),
+    ("pos_ff.CoreNet.3.", "ff_out."),
+    ("pos_ff.layer_norm.", "ff_layer_norm."),
+    ("crit.", "adaptive_softmax."),
+)
+# 4.x config keys with no counterpart: recomputed (tie_projs), training-only or constant in 4.x.
+_TRANSFO_XL_DROPPED_KEYS = ("tie_projs", "sample_softmax", "adaptive", "attn_type", "untie_r", "init", "init_range")
+
+
+def import_transfo_xl(source: Path, config: dict) -> PreTrainedModel:
+    """``transformers`` 4.x ``TransfoXLLMHeadModel`` / ``TransfoXLModel`` (e.g. ``transfo-xl-wt103`` saved locally,
+    ``pytorch_model.bin`` included) -> ``HfxTransfoXLForCausalLM`` / ``HfxTransfoXLModel`` with the same outputs.
+
+    Tensors are renamed (:data:`_TRANSFO_XL_RENAMES`); the ``pos_emb.inv_freq`` buffer is recomputed; shared
+    ``r_w_bias``/``r_r_bias`` (``untie_r=False``) are copied into every layer; tied softmax tensors that
+    safetensors checkpoints leave out are re-tied. Only ``attn_type=0`` (the paper's relative attention) exists
+    in released checkpoints and here. Note: 4.x starts from ``mem_len`` zero memories when ``mems=None``; pass
+    ``model.zero_memories(batch)`` to reproduce its first segment exactly.
+    """
+    if config.get("attn_type", 0) != 0:
+        raise ValueError(f"Only attn_type=0 (relative positions) Transformer-XL checkpoints convert; got {config['attn_type']}.")
+    weights = load_weights(source)
+    architectures = config.get("architectures") or []
+    with_head = any(k.startswith("crit.") for k in weights) or "TransfoXLLMHeadModel" in architectures
+    model_class = HfxTransfoXLForCausalLM if with_head else HfxTransfoXLModel
+    kwargs = {k: v for k, v in config.items() if k not in _SOURCE_ONLY_CONFIG_KEYS + _TRANSFO_XL_DROPPED_KEYS}
+    kwargs["architectures"] = [model_class.__name__]
+    hfx_config = HfxTransfoXLConfig(**kwargs)
+    model = model_class(hfx_config)
+
+    state = {}
+    shared_biases = {}
+    for key, tensor in weights.items():
+        if key.endswith("pos_emb.inv_freq"):
+            continue
+        if key.removeprefix("transformer.") in ("r_w_bias", "r_r_bias"):
+            shared_biases[key.removeprefix("transformer.")] = tensor
+            continue
+        for old, new in _TRANSFO_XL_RENAMES:
+            key = key.replace(old, new)
+        if model_class is HfxTransfoXLModel:
+            key = key.removeprefix("transformer.")
+        elif not key.startswith(("transformer.", "adaptive_softmax.")):
+            key = f"transformer.{key}"
+        state[key] = tensor
+    prefix = "" if model_class is HfxTransfoXLModel else "transformer."
+    for name, tensor in shared_biases.items():
+        for i in range(hfx_config.n_layer):
+            state[f"{prefix}layers.{i}.attention.{name}"] = tensor
+    tied = list(model.get_expanded_tied_weights_keys()) if with_head else []
+    for key in tied:
+        state.pop(key, None)
+    load_converted_weights(model, state, may_be_missing=tied)
+    model.tie_weights()
+    return model
+
+
+BIGBIRD_CLASSES: dict[str, type[PreTrainedModel]] = {
+    "BigBirdModel": HfxBigBirdModel,
+    "BigBirdForMaskedLM": HfxBigBirdForMaskedLM,
+    # google/bigbird-roberta-base is saved as a pretraining model: MLM head plus a next-sentence head (dropped).
+    "BigBirdForPreTraining": HfxBigBirdForMaskedLM,
+    "BigBirdForTokenClassification": HfxBigBirdForTokenClassification,
+    "BigBirdForMultipleChoice": HfxBigBirdForMultipleChoice,
+}
+# Heads whose layout differs from the shared ones: importing them would change their outputs.
+_BIGBIRD_UNSUPPORTED = {
+    "BigBirdForSequenceClassification": "its classifier applies config.hidden_act where ours applies tanh",
+    "BigBirdForQuestionAnswering": "it has an extra feed-forward block and question-length masking",
+    "BigBirdForCausalLM": "hfx-bigbird is an encoder",
+}
+_BIGBIRD_RENAMES = (
+    ("cls.predictions.transform.dense.", "lm_head.dense."),
+    ("cls.predictions.transform.LayerNorm.", "lm_head.layer_norm."),
+    ("cls.predictions.decoder.", "lm_head.decoder."),
+    ("cls.predictions.bias", "lm_head.decoder.bias"),
+)
+# BigBirdConfig fields with no counterpart here; the import refuses values other than these.
+_BIGBIRD_FIXED_CONFIG = {"use_bias": True, "is_decoder": False, "add_cross_attention": False}
+
+
+def rename_bigbird_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers BigBird tensor names -> hfx-bigbird's: ``bert.`` -> ``bigbird.``, the pooler's Linear gets the
+    ``dense`` name of ours, ``cls.predictions.*`` becomes ``lm_head.*``; buffers and the next-sentence head
+    (``cls.seq_relationship``) are dropped."""
+    renamed: dict[str, torch.Tensor] = {}
+    for key, tensor in drop_buffers(weights).items():
+        if key.startswith("cls.seq_relationship."):
+            continue
+        if key.startswith("bert."):
+            key = "bigbird." + key.removeprefix("bert.")
+        if key.removeprefix("bigbird.") in ("pooler.weight", "pooler.bias"):
+            key = key.replace("pooler.", "pooler.dense.")
+        for old, new in _BIGBIRD_RENAMES:
+            if key.startswith(old):
+                key = new + key.removeprefix(old)
+                break
+        # transformers stores the decoder bias twice (tied): both copies are the same tensor.
+        renamed.setdefault(key, tensor)
+    return renamed
+
+
+def import_bigbird(source: Path, config: dict) -> PreTrainedModel:
+    """``transformers`` BigBird -> the matching ``HfxBigBird*`` class with the same weights and attention settings
+    (``attention_type``, ``block_size``, ``num_random_blocks`` are carried over as they are).
+
+    Raises:
+        ValueError: a head whose layout differs from ours (sequence classification, question answering, causal
+            LM), or config values hfx-bigbird does not implement (``use_bias=False``, a decoder).
+    """
+    for name in config.get("architectures") or []:
+        if name in _BIGBIRD_UNSUPPORTED:
+            raise ValueError(
+                f"Cannot import {name}: {_BIGBIRD_UNSUPPORTED[name]}. Import the base model or the MLM checkpoint "
+                f"instead (accepted: {sorted(BIGBIRD_CLASSES)}) and fine-tune an hfx-bigbird head."
+            )
+    for key, expected in _BIGBIRD_FIXED_CONFIG.items():
+        if config.get(key, expected) != expected:
+            raise ValueError(f"hfx-bigbird supports only {key}={expected!r}; this checkpoint has {config[key]!r}.")
+    base, rest = split_prefix(rename_bigbird_weights(load_weights(source)), "bigbird.")
+    model_class = _pick_class(config, rest, BIGBIRD_CLASSES, "BigBirdModel", "BigBirdForMaskedLM")
+
+    skip = (*_SOURCE_ONLY_CONFIG_KEYS, *_BIGBIRD_FIXED_CONFIG, "use_cache")
+    kwargs = {k: v for k, v in config.items() if k not in skip}
+    kwargs["architectures"] = [model_class.__name__]
+    hfx_config = HfxBigBirdConfig(**kwargs)
+    model = model_class(hfx_config)
+    state = dict(base) if model_class is HfxBigBirdModel else {f"bigbird.{k}": v for k, v in base.items()}
+    state.update(rest)
+    may_be_missing = []
+    if hfx_config.tie_word_embeddings:
+        state.pop("lm_head.decoder.weight", None)
+        may_be_missing.append("lm_head.decoder.weight")
+    load_converted_weights(
+        model, state, may_be_missing=may_be_missing, may_be_unused=("pooler.", "bigbird.pooler.", "lm_head.")
+    )
+    return model
+
+
 # Source model_type -> importer(source dir, source config dict). BigBird, Swin, Reformer, Transformer-XL go here.
 IMPORTERS: dict[str, Callable[[Path, dict], PreTrainedModel]] = {
     "longformer": import_longformer,
+    "big_bird": import_bigbird,
+    "swin": import_swin,
+    "transfo-xl": import_transfo_xl,
 }
 
 
@@ -157,6 +402,9 @@ def convert_from_transformers(
     tokenizer = load_tokenizer(path, required=False)
     if output_dir is not None:
         save_model_and_tokenizer(model, tokenizer, output_dir)
+        image_processor = convert_image_processor(path) if config["model_type"] == "swin" else None
+        if image_processor is not None:
+            image_processor.save_pretrained(str(output_dir))
     return model, tokenizer
 
 

@@ -11,8 +11,17 @@ Usage::
     python conversion/convert_roberta_to_long.py --source DIR --target longformer \\
         --max-length 4096 --attention-window 512 --output DIR
 
-``--target`` picks the architecture from :data:`TARGETS`; later architectures (BigBird, Linformer, Performer)
-plug in by adding a builder there.
+``--target`` picks the architecture from :data:`TARGETS`; later architectures plug in by adding a builder
+there. ``linformer`` and ``performer`` map the weights exactly as ``longformer`` does (same Q/K/V and
+feed-forward weights, tiled positions) and add their own pieces: Linformer's E and F start as block-averaging
+projections (:func:`pooling_projection`), Performer's random features are the seeded draws of a fresh model::
+
+    python conversion/convert_roberta_to_long.py --source DIR --target linformer --max-length 4096 \\
+        --linformer-k 256 --output DIR
+    python conversion/convert_roberta_to_long.py --source DIR --target performer --max-length 4096 \\
+        --num-random-features 256 --output DIR
+    python conversion/convert_roberta_to_long.py --source DIR --target bigbird --max-length 4096 \\
+        --block-size 64 --num-random-blocks 3 --output DIR
 """
 
 from __future__ import annotations
@@ -41,7 +50,16 @@ from conversion.common import (  # noqa: E402
     save_model_and_tokenizer,
     split_prefix,
 )
-from hf_xformers import HfxLongformerConfig, HfxLongformerForMaskedLM  # noqa: E402
+from hf_xformers import (  # noqa: E402
+    HfxBigBirdConfig,
+    HfxBigBirdForMaskedLM,
+    HfxLinformerConfig,
+    HfxLinformerForMaskedLM,
+    HfxLongformerConfig,
+    HfxLongformerForMaskedLM,
+    HfxPerformerConfig,
+    HfxPerformerForMaskedLM,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -259,9 +277,123 @@ def build_longformer(src: EncoderSource, max_length: int, attention_window: int)
     return model
 
 
-# --target name -> builder(source, max_length, attention_window). BigBird, Linformer and Performer go here.
+# Config fields a warm start carries over from the Longformer built by build_longformer (everything but the window).
+_ENCODER_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "type_vocab_size",
+    "classifier_dropout", "max_position_embeddings", "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id",
+    "tie_word_embeddings", "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range",
+    "layer_norm_eps",
+)  # fmt: skip
+
+
+def _warm_start_state(src: EncoderSource, max_length: int, prefix: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Config fields and weights of the source mapped as :func:`build_longformer` maps them (tiled positions, MLM
+    head kept or tied), renamed to the base-model ``prefix`` of another architecture, without Longformer's global
+    projections. Returns ``(config fields, state dict)``."""
+    longformer = build_longformer(src, max_length, attention_window=2)  # the window plays no part in the weights
+    fields = {key: getattr(longformer.config, key) for key in _ENCODER_FIELDS}
+    state = {}
+    for key, tensor in longformer.state_dict().items():
+        if "_global." in key:
+            continue
+        state[prefix + key.removeprefix("longformer.") if key.startswith("longformer.") else key] = tensor
+    return fields, state
+
+
+def pooling_projection(max_length: int, projected_length: int) -> torch.Tensor:
+    """Linformer ``E``/``F`` that average consecutive positions: ``(max_length, projected_length)``.
+
+    Column ``r`` averages positions ``floor(r n / k) .. floor((r + 1) n / k) - 1`` (blocks of ``n / k`` tokens, sizes
+    differing by at most one). Projected keys and values are then block means, and attention over them is the
+    source's full attention at the resolution of a block: exactly the source's attention when ``k >= n`` (the
+    projection is the identity, extra columns zero and masked), and close to it when attention varies little within
+    a block. Random (Johnson-Lindenstrauss) projections would instead mix every token into every projected key and
+    wipe out the pretrained attention patterns until retrained.
+    """
+    n, k = max_length, projected_length
+    matrix = torch.zeros(n, k)
+    if k >= n:
+        matrix[:, :n] = torch.eye(n)
+        return matrix
+    bounds = [r * n // k for r in range(k + 1)]
+    for r in range(k):
+        matrix[bounds[r] : bounds[r + 1], r] = 1.0 / (bounds[r + 1] - bounds[r])
+    return matrix
+
+
+def build_linformer(
+    src: EncoderSource, max_length: int, attention_window: int, linformer_k: int = 256, linformer_sharing: str = "headwise"
+) -> PreTrainedModel:
+    """An :class:`HfxLinformerForMaskedLM` holding the source weights (as :func:`build_longformer`), with every
+    ``E`` and ``F`` set to :func:`pooling_projection`. ``attention_window`` is not used."""
+    fields, state = _warm_start_state(src, max_length, "linformer.")
+    config = HfxLinformerConfig(
+        **fields, linformer_k=linformer_k, linformer_sharing=linformer_sharing, architectures=["HfxLinformerForMaskedLM"]
+    )
+    model = HfxLinformerForMaskedLM(config)
+    pooling = pooling_projection(config.linformer_max_length, linformer_k)
+    for name, param in model.named_parameters():
+        if "projection" in name:
+            state[name] = pooling.expand_as(param).clone()
+    may_be_missing = ["lm_head.decoder.weight"] if config.tie_word_embeddings else []
+    load_converted_weights(model, state, may_be_missing=may_be_missing)
+    return model
+
+
+def build_performer(
+    src: EncoderSource, max_length: int, attention_window: int, num_random_features: int | None = None
+) -> PreTrainedModel:
+    """An :class:`HfxPerformerForMaskedLM` holding the source weights (as :func:`build_longformer`); FAVOR+ then
+    estimates the source's softmax attention with the same Q/K/V, more closely with more features. The random
+    projections are the seeded draws of a fresh model. ``attention_window`` is not used."""
+    fields, state = _warm_start_state(src, max_length, "performer.")
+    config = HfxPerformerConfig(
+        **fields, num_random_features=num_random_features, architectures=["HfxPerformerForMaskedLM"]
+    )
+    model = HfxPerformerForMaskedLM(config)
+    buffers = [name for name, _ in model.named_buffers() if name.endswith(("projection_matrix", "num_redraws"))]
+    may_be_missing = buffers + (["lm_head.decoder.weight"] if config.tie_word_embeddings else [])
+    load_converted_weights(model, state, may_be_missing=may_be_missing)
+    return model
+
+
+def build_bigbird(
+    src: EncoderSource,
+    max_length: int,
+    attention_window: int,
+    block_size: int = 64,
+    num_random_blocks: int = 3,
+    attention_type: str = "block_sparse",
+) -> PreTrainedModel:
+    """An :class:`HfxBigBirdForMaskedLM` holding the source weights: BigBird's warm start from RoBERTa (Zaheer et
+    al., 2020: block 64, 3 random blocks). Weights are mapped as :func:`build_longformer` maps them; BigBird counts
+    positions from 0, so its table is the tiled part of the Longformer table (the special rows are dropped) and a
+    right-padded input sees exactly the source's position vectors. The MLM head applies ``hidden_act`` as the
+    source's does. ``attention_window`` is not used."""
+    fields, state = _warm_start_state(src, max_length, "bigbird.")
+    offset = src.pad_token_id + 1
+    table = state["bigbird.embeddings.position_embeddings.weight"]
+    state["bigbird.embeddings.position_embeddings.weight"] = table[offset:].clone()
+    fields["max_position_embeddings"] = max_length
+    config = HfxBigBirdConfig(
+        **fields,
+        attention_type=attention_type,
+        block_size=block_size,
+        num_random_blocks=num_random_blocks,
+        architectures=["HfxBigBirdForMaskedLM"],
+    )
+    model = HfxBigBirdForMaskedLM(config)
+    may_be_missing = ["lm_head.decoder.weight"] if config.tie_word_embeddings else []
+    load_converted_weights(model, state, may_be_missing=may_be_missing)
+    return model
+
+
+# --target name -> builder(source, max_length, attention_window, **target_options). BigBird goes here.
 TARGETS: dict[str, Callable[[EncoderSource, int, int], PreTrainedModel]] = {
     "longformer": build_longformer,
+    "linformer": build_linformer,
+    "performer": build_performer,
+    "bigbird": build_bigbird,
 }
 
 
@@ -271,17 +403,21 @@ def convert_roberta_to_long(
     max_length: int = 4096,
     attention_window: int = 512,
     output_dir: str | Path | None = None,
+    target_options: dict | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Convert a local RoBERTa/BERT checkpoint into a long-context hf_xformers MLM model.
 
     Args:
         source: local directory holding the checkpoint (any RoBERTa/BERT head or a bare base model) and its
             tokenizer.
-        target: key of :data:`TARGETS` (``"longformer"``).
+        target: key of :data:`TARGETS` (``"longformer"``, ``"linformer"``, ``"performer"``, ``"bigbird"``).
         max_length: tokens the converted model accepts; the tokenizer's ``model_max_length`` is set to it.
         attention_window: full local window width (even; each token sees ``attention_window // 2`` neighbours
             on each side), the same for every layer.
         output_dir: when given, the model and tokenizer are saved there with ``save_pretrained``.
+        target_options: extra keyword arguments of the target's builder: ``linformer_k`` and ``linformer_sharing``
+            (:func:`build_linformer`), ``num_random_features`` (:func:`build_performer`), ``block_size``,
+            ``num_random_blocks`` and ``attention_type`` (:func:`build_bigbird`).
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode.
@@ -301,7 +437,7 @@ def convert_roberta_to_long(
         logger.warning(
             "max_length %d is shorter than the source's %d tokens: the table is cut.", max_length, source_length
         )
-    model = TARGETS[target](src, max_length, attention_window).eval()
+    model = TARGETS[target](src, max_length, attention_window, **(target_options or {})).eval()
 
     tokenizer = src.tokenizer
     tokenizer.model_max_length = max_length
@@ -320,9 +456,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-length", type=int, default=4096, help="tokens the new model accepts")
     parser.add_argument("--attention-window", type=int, default=512, help="full local window width (even)")
     parser.add_argument("--output", required=True, help="directory to save the converted model and tokenizer")
+    parser.add_argument("--linformer-k", type=int, default=256, help="linformer: projected length k")
+    parser.add_argument("--linformer-sharing", default="headwise", help="linformer: none, headwise, kv or layerwise")
+    parser.add_argument("--num-random-features", type=int, default=None, help="performer: features per head (d ln d)")
+    parser.add_argument("--block-size", type=int, default=64, help="bigbird: tokens per block")
+    parser.add_argument("--num-random-blocks", type=int, default=3, help="bigbird: random key blocks per query block")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    convert_roberta_to_long(args.source, args.target, args.max_length, args.attention_window, args.output)
+    options = {
+        "linformer": {"linformer_k": args.linformer_k, "linformer_sharing": args.linformer_sharing},
+        "performer": {"num_random_features": args.num_random_features},
+        "bigbird": {"block_size": args.block_size, "num_random_blocks": args.num_random_blocks},
+    }.get(args.target)
+    convert_roberta_to_long(args.source, args.target, args.max_length, args.attention_window, args.output, options)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,24 @@
 Importing the package registers every architecture with ``AutoConfig`` and the ``AutoModel*`` classes.
 """
 
+from .models.bigbird import (
+    HfxBigBirdConfig,
+    HfxBigBirdForMaskedLM,
+    HfxBigBirdForMultipleChoice,
+    HfxBigBirdForQuestionAnswering,
+    HfxBigBirdForSequenceClassification,
+    HfxBigBirdForTokenClassification,
+    HfxBigBirdModel,
+)
+from .models.linformer import (
+    HfxLinformerConfig,
+    HfxLinformerForMaskedLM,
+    HfxLinformerForMultipleChoice,
+    HfxLinformerForQuestionAnswering,
+    HfxLinformerForSequenceClassification,
+    HfxLinformerForTokenClassification,
+    HfxLinformerModel,
+)
 from .models.longformer import (
     HfxLongformerConfig,
     HfxLongformerForMaskedLM,
@@ -11,6 +29,32 @@ from .models.longformer import (
     HfxLongformerForSequenceClassification,
     HfxLongformerForTokenClassification,
     HfxLongformerModel,
+)
+from .models.performer import (
+    HfxPerformerConfig,
+    HfxPerformerForCausalLM,
+    HfxPerformerForMaskedLM,
+    HfxPerformerForMultipleChoice,
+    HfxPerformerForQuestionAnswering,
+    HfxPerformerForSequenceClassification,
+    HfxPerformerForTokenClassification,
+    HfxPerformerModel,
+)
+from .models.swin import (
+    HfxSwinBackbone,
+    HfxSwinConfig,
+    HfxSwinForImageClassification,
+    HfxSwinForMaskedImageModeling,
+    HfxSwinImageProcessor,
+    HfxSwinModel,
+)
+from .models.transfo_xl import (
+    HfxRecurrentTrainer,
+    HfxStreamSegments,
+    HfxTransfoXLConfig,
+    HfxTransfoXLForCausalLM,
+    HfxTransfoXLForSequenceClassification,
+    HfxTransfoXLModel,
 )
 from .registration import REGISTRY, register_all
 
@@ -21,6 +65,13 @@ __version__ = "0.1.0"
 __all__ = [
     "REGISTRY",
     "register_all",
+    "HfxBigBirdConfig",
+    "HfxBigBirdModel",
+    "HfxBigBirdForMaskedLM",
+    "HfxBigBirdForSequenceClassification",
+    "HfxBigBirdForMultipleChoice",
+    "HfxBigBirdForQuestionAnswering",
+    "HfxBigBirdForTokenClassification",
     "HfxLongformerConfig",
     "HfxLongformerModel",
     "HfxLongformerForMaskedLM",
@@ -28,4 +79,31 @@ __all__ = [
     "HfxLongformerForMultipleChoice",
     "HfxLongformerForQuestionAnswering",
     "HfxLongformerForTokenClassification",
+    "HfxSwinConfig",
+    "HfxSwinImageProcessor",
+    "HfxSwinModel",
+    "HfxSwinForImageClassification",
+    "HfxSwinForMaskedImageModeling",
+    "HfxSwinBackbone",
+    "HfxLinformerConfig",
+    "HfxLinformerForMaskedLM",
+    "HfxLinformerForMultipleChoice",
+    "HfxLinformerForQuestionAnswering",
+    "HfxLinformerForSequenceClassification",
+    "HfxLinformerForTokenClassification",
+    "HfxLinformerModel",
+    "HfxPerformerConfig",
+    "HfxPerformerForCausalLM",
+    "HfxPerformerForMaskedLM",
+    "HfxPerformerForMultipleChoice",
+    "HfxPerformerForQuestionAnswering",
+    "HfxPerformerForSequenceClassification",
+    "HfxPerformerForTokenClassification",
+    "HfxPerformerModel",
+    "HfxTransfoXLConfig",
+    "HfxTransfoXLModel",
+    "HfxTransfoXLForCausalLM",
+    "HfxTransfoXLForSequenceClassification",
+    "HfxRecurrentTrainer",
+    "HfxStreamSegments",
 ]

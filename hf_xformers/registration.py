@@ -25,6 +25,59 @@ REGISTRY = {
             "AutoModelForTokenClassification": models.longformer.HfxLongformerForTokenClassification,
         },
     ),
+    "hfx-bigbird": (
+        models.bigbird.HfxBigBirdConfig,
+        {
+            "AutoModel": models.bigbird.HfxBigBirdModel,
+            "AutoModelForMaskedLM": models.bigbird.HfxBigBirdForMaskedLM,
+            "AutoModelForSequenceClassification": models.bigbird.HfxBigBirdForSequenceClassification,
+            "AutoModelForMultipleChoice": models.bigbird.HfxBigBirdForMultipleChoice,
+            "AutoModelForQuestionAnswering": models.bigbird.HfxBigBirdForQuestionAnswering,
+            "AutoModelForTokenClassification": models.bigbird.HfxBigBirdForTokenClassification,
+        },
+    ),
+    "hfx-swin": (
+        models.swin.HfxSwinConfig,
+        {
+            "AutoModel": models.swin.HfxSwinModel,
+            "AutoModelForImageClassification": models.swin.HfxSwinForImageClassification,
+            "AutoModelForMaskedImageModeling": models.swin.HfxSwinForMaskedImageModeling,
+            "AutoBackbone": models.swin.HfxSwinBackbone,
+            # AutoImageProcessor.register(config, cls) files cls under the "pil" backend.
+            "AutoImageProcessor": models.swin.HfxSwinImageProcessor,
+        },
+    ),
+    "hfx-linformer": (
+        models.linformer.HfxLinformerConfig,
+        {
+            "AutoModel": models.linformer.HfxLinformerModel,
+            "AutoModelForMaskedLM": models.linformer.HfxLinformerForMaskedLM,
+            "AutoModelForSequenceClassification": models.linformer.HfxLinformerForSequenceClassification,
+            "AutoModelForMultipleChoice": models.linformer.HfxLinformerForMultipleChoice,
+            "AutoModelForQuestionAnswering": models.linformer.HfxLinformerForQuestionAnswering,
+            "AutoModelForTokenClassification": models.linformer.HfxLinformerForTokenClassification,
+        },
+    ),
+    "hfx-performer": (
+        models.performer.HfxPerformerConfig,
+        {
+            "AutoModel": models.performer.HfxPerformerModel,
+            "AutoModelForMaskedLM": models.performer.HfxPerformerForMaskedLM,
+            "AutoModelForSequenceClassification": models.performer.HfxPerformerForSequenceClassification,
+            "AutoModelForMultipleChoice": models.performer.HfxPerformerForMultipleChoice,
+            "AutoModelForQuestionAnswering": models.performer.HfxPerformerForQuestionAnswering,
+            "AutoModelForTokenClassification": models.performer.HfxPerformerForTokenClassification,
+            "AutoModelForCausalLM": models.performer.HfxPerformerForCausalLM,
+        },
+    ),
+    "hfx-transfo-xl": (
+        models.transfo_xl.HfxTransfoXLConfig,
+        {
+            "AutoModel": models.transfo_xl.HfxTransfoXLModel,
+            "AutoModelForCausalLM": models.transfo_xl.HfxTransfoXLForCausalLM,
+            "AutoModelForSequenceClassification": models.transfo_xl.HfxTransfoXLForSequenceClassification,
+        },
+    ),
 }
 
 

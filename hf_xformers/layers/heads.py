@@ -118,11 +118,13 @@ class HfxMaskedLMHeadMixin(HfxHeadMixin):
     """Masked language modelling. ``labels`` ``(batch, seq_len)``, -100 where no loss is wanted."""
 
     task = "masked_lm"
+    # An architecture whose MLM head differs (BigBird's activation is config.hidden_act) sets a subclass here.
+    lm_head_class: type[nn.Module] = HfxLMHead
 
     def __init__(self, config) -> None:
         super().__init__(config)
         self._build_base_model(config)
-        self.lm_head = HfxLMHead(config)
+        self.lm_head = self.lm_head_class(config)
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:

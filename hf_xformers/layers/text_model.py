@@ -6,6 +6,8 @@ builds its base model as ``class XModel(HfxTextModel, XPreTrainedModel)`` with `
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -45,13 +47,25 @@ class HfxTextModel:
     """Embeddings -> encoder of :class:`HfxEncoderLayer` -> optional pooler. Mixed into ``XModel`` classes."""
 
     attention_class: type[nn.Module]
+    # Architectures whose embeddings differ (BigBird: positions from 0, no RoBERTa offset) set their own class;
+    # it must offer `word_embeddings` and the `max_tokens` property.
+    embeddings_class: type[nn.Module] = HfxTextEmbeddings
 
     def __init__(self, config, add_pooling_layer: bool = True) -> None:
         super().__init__(config)
-        self.embeddings = HfxTextEmbeddings(config)
-        self.encoder = HfxEncoder(config, self.attention_class)
+        self.embeddings = self.embeddings_class(config)
+        self.encoder = HfxEncoder(config, self.attention_factory(config))
         self.pooler = HfxPooler(config) if add_pooling_layer else None
         self.post_init()
+
+    def attention_factory(self, config) -> Callable[..., nn.Module]:
+        """What the encoder calls as ``factory(config, layer_idx)`` to build each layer's attention.
+
+        ``attention_class`` itself by default. It runs after ``nn.Module.__init__`` and before the encoder is built,
+        so an architecture whose layers share one module (Linformer's layerwise projection) can register that
+        module on the base model here and bind it to the attention class with ``functools.partial``.
+        """
+        return self.attention_class
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
@@ -72,7 +86,7 @@ class HfxTextModel:
         if shape[1] > limit:
             raise ValueError(
                 f"Sequence length {shape[1]} exceeds the {limit} tokens this model's position embeddings cover "
-                f"(config.max_position_embeddings={self.config.max_position_embeddings}, minus pad_token_id + 1). "
+                f"(config.max_position_embeddings={self.config.max_position_embeddings}). "
                 "Truncate the input (tokenizer(..., truncation=True, max_length=...)) or make a longer model with "
                 "conversion/convert_roberta_to_long.py --max-length."
             )

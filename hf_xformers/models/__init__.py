@@ -1,3 +1,3 @@
-from . import longformer
+from . import bigbird, linformer, longformer, performer, swin, transfo_xl
 
-__all__ = ["longformer"]
+__all__ = ["bigbird", "linformer", "longformer", "performer", "swin", "transfo_xl"]

@@ -1,0 +1,146 @@
+"""Language modelling on a plain text file with Transformer-XL (``hfx-transfo-xl``) and the Trainer.
+
+The text is tokenised by characters (``--level char``, reports bits per character) or by whitespace-separated
+words with an ``<eos>`` at each line end (``--level word``, reports perplexity). Training and evaluation both run
+over parallel streams, segment by segment, with the memories carried from one step to the next
+(``HfxStreamSegments`` + ``HfxRecurrentTrainer``): every evaluated token is scored once, with up to ``mem_len``
+tokens of context per layer from earlier segments.
+
+Example::
+
+    python examples/run_clm.py --train_file train.txt --validation_file valid.txt --level char \\
+        --output_dir out --max_steps 2000 --per_device_train_batch_size 16 --segment_length 128 --mem_len 128
+
+Writes the model, ``vocab.json`` and ``eval_results.json`` (``eval_loss`` in nats per token, plus
+``eval_bpc`` or ``eval_perplexity``) to ``--output_dir``. ``--model_name_or_path`` continues from a saved
+hfx-transfo-xl model (its ``vocab.json`` is reused) instead of building one from the size options.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import HfArgumentParser, TrainingArguments, set_seed  # noqa: E402
+
+from hf_xformers import (  # noqa: E402
+    HfxRecurrentTrainer,
+    HfxStreamSegments,
+    HfxTransfoXLConfig,
+    HfxTransfoXLForCausalLM,
+)
+
+logger = logging.getLogger(__name__)
+UNK, EOS = "<unk>", "<eos>"
+
+
+@dataclass
+class DataArguments:
+    train_file: str = field(metadata={"help": "plain UTF-8 text file to train on"})
+    validation_file: str | None = field(
+        default=None, metadata={"help": "text file to evaluate on (default: the last 10% of the training text)"}
+    )
+    level: str = field(default="char", metadata={"help": "'char' (bits per character) or 'word' (perplexity)"})
+    segment_length: int = field(default=64, metadata={"help": "tokens per segment (the paper's tgt_len)"})
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(default=None, metadata={"help": "saved hfx-transfo-xl directory"})
+    d_model: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    d_inner: int = 512
+    mem_len: int = field(default=64, metadata={"help": "memory length per layer (0: no recurrence)"})
+    clamp_len: int = 0
+    same_length: bool = False
+    cutoffs: str = field(default="", metadata={"help": "adaptive softmax cutoffs, comma separated ('' for none)"})
+    div_val: int = 1
+    dropout: float = 0.1
+
+
+def tokenize(text: str, level: str) -> list[str]:
+    """Characters, or whitespace-separated words with ``<eos>`` closing every line."""
+    if level == "char":
+        return list(text)
+    return [token for line in text.splitlines() for token in (*line.split(), EOS)]
+
+
+def build_vocab(tokens: list[str]) -> dict[str, int]:
+    """Token -> id by decreasing frequency (so adaptive-softmax cutoffs put frequent tokens in the head), ``<unk>`` last."""
+    ordered = [token for token, _ in Counter(tokens).most_common()]
+    return {token: i for i, token in enumerate([*ordered, UNK])}
+
+
+def encode(tokens: list[str], vocab: dict[str, int]) -> torch.Tensor:
+    unk = vocab[UNK]
+    return torch.tensor([vocab.get(token, unk) for token in tokens], dtype=torch.long)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)
+    if data_args.level not in ("char", "word"):
+        raise ValueError(f"--level must be 'char' or 'word', got {data_args.level!r}.")
+    set_seed(training_args.seed)
+
+    train_path = Path(data_args.train_file)
+    if not train_path.is_file():
+        raise ValueError(f"--train_file {str(train_path)!r} does not exist.")
+    train_tokens = tokenize(train_path.read_text(encoding="utf-8"), data_args.level)
+    if data_args.validation_file:
+        valid_tokens = tokenize(Path(data_args.validation_file).read_text(encoding="utf-8"), data_args.level)
+    else:
+        split = int(len(train_tokens) * 0.9)
+        train_tokens, valid_tokens = train_tokens[:split], train_tokens[split:]
+
+    if model_args.model_name_or_path:
+        source = Path(model_args.model_name_or_path)
+        vocab = json.loads((source / "vocab.json").read_text())
+        model = HfxTransfoXLForCausalLM.from_pretrained(source)
+    else:
+        vocab = build_vocab(train_tokens)
+        cutoffs = [int(c) for c in model_args.cutoffs.split(",") if c.strip()]
+        config = HfxTransfoXLConfig(
+            vocab_size=len(vocab), cutoffs=cutoffs, div_val=model_args.div_val, d_model=model_args.d_model,
+            n_layer=model_args.n_layer, n_head=model_args.n_head, d_inner=model_args.d_inner,
+            mem_len=model_args.mem_len, clamp_len=model_args.clamp_len, same_length=model_args.same_length,
+            dropout=model_args.dropout, eos_token_id=vocab.get(EOS, 0),
+        )  # fmt: skip
+        model = HfxTransfoXLForCausalLM(config)
+
+    length = data_args.segment_length
+    train_data = HfxStreamSegments(encode(train_tokens, vocab), training_args.per_device_train_batch_size, length)
+    valid_data = HfxStreamSegments(encode(valid_tokens, vocab), training_args.per_device_eval_batch_size, length)
+    training_args.prediction_loss_only = True  # the metrics come from the loss; logits would only fill memory
+    trainer = HfxRecurrentTrainer(model=model, args=training_args, train_dataset=train_data, eval_dataset=valid_data)
+
+    do_train = training_args.do_train or not training_args.do_eval
+    if do_train:
+        trainer.train()
+        trainer.save_model()
+        Path(training_args.output_dir, "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    metrics = trainer.evaluate()
+    loss = metrics["eval_loss"]
+    if data_args.level == "char":
+        metrics["eval_bpc"] = loss / math.log(2)
+    else:
+        metrics["eval_perplexity"] = math.exp(loss)
+    metrics["eval_tokens"] = len(valid_data) * length
+    trainer.save_metrics("eval", metrics)
+    logger.info("Evaluation: %s", metrics)
+    return metrics
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

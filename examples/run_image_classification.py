@@ -1,0 +1,517 @@
+"""Fine-tune (or train from scratch) an image classifier with ``transformers.Trainer``.
+
+Works with ``hfx-swin`` and with any model ``AutoModelForImageClassification`` can load. Data, in order of
+precedence:
+
+* ``--train_dir`` / ``--validation_dir``: ``imagefolder`` trees, one sub-folder per class
+  (``train/cat/1.png``, ``train/dog/2.jpg`` ...);
+* ``--dataset_name``: a Hub dataset with an image column and a label column (``--image_column_name``,
+  ``--label_column_name``; found automatically when named ``image``/``img`` and ``label``/``labels``);
+* neither: scikit-learn's ``load_digits()`` (1,797 real 8 x 8 grayscale digits, 10 classes), upscaled to
+  ``--image_size`` RGB, so the script runs with no download at all.
+
+Without a validation split, ``--train_val_split`` of the training data is held out (stratified). Training images
+go through a random resized crop and (``--hflip_prob``) a horizontal flip, in PIL/NumPy; evaluation images are
+resized. Without ``--model_name_or_path`` a new ``hfx-swin`` is built (``--config_overrides`` adjusts it).
+
+``--output_dir`` ends up ready to upload: ``model.safetensors``, ``config.json`` (with ``id2label``),
+``preprocessor_config.json``, ``README.md`` (model card with the metrics), ``train_results.json``,
+``eval_results.json``, ``all_results.json`` and ``trainer_state.json``.
+
+Examples (see examples/README.md)::
+
+    python examples/run_image_classification.py --output_dir out/digits --do_train --do_eval \\
+        --num_train_epochs 30 --learning_rate 2e-3 --per_device_train_batch_size 64
+    python examples/run_image_classification.py --model_name_or_path path/to/hfx-swin-tiny \\
+        --train_dir data/train --validation_dir data/val --ignore_mismatched_sizes \\
+        --do_train --do_eval --learning_rate 5e-5 --num_train_epochs 3 --output_dir out/my-classes
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from datasets import ClassLabel, Dataset, DatasetDict, Features, load_dataset
+from datasets import Image as ImageFeature
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from PIL import Image, ImageOps
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModelForImageClassification,
+    EvalPrediction,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+    set_seed,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # utils_examples.py sits next to this file
+
+from utils_examples import (  # noqa: E402
+    RunArguments,
+    check_world_size,
+    enable_cpu_distributed,
+    resume_checkpoint,
+    setup_logging,
+    take,
+)
+
+import hf_xformers  # noqa: E402  (also registers the hfx-* model types with the Auto classes)
+
+logger = logging.getLogger("run_image_classification")
+
+DIGITS = "sklearn-digits"
+# A small Swin for 32 x 32 inputs, used without a checkpoint: 4 x 4 patches (one digit pixel each after the 4x
+# upscaling), then 8 x 8 tokens in shifted windows of 4 and 4 x 4 tokens after merging. Trained from scratch it needs
+# a large learning rate and many epochs (e.g. --learning_rate 2e-3 --num_train_epochs 30), like any small ViT.
+SCRATCH_SWIN = dict(patch_size=4, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=4, drop_path_rate=0.1)
+
+
+@dataclass
+class ModelArguments:
+    """Which model and image processor to train."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Local folder or Hub id of the model to fine-tune; without it a new hfx-swin is trained."},
+    )
+    config_overrides: str | None = field(
+        default=None,
+        metadata={
+            "help": 'JSON of HfxSwinConfig fields for a new model, e.g. \'{"embed_dim": 48, "depths": [2, 2, 2]}\'.'
+        },
+    )
+    image_processor_name: str | None = field(
+        default=None, metadata={"help": "Image processor to use instead of the model's (folder or Hub id)."}
+    )
+    cache_dir: str | None = field(default=None, metadata={"help": "Cache for downloaded models and datasets."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow custom code from the Hub (trusted repos only)."}
+    )
+    ignore_mismatched_sizes: bool = field(
+        default=False,
+        metadata={"help": "Re-initialise a classifier whose size differs from the data's number of classes."},
+    )
+
+
+@dataclass
+class DataTrainingArguments:
+    """Which images and labels, and how to augment them."""
+
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset with images and labels."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
+    train_dir: str | None = field(default=None, metadata={"help": "imagefolder tree of training images."})
+    validation_dir: str | None = field(default=None, metadata={"help": "imagefolder tree of evaluation images."})
+    image_column_name: str | None = field(default=None, metadata={"help": "Image column (default: image or img)."})
+    label_column_name: str | None = field(default=None, metadata={"help": "Label column (default: label or labels)."})
+    train_val_split: float = field(
+        default=0.15, metadata={"help": "Share of the training data held out when there is no validation split."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training images."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation images."})
+    image_size: int | None = field(
+        default=None,
+        metadata={"help": "Training/evaluation resolution (default: the image processor's; 32 for a new model)."},
+    )
+    crop_scale_min: float = field(
+        default=0.5, metadata={"help": "Random resized crop keeps between this share of the image area and all of it."}
+    )
+    hflip_prob: float | None = field(
+        default=None, metadata={"help": "Probability of a horizontal flip in training (default 0.5; 0 for digits)."}
+    )
+    no_augmentation: bool = field(default=False, metadata={"help": "Train on resized images, without crops or flips."})
+
+    def __post_init__(self) -> None:
+        if self.dataset_name and (self.train_dir or self.validation_dir):
+            raise ValueError("Pass either --dataset_name or --train_dir/--validation_dir, not both.")
+        if self.validation_dir and not self.train_dir:
+            raise ValueError("--validation_dir needs --train_dir (the classes come from the training folders).")
+        if not 0 < self.train_val_split < 1:
+            raise ValueError(f"--train_val_split must lie in (0, 1), got {self.train_val_split}.")
+        if not 0 < self.crop_scale_min <= 1:
+            raise ValueError(f"--crop_scale_min must lie in (0, 1], got {self.crop_scale_min}.")
+
+    @property
+    def source(self) -> str:
+        return self.dataset_name or ("imagefolder" if self.train_dir else DIGITS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_digits_dataset(image_size: int) -> DatasetDict:
+    """scikit-learn's digits as RGB PIL images of ``image_size`` pixels, ``image``/``label`` columns, in one
+    ``train`` split (the caller holds out the validation part)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    # Values 0..16 -> 0..255, nearest-neighbour upscaling keeps the strokes crisp.
+    pixels = np.round(digits.images * (255 / 16)).astype(np.uint8)
+    images = [Image.fromarray(p).resize((image_size, image_size), Image.NEAREST).convert("RGB") for p in pixels]
+    features = Features({"image": ImageFeature(), "label": ClassLabel(names=[str(d) for d in range(10)])})
+    return DatasetDict(
+        {"train": Dataset.from_dict({"image": images, "label": digits.target.tolist()}, features=features)}
+    )
+
+
+def load_splits(data_args: DataTrainingArguments, cache_dir: str | None, image_size: int) -> DatasetDict:
+    """``train`` and (when the source has one) ``validation`` splits with their raw columns."""
+    if data_args.train_dir:
+        files = {"train": os.path.join(data_args.train_dir, "**")}
+        if data_args.validation_dir:
+            files["validation"] = os.path.join(data_args.validation_dir, "**")
+        return load_dataset("imagefolder", data_files=files, cache_dir=cache_dir)
+    if data_args.dataset_name:
+        splits = load_dataset(data_args.dataset_name, data_args.dataset_config_name, cache_dir=cache_dir)
+        if "validation" not in splits and "test" in splits:
+            splits["validation"] = splits["test"]
+        return splits
+    return load_digits_dataset(image_size)
+
+
+def pick_column(dataset: Dataset, given: str | None, candidates: tuple[str, ...], what: str) -> str:
+    """The column holding ``what``: ``given``, else the first of ``candidates`` present.
+
+    Raises:
+        ValueError: the column does not exist; the message lists the columns there are.
+    """
+    names = dataset.column_names
+    if given is not None:
+        if given not in names:
+            raise ValueError(f"--{what}_column_name {given!r} is not a column of the data; columns: {names}.")
+        return given
+    for name in candidates:
+        if name in names:
+            return name
+    raise ValueError(f"Found no {what} column among {names}; name it with --{what}_column_name.")
+
+
+def prepare_splits(
+    splits: DatasetDict, data_args: DataTrainingArguments, seed: int
+) -> tuple[Dataset, Dataset, list[str]]:
+    """``(train, validation, class names)`` with columns ``image`` and ``label`` (class ids).
+
+    Raises:
+        ValueError: no training split, or a label column that is neither class ids nor class names.
+    """
+    if "train" not in splits:
+        raise ValueError(f"The data have no 'train' split (splits: {list(splits)}).")
+    train = splits["train"]
+    image_column = pick_column(train, data_args.image_column_name, ("image", "img"), "image")
+    label_column = pick_column(train, data_args.label_column_name, ("label", "labels"), "label")
+    splits = splits.select_columns([image_column, label_column])
+    if label_column != "label":
+        splits = splits.rename_column(label_column, "label")
+    if image_column != "image":
+        splits = splits.rename_column(image_column, "image")
+    if not isinstance(splits["train"].features["label"], ClassLabel):
+        splits = splits.class_encode_column("label")  # class names (or arbitrary ids) -> 0..n-1
+    names = splits["train"].features["label"].names
+    if "validation" in splits:
+        validation = splits["validation"]
+        if validation.features["label"] != splits["train"].features["label"]:
+            raise ValueError(
+                f"Validation classes {validation.features['label'].names} differ from the training classes {names}; "
+                "give both folders the same class sub-folders."
+            )
+        return splits["train"], validation, names
+    held_out = splits["train"].train_test_split(
+        test_size=data_args.train_val_split, seed=seed, stratify_by_column="label"
+    )
+    return held_out["train"], held_out["test"], names
+
+
+def random_resized_crop(
+    image: Image.Image, size: int, scale: tuple[float, float], rng: random.Random, ratio=(3 / 4, 4 / 3)
+) -> Image.Image:
+    """A random crop covering ``scale`` of the area with aspect ratio in ``ratio``, resized to ``size`` x ``size``
+    (bicubic). Falls back to the largest central crop within ``ratio`` after 10 misses (the usual recipe)."""
+    width, height = image.size
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            left, top = rng.randint(0, width - w), rng.randint(0, height - h)
+            return image.resize((size, size), Image.BICUBIC, box=(left, top, left + w, top + h))
+    aspect = width / height
+    if aspect < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif aspect > ratio[1]:
+        w, h = round(height * ratio[1]), height
+    else:
+        w, h = width, height
+    left, top = (width - w) // 2, (height - h) // 2
+    return image.resize((size, size), Image.BICUBIC, box=(left, top, left + w, top + h))
+
+
+class TrainTransform:
+    """Random resized crop + horizontal flip (PIL), then the image processor's rescale and normalisation."""
+
+    def __init__(self, processor, size: int, crop_scale_min: float, hflip_prob: float, seed: int) -> None:
+        self.processor, self.size = processor, size
+        self.scale = (crop_scale_min, 1.0)
+        self.hflip_prob = hflip_prob
+        self.rng = random.Random(seed)
+
+    def augment(self, image: Image.Image) -> Image.Image:
+        image = random_resized_crop(image.convert("RGB"), self.size, self.scale, self.rng)
+        return ImageOps.mirror(image) if self.rng.random() < self.hflip_prob else image
+
+    def __call__(self, batch: dict) -> dict:
+        images = [self.augment(image) for image in batch["image"]]
+        pixels = self.processor(images, do_resize=False, do_center_crop=False, return_tensors="pt")["pixel_values"]
+        return {"pixel_values": list(pixels), "labels": batch["label"]}
+
+
+class EvalTransform:
+    """The image processor at ``size``: resize, rescale, normalise."""
+
+    def __init__(self, processor, size: int) -> None:
+        self.processor, self.size = processor, {"height": size, "width": size}
+
+    def __call__(self, batch: dict) -> dict:
+        images = [image.convert("RGB") for image in batch["image"]]
+        pixels = self.processor(images, size=self.size, do_center_crop=False, return_tensors="pt")["pixel_values"]
+        return {"pixel_values": list(pixels), "labels": batch["label"]}
+
+
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    return {
+        "pixel_values": torch.stack([row["pixel_values"] for row in rows]),
+        "labels": torch.tensor([row["labels"] for row in rows], dtype=torch.long),
+    }
+
+
+def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
+    logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+    return {"accuracy": float((np.argmax(logits, axis=-1) == prediction.label_ids).mean())}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model, processor and model card
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def processor_size(processor) -> int | None:
+    size = getattr(processor, "size", None) or {}
+    size = size if isinstance(size, dict) else dict(size)
+    return size.get("height") or size.get("shortest_edge")
+
+
+def build_model_and_processor(model_args: ModelArguments, data_args: DataTrainingArguments, names: list[str]):
+    """``(model, image processor, image size)`` for ``names`` classes."""
+    labels = {"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}}
+    if model_args.model_name_or_path is None:
+        overrides = json.loads(model_args.config_overrides) if model_args.config_overrides else {}
+        image_size = data_args.image_size or 32
+        config = hf_xformers.HfxSwinConfig(
+            **{**SCRATCH_SWIN, "image_size": image_size, **overrides}, num_labels=len(names), **labels
+        )
+        processor = hf_xformers.HfxSwinImageProcessor(size={"height": image_size, "width": image_size})
+        return hf_xformers.HfxSwinForImageClassification(config), processor, image_size
+    if model_args.config_overrides:
+        raise ValueError("--config_overrides only applies to a new model; drop it or --model_name_or_path.")
+    common = {"cache_dir": model_args.cache_dir, "trust_remote_code": model_args.trust_remote_code}
+    config = AutoConfig.from_pretrained(
+        model_args.model_name_or_path, num_labels=len(names), finetuning_task="image-classification", **labels, **common
+    )
+    model = AutoModelForImageClassification.from_pretrained(
+        model_args.model_name_or_path,
+        config=config,
+        ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
+        **common,
+    )
+    processor = AutoImageProcessor.from_pretrained(
+        model_args.image_processor_name or model_args.model_name_or_path, **common
+    )
+    image_size = data_args.image_size or processor_size(processor) or 224
+    if hasattr(processor, "size"):
+        processor.size = {"height": image_size, "width": image_size}  # saved with the model: what it was tuned at
+    return model, processor, image_size
+
+
+def write_model_card(output_dir: str, model_args, data_args, training_args, metrics: dict, names: list[str]) -> None:
+    """``README.md`` for the Hub: what was trained on what, the metrics, and how to use it."""
+    source = data_args.source
+    name = os.path.basename(os.path.normpath(output_dir))
+    eval_results = []
+    if "eval_accuracy" in metrics:
+        eval_results.append(
+            EvalResult(
+                task_type="image-classification",
+                dataset_type=data_args.dataset_name or source,
+                dataset_name=data_args.dataset_name or source,
+                dataset_split="validation",
+                metric_type="accuracy",
+                metric_value=round(float(metrics["eval_accuracy"]), 4),
+            )
+        )
+    data = ModelCardData(
+        license="apache-2.0",
+        library_name="transformers",
+        pipeline_tag="image-classification",
+        tags=["image-classification", "hf-xformers", "vision"],
+        datasets=[data_args.dataset_name] if data_args.dataset_name else None,
+        metrics=["accuracy"],
+        base_model=model_args.model_name_or_path
+        if model_args.model_name_or_path and not os.path.isdir(model_args.model_name_or_path)
+        else None,
+        model_name=name,
+        eval_results=eval_results or None,
+    )
+    described = {
+        DIGITS: "scikit-learn's `load_digits()` (8 x 8 grayscale digits, upscaled to RGB)",
+        "imagefolder": "local image folders (one folder per class)",
+    }.get(source, f"the Hub dataset `{source}`")
+    start = (
+        f"fine-tuned from `{model_args.model_name_or_path}`"
+        if model_args.model_name_or_path
+        else "trained from scratch"
+    )
+    rows = "\n".join(
+        f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in sorted(metrics.items())
+    )
+    hyper = {
+        "learning_rate": training_args.learning_rate,
+        "per_device_train_batch_size": training_args.per_device_train_batch_size,
+        "num_train_epochs": training_args.num_train_epochs,
+        "max_steps": training_args.max_steps,
+        "seed": training_args.seed,
+    }
+    text = f"""---
+{data.to_yaml()}
+---
+
+# {name}
+
+An image classifier ({len(names)} classes: {", ".join(names[:20])}{" ..." if len(names) > 20 else ""}) {start} on
+{described}, with `examples/run_image_classification.py` of hf_xformers.
+
+## Results
+
+| metric | value |
+|---|---|
+{rows}
+
+## Use
+
+```python
+import hf_xformers  # registers the hfx-* model types (pip install hf-xformers)
+from transformers import pipeline
+
+classifier = pipeline("image-classification", model="{name}")
+classifier("image.png")
+```
+
+## Training
+
+Augmentation: random resized crop (scale {data_args.crop_scale_min}-1.0) and horizontal flips with probability
+{_hflip_prob(data_args)}{" (disabled)" if data_args.no_augmentation else ""}. Hyperparameters:
+{", ".join(f"`{k}={v}`" for k, v in hyper.items())}.
+"""
+    ModelCard(text).save(os.path.join(output_dir, "README.md"))
+
+
+def _hflip_prob(data_args: DataTrainingArguments) -> float:
+    if data_args.hflip_prob is not None:
+        return data_args.hflip_prob
+    return 0.0 if data_args.source == DIGITS else 0.5  # a mirrored digit is another symbol, or none
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None):
+    """``(ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments)`` from the command line
+    (``argv``), or from a single ``.json`` file argument."""
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments))
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run the script; returns the training and evaluation metrics (also written to ``output_dir``)."""
+    enable_cpu_distributed()  # before TrainingArguments sets up the devices
+    model_args, data_args, training_args, run_args = parse_args(argv)
+    # The transforms need the raw `image` column; Trainer would drop it as unused by the model's forward.
+    training_args.remove_unused_columns = False
+    setup_logging(training_args, logger)
+    check_world_size(training_args)
+    logger.info(
+        "Data %s, model %s, output in %s",
+        data_args.source,
+        model_args.model_name_or_path or "new hfx-swin",
+        training_args.output_dir,
+    )
+    checkpoint = resume_checkpoint(training_args, run_args.overwrite_output_dir)
+    set_seed(training_args.seed)
+
+    # Data first: a bad folder or column fails before any model is loaded.
+    with training_args.main_process_first(desc="loading data"):
+        splits = load_splits(data_args, model_args.cache_dir, data_args.image_size or 32)
+        train, validation, names = prepare_splits(splits, data_args, training_args.seed)
+    train = take(train, data_args.max_train_samples)
+    validation = take(validation, data_args.max_eval_samples)
+    logger.info("%d training and %d evaluation images, %d classes", len(train), len(validation), len(names))
+
+    model, processor, image_size = build_model_and_processor(model_args, data_args, names)
+    eval_transform = EvalTransform(processor, image_size)
+    if data_args.no_augmentation:
+        train.set_transform(eval_transform)
+    else:
+        train.set_transform(
+            TrainTransform(processor, image_size, data_args.crop_scale_min, _hflip_prob(data_args), training_args.seed)
+        )
+    validation.set_transform(eval_transform)
+
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train if training_args.do_train else None,
+        eval_dataset=validation if training_args.do_eval else None,
+        processing_class=processor,
+        data_collator=collate,
+        compute_metrics=compute_metrics,
+    )
+
+    metrics: dict[str, float] = {}
+    if training_args.do_train:
+        result = trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.save_model()  # model, config (with id2label) and image processor in output_dir
+        train_metrics = {**result.metrics, "train_samples": len(train)}
+        trainer.log_metrics("train", train_metrics)
+        trainer.save_metrics("train", train_metrics)
+        trainer.save_state()
+        metrics.update(train_metrics)
+    if training_args.do_eval:
+        eval_metrics = {**trainer.evaluate(), "eval_samples": len(validation)}
+        trainer.log_metrics("eval", eval_metrics)
+        trainer.save_metrics("eval", eval_metrics)  # eval_results.json
+        metrics.update(eval_metrics)
+    if trainer.is_world_process_zero():
+        if not training_args.do_train:  # evaluation only: still leave a usable folder
+            trainer.save_model()
+        write_model_card(training_args.output_dir, model_args, data_args, training_args, metrics, names)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""BigBird attention: block-sparse (ITC) self-attention, its dense masked oracle, and ``original_full``.
+
+Semantics (Zaheer et al., 2020, "ITC" variant, as in transformers' ``BigBirdModel``). The sequence is cut into
+blocks of ``b = config.block_size`` tokens. For one example let ``last`` be the block that holds its last real
+(non-padding) token, so its blocks are ``0 .. last``:
+
+* query blocks ``0`` and ``last`` are *global*: they attend to every real key;
+* key blocks ``0`` and ``last`` are global too: every query attends to them;
+* every other query block ``i`` also attends to its window ``i - 1, i, i + 1`` and to ``r =
+  config.num_random_blocks`` *random* key blocks, drawn without replacement among ``1 .. last - 1`` minus the
+  window (different draws per head and per query block);
+* padding keys are never attended to; padding queries give zeros.
+
+Short inputs need no special case: when a row has fewer than ``r`` blocks left to draw from, it takes all of
+them, so once ``last <= r + 3`` the pattern covers every key and the result IS full attention, computed by the
+same code. Nothing switches modes (transformers switches to full attention below ``(5 + 2r) * b`` tokens).
+Defining ``last`` per example (not from the padded batch length) makes outputs independent of how much
+padding the batch adds. Lengths need not be a multiple of ``b``: the layer pads internally and cuts back.
+
+Random blocks: ``random_blocks(num_blocks)`` draws from a generator seeded by ``config.random_seed``, the layer
+index and the number of blocks, so in eval mode every call, every process and every reload of a checkpoint
+gives the same pattern. In training mode they are redrawn at every call from torch's global RNG (reproducible
+with ``torch.manual_seed``, and replayed exactly by activation checkpointing, which restores that RNG), unless
+``config.fixed_random_blocks`` keeps the seeded eval pattern. (transformers' kernel, in eval mode, points every
+random block at block 0 instead; see the model card.)
+
+How the fast path computes it: the middle query blocks go through one batched call of PyTorch's fused
+``scaled_dot_product_attention``; each query block gets its ``5 + r`` key blocks (two global, three window, ``r``
+random) gathered in one indexing step, with an additive ``0 / -inf`` mask for padding keys and for slots that
+repeat a block already present (the window of block 1 contains global block 0). The two global query blocks of
+every example take a second, dense SDPA call over all keys. Cost is linear in the length. ``dense_reference``
+applies exactly the same pattern as a ``(seq, seq)`` mask to ordinary attention: the test oracle, and the path
+used for ``output_attentions``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionOutput, merge_heads, split_heads
+from .full import HfxFullSelfAttention
+
+ATTENTION_TYPES = ("block_sparse", "original_full")
+
+
+class BlockPlan(NamedTuple):
+    """Where the blocks of a (padded) batch are; built by :meth:`HfxBlockSparseSelfAttention.plan`."""
+
+    key_mask: torch.Tensor
+    """``(batch, num_blocks * b)`` bool, True for keys that may be attended to."""
+    last_block: torch.Tensor
+    """``(batch,)`` long: each example's last (global) block."""
+    random: torch.Tensor
+    """``(batch, heads, num_blocks, r)`` long: random key blocks of each query block (0 where not valid)."""
+    random_valid: torch.Tensor
+    """``(batch, num_blocks, r)`` bool: which random slots hold a block."""
+
+
+class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
+    """BigBird self-attention of one layer (see the module docstring for the exact pattern).
+
+    ``config.attention_type`` is ``"block_sparse"`` or ``"original_full"`` (plain softmax attention over every
+    non-padding key, exactly transformers' ``original_full``). ``attentions`` (with ``output_attentions=True``):
+    ``(batch, heads, seq_len, seq_len)`` probabilities, zero outside the pattern.
+    """
+
+    supports_global_attention = False
+
+    def __init__(self, config, layer_idx: int = 0) -> None:
+        super().__init__(config, layer_idx)
+        self.attention_type = config.attention_type
+        self.block_size = config.block_size
+        self.num_random_blocks = config.num_random_blocks
+        self.fixed_random_blocks = config.fixed_random_blocks
+        # One seed per layer, so layers do not share their random pattern.
+        self.seed = (int(config.random_seed) * 1_000_003 + layer_idx) % (2**62)
+        self._seeded_blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ----- the random pattern ------------------------------------------------------------------------------
+    def random_blocks(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random key blocks for an example with blocks ``0 .. num_blocks - 1``.
+
+        Row ``i`` (a middle block, ``1 <= i <= num_blocks - 2``) draws ``r`` distinct blocks among
+        ``1 .. num_blocks - 2`` minus ``i - 1, i, i + 1``; when fewer are left it takes them all and the other
+        slots are marked invalid. Rows ``0`` and ``num_blocks - 1`` (global) have no valid slot.
+
+        Returns:
+            ``(heads, num_blocks, r)`` long block indices (0 in invalid slots) and ``(num_blocks, r)`` bool
+            validity, on the CPU.
+        """
+        r, heads = self.num_random_blocks, self.num_heads
+        seeded = not self.training or self.fixed_random_blocks
+        if seeded and num_blocks in self._seeded_blocks:
+            return self._seeded_blocks[num_blocks]
+        i = torch.arange(num_blocks)[:, None]
+        j = torch.arange(num_blocks)[None, :]
+        middle = (i >= 1) & (i <= num_blocks - 2)
+        allowed = middle & (j >= 1) & (j <= num_blocks - 2) & ((i - j).abs() > 1)
+        valid = torch.arange(r)[None, :] < allowed.sum(-1, keepdim=True)
+        if r == 0:
+            chosen = torch.zeros(heads, num_blocks, 0, dtype=torch.long)
+        else:
+            generator = torch.Generator().manual_seed(self.seed * 65_537 + num_blocks) if seeded else None
+            # The r allowed blocks with the smallest uniform scores: a uniform draw without replacement.
+            scores = torch.rand(heads, num_blocks, num_blocks, generator=generator).masked_fill(~allowed, 2.0)
+            chosen = scores.topk(min(r, num_blocks), dim=-1, largest=False).indices
+            chosen = F.pad(chosen, (0, r - chosen.shape[-1])).masked_fill(~valid, 0)
+        if seeded:
+            self._seeded_blocks[num_blocks] = (chosen, valid)
+        return chosen, valid
+
+    def plan(self, attention_mask: torch.Tensor) -> BlockPlan:
+        """Blocks, global blocks and random blocks of a batch.
+
+        Args:
+            attention_mask: ``(batch, seq_len)`` bool, True for real tokens.
+        """
+        batch, length = attention_mask.shape
+        b, r, device = self.block_size, self.num_random_blocks, attention_mask.device
+        num_blocks = -(-length // b)
+        # An example of pure padding would have no key at all (NaN): let it see everything, its output is zeroed.
+        key_mask = attention_mask | ~attention_mask.any(-1, keepdim=True)
+        positions = torch.arange(length, device=device)
+        last_block = torch.where(key_mask, positions, -1).amax(-1) // b
+        key_mask = F.pad(key_mask, (0, num_blocks * b - length), value=False)
+        random = torch.zeros(batch, self.num_heads, num_blocks, r, dtype=torch.long, device=device)
+        random_valid = torch.zeros(batch, num_blocks, r, dtype=torch.bool, device=device)
+        for count in sorted(set((last_block + 1).tolist())):
+            chosen, valid = self.random_blocks(count)
+            rows = last_block + 1 == count
+            random[rows, :, :count] = chosen.to(device)
+            random_valid[rows, :count] = valid.to(device)
+        return BlockPlan(key_mask, last_block, random, random_valid)
+
+    # ----- forward ----------------------------------------------------------------------------------------
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> AttentionOutput:
+        """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, hidden)``."""
+        if self.attention_type == "original_full":
+            return super().forward(hidden_states, attention_mask, None, output_attentions)
+        batch, length, _ = hidden_states.shape
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, length, dtype=torch.bool, device=hidden_states.device)
+        plan = self.plan(attention_mask)
+        if output_attentions:
+            context, probs = self.dense_reference(hidden_states, attention_mask, plan, output_attentions=True)
+            return AttentionOutput(context, probs)
+        return AttentionOutput(self._block_sparse(hidden_states, attention_mask, plan))
+
+    def _project(self, hidden_states: torch.Tensor, padded_length: int) -> tuple[torch.Tensor, ...]:
+        """Q, K, V of the input padded to ``padded_length`` rows: each ``(batch, heads, padded_length, dim)``."""
+        # Padding the input (not q, k and v) costs one pad instead of three.
+        padded = F.pad(hidden_states, (0, 0, 0, padded_length - hidden_states.shape[1]))
+        return tuple(split_heads(f(padded), self.num_heads) for f in (self.query, self.key, self.value))
+
+    def _block_sparse(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
+        """The fast path. Shapes inside: ``nb`` blocks of ``b`` tokens, ``m = nb - 1`` middle query blocks (all but
+        block 0, which is global in every example), ``s = 5 + r`` key blocks per query block."""
+        batch, length, hidden = hidden_states.shape
+        heads, dim, b = self.num_heads, self.head_dim, self.block_size
+        nb = plan.key_mask.shape[1] // b
+        q, k, v = self._project(hidden_states, nb * b)
+        dropout = self.dropout_p if self.training else 0.0
+        qb = q.view(batch, heads, nb, b, dim)
+        rows = torch.arange(batch, device=q.device)
+
+        # Global query blocks 0 and `last` of every example: dense attention over all real keys.
+        global_q = torch.cat([qb[:, :, 0], qb[rows, :, plan.last_block]], dim=2)  # (batch, heads, 2b, dim)
+        global_out = F.scaled_dot_product_attention(
+            global_q, k, v, attn_mask=plan.key_mask[:, None, None, :], dropout_p=dropout
+        )
+        # A copy: block `last` is written into `out` below, and SDPA keeps its output for the backward pass.
+        out = global_out[:, :, None, :b].clone()  # (batch, heads, 1, b, dim)
+
+        if nb > 1:
+            m, r = nb - 1, self.num_random_blocks
+            middle = torch.arange(1, nb, device=q.device)
+            last = plan.last_block[:, None, None, None]
+            # Key blocks of every middle query block: [0, last, i - 1, i, i + 1, random...], (batch, heads, m, s).
+            window = middle[:, None] + torch.arange(-1, 2, device=q.device)
+            blocks = torch.cat(
+                [
+                    torch.zeros(batch, heads, m, 1, dtype=torch.long, device=q.device),
+                    last.expand(batch, heads, m, 1),
+                    window.clamp(max=nb - 1).expand(batch, heads, m, 3),
+                    plan.random[:, :, 1:],
+                ],
+                dim=-1,
+            )
+            # A slot counts once: `last` only when it is not block 0, window blocks only strictly between the
+            # global blocks (the others are global already, or pure padding), random slots as drawn.
+            valid = torch.cat(
+                [
+                    torch.ones(batch, 1, m, 1, dtype=torch.bool, device=q.device),
+                    (last > 0).expand(batch, 1, m, 1),
+                    (window > 0) & (window < last),
+                    plan.random_valid[:, None, 1:],
+                ],
+                dim=-1,
+            )
+            head_idx = torch.arange(heads, device=q.device)[None, :, None, None]
+            batch_idx = rows[:, None, None, None]
+            # One gather each (a copy, as every block-sparse kernel needs): (batch * heads, m, s * b, dim). Keys and
+            # values are first made contiguous per head, so that every block is one contiguous (b, dim) slab and
+            # index_select copies whole slabs (about 30% faster than advanced indexing into the strided view).
+            flat = ((batch_idx * heads + head_idx) * nb + blocks).reshape(-1)
+            kb = k.contiguous().view(-1, b, dim).index_select(0, flat).view(batch * heads, m, -1, dim)
+            vb = v.contiguous().view(-1, b, dim).index_select(0, flat).view(batch * heads, m, -1, dim)
+            key_ok = plan.key_mask.view(batch, nb, b)[batch_idx, blocks] & valid[..., None]  # (batch, heads, m, s, b)
+            neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
+            bias = torch.where(key_ok, 0.0, neg_inf).view(batch * heads, m, 1, (5 + r) * b)
+            middle_q = qb[:, :, 1:].reshape(batch * heads, m, b, dim)
+            middle_out = F.scaled_dot_product_attention(middle_q, kb, vb, attn_mask=bias, dropout_p=dropout)
+            out = torch.cat([out, middle_out.view(batch, heads, m, b, dim)], dim=2)
+        # Block `last` (possibly 0 again) takes its global result.
+        out[rows, :, plan.last_block] = global_out[:, :, b:]
+        context = merge_heads(out.view(batch, heads, nb * b, dim))[:, :length]
+        return context.masked_fill(~attention_mask[..., None], 0.0)
+
+    # ----- the oracle -------------------------------------------------------------------------------------
+    def pattern_mask(self, plan: BlockPlan, length: int) -> torch.Tensor:
+        """The attention pattern as a dense mask: ``(batch, heads, length, length)`` bool, True where query
+        (row) may attend to key (column). Built from the definition, independently of the fast path."""
+        b = self.block_size
+        batch, heads, nb, _ = plan.random.shape
+        i = torch.arange(nb, device=plan.key_mask.device)[:, None]
+        j = torch.arange(nb, device=plan.key_mask.device)[None, :]
+        last = plan.last_block[:, None, None, None]
+        blocks = (i == 0) | (i == last) | (j == 0) | (j == last) | ((i - j).abs() <= 1)
+        chosen = torch.zeros(batch, heads, nb, nb, dtype=torch.long, device=blocks.device)
+        chosen.scatter_add_(-1, plan.random, plan.random_valid[:, None].expand_as(plan.random).long())
+        blocks = blocks | (chosen > 0)
+        tokens = blocks.repeat_interleave(b, dim=-1).repeat_interleave(b, dim=-2)
+        return (tokens & plan.key_mask[:, None, None, :])[:, :, :length, :length]
+
+    def dense_reference(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        plan: BlockPlan | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ "Simulated sparse" attention: ordinary softmax attention with :meth:`pattern_mask` as the mask.
+
+        Quadratic in memory; the oracle the fast path is tested against and the ``output_attentions`` path.
+
+        Returns:
+            context ``(batch, seq_len, hidden)`` and, if ``output_attentions``, probabilities
+            ``(batch, heads, seq_len, seq_len)``.
+        """
+        batch, length, _ = hidden_states.shape
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, length, dtype=torch.bool, device=hidden_states.device)
+        plan = self.plan(attention_mask) if plan is None else plan
+        q, k, v = self._project(hidden_states, length)
+        allowed = self.pattern_mask(plan, length)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = probs.masked_fill(~attention_mask[:, None, :, None], 0.0)
+        context = torch.matmul(F.dropout(probs, self.dropout_p, self.training), v)
+        context = merge_heads(context).masked_fill(~attention_mask[..., None], 0.0)
+        return context, (probs if output_attentions else None)

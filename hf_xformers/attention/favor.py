@@ -1,0 +1,351 @@
+"""Performer attention: FAVOR+ (Choromanski et al., 2021), softmax attention through positive random features.
+
+Semantics. Softmax attention ``softmax(q k^T / sqrt(d)) v`` is ``D^-1 A v`` with ``A_ij = exp(q_i . k_j / sqrt(d))``.
+FAVOR+ writes ``exp(x . y) = E_w[phi(x) . phi(y)]`` with positive features (``x_hat = x * d^-1/4``)::
+
+    phi(x)_r = m^-1/2 * exp(w_r . x_hat - |x_hat|^2 / 2)        r = 1 .. m,  w_r = rows of the projection (m, d)
+
+and replaces ``A`` by ``phi(Q) phi(K)^T``. Never forming that ``(n, n)`` product, the output is::
+
+    out_i = phi(q_i) . (sum_j phi(k_j) v_j^T)  /  phi(q_i) . (sum_j phi(k_j))         (bidirectional)
+    out_i = the same with sums over j <= i only                                        (causal, prefix sums)
+
+at a cost linear in the sequence length. The rows ``w_r`` are *orthogonal random features*: blocks of ``d``
+exactly orthogonal Gaussian directions (QR of a Gaussian matrix), each row rescaled to the length of a
+Gaussian vector, which lowers the variance of the estimate compared with i.i.d. Gaussian rows.
+
+Numerics, and why each choice:
+
+* Stabilisers. ``exp`` overflows for large logits, so a constant is subtracted inside the exponential: per
+  query row (the max over that row's features), and for keys one constant per (batch element, head), the
+  max over that example's real keys and features. Either constant cancels between numerator and denominator,
+  so the result does not depend on it; a constant shared across the batch would (through under/overflow)
+  make an example's output depend on its batch-mates, which is why there is none.
+* ``eps`` (1e-6 of a row's largest feature) is added to the *query* features only: it keeps every denominator
+  positive (at least one key feature is 1 after stabilising) while the key stabiliser still cancels exactly.
+* Constant factors (``m^-1/2``; for a query row ``exp(-|q_hat|^2 / 2)``) cancel the same way and are not computed.
+* Padding: padded keys get features of exactly zero (their logits are set to ``-inf`` before the exponential
+  and before the key stabiliser is taken), so they contribute nothing and do not move the stabiliser.
+* Features and the attention sums are computed in float32 whatever the input dtype, the causal prefix sums
+  included; the result is cast back.
+
+The generalized kernel option (``kernel="relu"``) uses ``phi(x) = relu(W x_hat) + 1e-3`` instead: a different
+(not softmax) attention kernel from the same paper, cheaper and without exponentials.
+
+Causal attention is computed in chunks of ``chunk_size`` positions: inside a chunk a small masked quadratic
+product, across chunks an exclusive prefix sum (``cumsum``) of the per-chunk ``phi(K)^T V`` states. That is the
+prefix-sum formulation with one stored state per chunk instead of per position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+from .base import AttentionOutput, QKVProjection, merge_heads, split_heads
+
+KERNELS = ("softmax", "relu")
+QUERY_EPS = 1e-6
+RELU_EPS = 1e-3
+CAUSAL_CHUNK_SIZE = 64
+
+
+def default_num_features(head_dim: int) -> int:
+    """``int(d * ln d)`` random features for head size ``d`` (the paper's choice; 266 for ``d = 64``)."""
+    return max(1, int(head_dim * math.log(head_dim)))
+
+
+def draw_random_features(
+    num_features: int, head_dim: int, generator: torch.Generator, orthogonal: bool = True
+) -> torch.Tensor:
+    """Random projection rows ``w_r`` for FAVOR+.
+
+    Args:
+        num_features: ``m``, rows to draw.
+        head_dim: ``d``.
+        generator: CPU generator the draw comes from (the caller seeds it).
+        orthogonal: blocks of ``d`` mutually orthogonal rows (QR of Gaussian matrices, signs fixed so each block
+            is Haar-distributed), rows rescaled to the norms of independent Gaussian vectors (chi-distributed,
+            so each row on its own is still a Gaussian vector). False: plain i.i.d. ``N(0, 1)`` rows.
+
+    Returns:
+        ``(num_features, head_dim)`` float32 tensor on CPU.
+    """
+    if not orthogonal:
+        return torch.randn(num_features, head_dim, generator=generator)
+    blocks = []
+    for _ in range(-(-num_features // head_dim)):
+        q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator))
+        # QR alone is not uniformly distributed over rotations; fixing the signs by diag(R) makes it so.
+        q = q * torch.sign(torch.diagonal(r))
+        blocks.append(q.T)
+    rows = torch.cat(blocks)[:num_features]
+    norms = torch.randn(num_features, head_dim, generator=generator).norm(dim=1)
+    return rows * norms[:, None]
+
+
+def softmax_kernel_features(
+    x: torch.Tensor, projection: torch.Tensor, is_query: bool, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Positive random features ``phi(x)`` of FAVOR+ (module docstring), stabilised, up to constant factors.
+
+    Factors that are the same for every feature of a query row (``m^-1/2``, ``exp(-|q_hat|^2/2)``, the row's
+    stabiliser), or for every key of an example and head (``m^-1/2``, the key stabiliser), cancel between the
+    numerator and the denominator of the attention, so they are left out:
+
+    * queries: ``exp(w_r . q_hat - max_r' w_r' . q_hat)`` (the largest feature of each row is 1);
+    * keys: ``exp(w_r . k_hat - |k_hat|^2 / 2 - s)`` with ``s`` the max of the exponent over the example's real keys
+      and all features (per batch element and head); padded keys get exactly 0.
+
+    Computed in place on one ``(batch, heads, seq, m)`` buffer (every step is autograd-safe in place), which matters
+    on CPU where each fresh tensor of that size costs page faults.
+
+    Args:
+        x: ``(batch, heads, seq, d)`` queries or keys (float32).
+        projection: ``(m, d)`` random rows.
+        is_query: which of the two stabilisers to use.
+        key_mask: ``(batch, seq)`` bool, True for real tokens (keys only).
+
+    Returns:
+        ``(batch, heads, seq, m)``.
+    """
+    head_dim = x.shape[-1]
+    logits = torch.matmul(x, projection.T * head_dim**-0.25)  # w_r . x_hat
+    if is_query:
+        # Detached: the stabiliser cancels in the normalisation, so it carries no gradient either way.
+        return logits.sub_(logits.detach().amax(-1, keepdim=True)).exp_()
+    logits.sub_((0.5 * head_dim**-0.5) * x.pow(2).sum(-1, keepdim=True))  # - |k_hat|^2 / 2
+    if key_mask is not None and not bool(key_mask.all()):
+        # -inf before the max and the exponential: padded keys neither move the stabiliser nor count.
+        logits.masked_fill_(~key_mask[:, None, :, None], float("-inf"))
+    stabiliser = logits.detach().amax(dim=(-2, -1), keepdim=True)
+    # An example made only of padding has no real key: any finite stabiliser will do (its features are all 0).
+    stabiliser = torch.where(torch.isfinite(stabiliser), stabiliser, torch.zeros_like(stabiliser))
+    return logits.sub_(stabiliser).exp_()
+
+
+def relu_kernel_features(
+    x: torch.Tensor, projection: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Generalized-kernel features ``relu(W x_hat) + 1e-3`` (zero for padded keys).
+
+    Args:
+        x: ``(batch, heads, seq, d)``; projection: ``(m, d)``; key_mask: ``(batch, seq)`` bool or None.
+
+    Returns:
+        ``(batch, heads, seq, m)``.
+    """
+    features = torch.relu(torch.matmul(x, projection.T * x.shape[-1] ** -0.25)) + RELU_EPS
+    if key_mask is not None:
+        features = features * key_mask[:, None, :, None].to(features.dtype)
+    return features
+
+
+def _with_ones(value: torch.Tensor) -> torch.Tensor:
+    """``(..., seq, e)`` -> ``(..., seq, e + 1)``: a column of ones, so that the normaliser ``sum_j phi(k_j)`` comes
+    out of the same products as the numerator (its last column)."""
+    return torch.cat([value, value.new_ones(*value.shape[:-1], 1)], dim=-1)
+
+
+def _normalise(out: torch.Tensor) -> torch.Tensor:
+    """``(..., e + 1)`` numerator and denominator -> ``(..., e)``. Only a query with no real key at all has a zero
+    denominator; its numerator is zero too, and so is its output."""
+    return out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(out.dtype).tiny)
+
+
+def linear_attention(
+    query_features: torch.Tensor, key_features: torch.Tensor, value: torch.Tensor, query_eps: float = 0.0
+) -> torch.Tensor:
+    """Bidirectional ``D^-1 (phi(Q) + eps) (phi(K)^T V)``.
+
+    Args:
+        query_features, key_features: ``(batch, heads, seq, m)``; value: ``(batch, heads, seq, e)``.
+        query_eps: added to every query feature (keeps denominators positive).
+
+    Returns:
+        ``(batch, heads, seq, e)``.
+    """
+    state = torch.matmul(key_features.transpose(-1, -2), _with_ones(value))  # (b, h, m, e + 1)
+    out = torch.matmul(query_features, state)
+    if query_eps:
+        out = out + query_eps * state.sum(-2, keepdim=True)  # (phi(q) + eps) . state, without adding eps to phi(q)
+    return _normalise(out)
+
+
+def causal_linear_attention(
+    query_features: torch.Tensor,
+    key_features: torch.Tensor,
+    value: torch.Tensor,
+    chunk_size: int = CAUSAL_CHUNK_SIZE,
+    query_eps: float = 0.0,
+) -> torch.Tensor:
+    """Causal ``out_i = q_i . S_i / q_i . z_i`` with ``q_i = phi(q_i) + eps``, ``S_i = sum_{j<=i} phi(k_j) v_j^T`` and
+    ``z_i = sum_{j<=i} phi(k_j)``, by chunked prefix sums.
+
+    Within a chunk of ``c`` positions: ``(q_c phi(K_c)^T * lower-triangle) V_c``; from earlier chunks: an exclusive
+    cumulative sum over chunks of ``phi(K_c)^T V_c``. The normaliser ``z`` rides along as an extra value column of
+    ones. Memory: ``(seq / c) * m * (e + 1)`` per (batch, head) for the states.
+
+    Args:
+        query_features, key_features: ``(batch, heads, seq, m)`` float32; value: ``(batch, heads, seq, e)`` float32.
+        chunk_size: ``c``.
+        query_eps: added to every query feature.
+
+    Returns:
+        ``(batch, heads, seq, e)``.
+    """
+    batch, heads, length, num_features = query_features.shape
+    value = _with_ones(value)
+    dim = value.shape[-1]
+    pad = (-length) % chunk_size
+    if pad:
+        # Zero features and values: the padded positions add nothing to any sum.
+        query_features, key_features, value = (
+            torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (query_features, key_features, value)
+        )
+    chunks = (length + pad) // chunk_size
+    q = query_features.view(batch, heads, chunks, chunk_size, num_features)
+    k = key_features.view(batch, heads, chunks, chunk_size, num_features)
+    v = value.view(batch, heads, chunks, chunk_size, dim)
+    scores = torch.matmul(q, k.transpose(-1, -2))  # (b, h, chunks, c, c)
+    if query_eps:
+        scores = scores + query_eps * k.sum(-1).unsqueeze(-2)
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    within = torch.matmul(scores.masked_fill(~causal, 0.0), v)
+    states = torch.matmul(k.transpose(-1, -2), v).cumsum(dim=2)  # (b, h, chunks, m, e + 1), inclusive, float32
+    before = torch.cat([torch.zeros_like(states[:, :, :1]), states[:, :, :-1]], dim=2)  # exclusive prefix sum
+    across = torch.matmul(q, before)
+    if query_eps:
+        across = across + query_eps * before.sum(-2, keepdim=True)
+    out = (within + across).view(batch, heads, chunks * chunk_size, dim)[:, :, :length]
+    return _normalise(out)
+
+
+def dense_kernel_attention(
+    query_features: torch.Tensor,
+    key_features: torch.Tensor,
+    value: torch.Tensor,
+    causal: bool = False,
+    query_eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quadratic oracle of :func:`linear_attention` / :func:`causal_linear_attention`: the same features, with
+    the ``(seq, seq)`` attention matrix formed explicitly (and lower-triangular when ``causal``).
+
+    Returns:
+        ``(out, probs)``: ``(batch, heads, seq, e)`` and ``(batch, heads, seq, seq)`` (rows sum to 1).
+    """
+    scores = torch.matmul(query_features + query_eps, key_features.transpose(-1, -2))
+    if causal:
+        scores = scores.tril()
+    probs = scores / scores.sum(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+    return torch.matmul(probs, value), probs
+
+
+def favor_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    projection: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    kernel: str = "softmax",
+    output_attentions: bool = False,
+    chunk_size: int = CAUSAL_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """FAVOR+ attention of split heads.
+
+    Args:
+        query, key, value: ``(batch, heads, seq, d)``.
+        projection: ``(m, d)`` random feature rows.
+        attention_mask: ``(batch, seq)`` bool, True for real tokens, or None.
+        causal: query ``i`` sees keys ``j <= i`` only.
+        kernel: ``"softmax"`` (FAVOR+ positive features) or ``"relu"`` (generalized kernel).
+        output_attentions: also return the implied ``(batch, heads, seq, seq)`` attention matrix (quadratic).
+
+    Returns:
+        ``(context, probs)``: context ``(batch, heads, seq, d)`` in ``value``'s dtype; probs or None.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"Unknown FAVOR kernel {kernel!r}; use one of {KERNELS} (config.favor_kernel).")
+    dtype = value.dtype
+    query, key, value, projection = (t.float() for t in (query, key, value, projection))
+    if kernel == "softmax":
+        query_features = softmax_kernel_features(query, projection, is_query=True)
+        key_features = softmax_kernel_features(key, projection, is_query=False, key_mask=attention_mask)
+        eps = QUERY_EPS
+    else:
+        query_features = relu_kernel_features(query, projection)
+        key_features = relu_kernel_features(key, projection, key_mask=attention_mask)
+        eps = 0.0
+    if causal:
+        context = causal_linear_attention(query_features, key_features, value, chunk_size, eps)
+    else:
+        context = linear_attention(query_features, key_features, value, eps)
+    probs = None
+    if output_attentions:
+        probs = dense_kernel_attention(query_features, key_features, value, causal, eps)[1].to(dtype)
+    return context.to(dtype), probs
+
+
+def _draw_seed(seed: int, layer_idx: int, draw: int) -> int:
+    """A 63-bit seed for draw number ``draw`` of layer ``layer_idx``: layers get different features, and the
+    sequence of redraws is the same on every run and every process (so DDP ranks stay in step)."""
+    digest = hashlib.sha256(f"hfx-performer:{seed}:{layer_idx}:{draw}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class HfxFavorSelfAttention(QKVProjection):
+    """FAVOR+ self-attention of one Performer layer (module docstring for the maths).
+
+    Config fields used: ``num_random_features`` (None: ``int(d ln d)``), ``favor_kernel`` (``"softmax"`` or
+    ``"relu"``), ``orthogonal_features``, ``random_feature_seed``, ``is_decoder`` (causal attention).
+    ``attention_probs_dropout_prob`` is not used: the attention matrix is never formed, so there are no
+    probabilities to drop.
+
+    Buffers (saved with the checkpoint): ``projection_matrix`` ``(m, head_dim)``, and ``num_redraws``, the index of
+    the current draw. Draw ``t`` of layer ``l`` is seeded by ``(random_feature_seed, l, t)``: a fresh model from the
+    same config has the same features, and :meth:`redraw_projection` is the only thing that changes them.
+
+    ``attentions`` (with ``output_attentions=True``): the implied attention matrix ``(batch, heads, seq_len, seq_len)``
+    (formed explicitly, quadratic in memory); the context is the linear-time one either way.
+    """
+
+    supports_global_attention = False
+
+    def __init__(self, config, layer_idx: int = 0) -> None:
+        super().__init__(config.hidden_size, config.num_attention_heads)
+        self.layer_idx = layer_idx
+        self.num_features = config.num_random_features or default_num_features(self.head_dim)
+        self.kernel = config.favor_kernel
+        self.orthogonal = config.orthogonal_features
+        self.seed = config.random_feature_seed
+        self.causal = bool(getattr(config, "is_decoder", False))
+        self.register_buffer("projection_matrix", self.draw_projection_matrix(0))
+        self.register_buffer("num_redraws", torch.zeros((), dtype=torch.long))
+
+    def draw_projection_matrix(self, draw: int) -> torch.Tensor:
+        """Draw number ``draw`` of this layer's ``(num_features, head_dim)`` projection (float32, CPU)."""
+        generator = torch.Generator().manual_seed(_draw_seed(self.seed, self.layer_idx, draw))
+        return draw_random_features(self.num_features, self.head_dim, generator, self.orthogonal)
+
+    @torch.no_grad()
+    def redraw_projection(self) -> None:
+        """Replace the projection by the next draw of this layer's sequence (in place, same device and dtype)."""
+        self.num_redraws += 1
+        fresh = self.draw_projection_matrix(int(self.num_redraws))
+        self.projection_matrix.copy_(fresh.to(self.projection_matrix))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> AttentionOutput:
+        q, k, v = (split_heads(x, self.num_heads) for x in self.fused_qkv(hidden_states))
+        context, probs = favor_attention(
+            q, k, v, self.projection_matrix, attention_mask, self.causal, self.kernel, output_attentions
+        )
+        return AttentionOutput(merge_heads(context), probs)

@@ -1,0 +1,191 @@
+"""Linformer attention (Wang et al., 2020): keys and values projected along the sequence to a fixed length ``k``.
+
+Semantics, per head, for an input of ``L <= n`` tokens (``n`` = the configured maximum length)::
+
+    K' = E[:L]^T K        V' = F[:L]^T V          E, F: (n, k) learned, K, V: (L, d) with padded rows zeroed
+    out = softmax(Q K'^T / sqrt(d)) V'            (L, k) attention instead of (L, L)
+
+so time and memory are linear in ``L``. Details:
+
+* Inputs shorter than ``n`` use the leading ``L`` rows of ``E`` and ``F``; an input longer than ``n`` raises a
+  ``ValueError`` (``n`` comes from ``max_position_embeddings``: it is ``max_position_embeddings - pad_token_id - 1``,
+  the tokens the position table serves).
+* Padded positions are zeroed in ``K`` and ``V`` before the projection, so they add nothing to ``K'`` and ``V'``:
+  a right-padded batch gives each example the result it gets alone.
+* A projected position that no real token feeds (its columns of ``E`` and ``F`` are zero on every real position,
+  e.g. the pooling blocks past the end of a short input after a conversion) holds a zero key and a zero value; it
+  is masked like padding rather than left to soak up attention. With learned, dense ``E`` and ``F`` this never
+  happens.
+* Sharing (``config.linformer_sharing``), from the paper's section 4:
+
+  ============  ==============================================================================
+  ``none``      each head of each layer has its own ``E`` and ``F`` (``2 * heads`` matrices per layer)
+  ``headwise``  one ``E`` and one ``F`` per layer, shared by its heads (fairseq's default)
+  ``kv``        one matrix per layer used as both ``E`` and ``F``, shared by its heads
+  ``layerwise`` one matrix for every layer, head, keys and values; the base model owns it and passes
+                it to each layer's attention
+  ============  ==============================================================================
+
+Attention dropout applies to the ``(L, k)`` probabilities, as in the paper.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import AttentionOutput, QKVProjection, merge_heads, split_heads
+
+SHARING_MODES = ("none", "headwise", "kv", "layerwise")
+
+
+def linformer_max_length(config) -> int:
+    """``n``: the longest input, i.e. the tokens the RoBERTa-style position table serves."""
+    return config.max_position_embeddings - config.pad_token_id - 1
+
+
+class HfxSequenceProjection(nn.Module):
+    """``count`` projection matrices ``(n, k)`` along the sequence (``E`` or ``F``), one per head or one shared.
+
+    ``weight``: ``(count, n, k)``. Initialised uniformly in ``+-sqrt(3 / (n + k))`` (Xavier-uniform with gain
+    ``1/sqrt(2)``, fairseq's Linformer init), which keeps projected keys and values at about the scale of a single
+    key or value.
+    """
+
+    def __init__(self, max_length: int, projected_length: int, count: int = 1) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(count, max_length, projected_length))
+        self.reset_parameters()
+
+    @property
+    def init_bound(self) -> float:
+        _, n, k = self.weight.shape
+        return math.sqrt(3.0 / (n + k))
+
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.weight, -self.init_bound, self.init_bound)
+
+
+class HfxLowRankSelfAttention(QKVProjection):
+    """Linformer self-attention of one layer (module docstring for the semantics).
+
+    Built as ``HfxLowRankSelfAttention(config, layer_idx)``; with ``linformer_sharing="layerwise"`` also pass
+    ``shared_projection`` (an :class:`HfxSequenceProjection` with ``count=1`` owned by the base model; it is kept
+    as a reference, not registered here, so the checkpoint holds it once).
+
+    ``attentions`` (with ``output_attentions=True``): ``(batch, heads, seq_len, k)``, probabilities over the
+    projected positions.
+    """
+
+    supports_global_attention = False
+
+    def __init__(self, config, layer_idx: int = 0, shared_projection: HfxSequenceProjection | None = None) -> None:
+        super().__init__(config.hidden_size, config.num_attention_heads)
+        self.max_length = linformer_max_length(config)
+        self.projected_length = config.linformer_k
+        self.sharing = config.linformer_sharing
+        self.dropout_p = config.attention_probs_dropout_prob
+        self._support_cache: tuple | None = None  # (E, F, key, support) for unpadded inputs
+        n, k = self.max_length, self.projected_length
+        if self.sharing == "none":
+            self.key_projection = HfxSequenceProjection(n, k, count=self.num_heads)
+            self.value_projection = HfxSequenceProjection(n, k, count=self.num_heads)
+        elif self.sharing == "headwise":
+            self.key_projection = HfxSequenceProjection(n, k)
+            self.value_projection = HfxSequenceProjection(n, k)
+        elif self.sharing == "kv":
+            self.kv_projection = HfxSequenceProjection(n, k)
+        elif self.sharing == "layerwise":
+            if shared_projection is None:
+                raise ValueError(
+                    "linformer_sharing='layerwise' uses one projection for all layers: build the attention through "
+                    "HfxLinformerModel, or pass shared_projection=HfxSequenceProjection(n, k)."
+                )
+            # A tuple hides the module from nn.Module's registration: the base model owns (and saves) it once.
+            self._shared = (shared_projection,)
+        else:
+            raise ValueError(f"linformer_sharing must be one of {SHARING_MODES}, got {self.sharing!r}.")
+
+    def projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(E, F)``, each ``(count, n, k)`` with ``count`` = heads (``none``) or 1; the same tensor when shared."""
+        if self.sharing in ("none", "headwise"):
+            return self.key_projection.weight, self.value_projection.weight
+        shared = self.kv_projection if self.sharing == "kv" else self._shared[0]
+        return shared.weight, shared.weight
+
+    def _project(self, x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+        """``(batch, L, hidden)`` -> ``(batch, heads, k, head_dim)`` through ``matrix`` ``(count, L, k)``."""
+        if matrix.shape[0] == 1:
+            # One matrix for all heads: a single (k, L) @ (L, hidden) product before splitting heads.
+            return split_heads(torch.matmul(matrix[0].T, x), self.num_heads)
+        return torch.matmul(matrix.transpose(1, 2), split_heads(x, self.num_heads))
+
+    def _support_mask(
+        self, padding: torch.Tensor | None, key_weight: torch.Tensor, value_weight: torch.Tensor, length: int
+    ) -> torch.Tensor | None:
+        """``(batch or 1, count, 1, k)`` bool: True where a projected position draws on some real token (its column
+        of ``E`` or of ``F`` is non-zero there); None if every position does.
+
+        Args:
+            padding: ``(batch, L)`` bool mask of real tokens, or None when there is no padding.
+            key_weight, value_weight: the full ``(count, n, k)`` ``E`` and ``F``; their first ``length`` rows are used.
+        """
+
+        def nonzero() -> torch.Tensor:  # (count, L, k)
+            return (key_weight.detach()[:, :length] != 0) | (value_weight.detach()[:, :length] != 0)
+
+        if padding is None:
+            # Depends on the weights only: cached until they change. In-place updates (optimizer steps, copy_) bump
+            # ``_version``; moves and casts change ``data_ptr``; a replaced tensor fails the identity check.
+            key = tuple((w.data_ptr(), w._version) for w in (key_weight, value_weight)) + (length,)
+            cached = self._support_cache
+            if cached is None or cached[0] is not key_weight or cached[1] is not value_weight or cached[2] != key:
+                cached = (key_weight, value_weight, key, nonzero().any(dim=1)[None, :, None, :])  # (1, count, 1, k)
+                self._support_cache = cached
+            support = cached[3]
+        else:
+            real = padding[:, None, None, :].to(key_weight.dtype)
+            support = torch.matmul(real, nonzero().to(key_weight.dtype)[None]) > 0
+        if bool(support.all()):
+            return None
+        # An example without any real token would have no key at all (NaN); let it see everything, it is ignored.
+        return support | ~support.any(-1, keepdim=True)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> AttentionOutput:
+        batch, length, _ = hidden_states.shape
+        if length > self.max_length:
+            raise ValueError(
+                f"Linformer projects keys and values from at most {self.max_length} positions, got {length}. "
+                "Raise config.max_position_embeddings (the projections E, F have max_position_embeddings - "
+                "pad_token_id - 1 rows) or truncate the input."
+            )
+        query, key, value = self.fused_qkv(hidden_states)
+        q = split_heads(query, self.num_heads)
+        padding = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
+        if padding is not None:
+            # Zeroed before projecting: padding must not leak into the compressed keys and values.
+            pad = ~padding[..., None]
+            key, value = key.masked_fill(pad, 0.0), value.masked_fill(pad, 0.0)
+        key_weight, value_weight = self.projections()
+        k = self._project(key, key_weight[:, :length])
+        v = self._project(value, value_weight[:, :length])
+        mask = self._support_mask(padding, key_weight, value_weight, length)
+        dropout = self.dropout_p if self.training else 0.0
+        if not output_attentions:
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            return AttentionOutput(merge_heads(context))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        context = torch.matmul(F.dropout(probs, dropout, self.training), v)
+        return AttentionOutput(merge_heads(context), probs)

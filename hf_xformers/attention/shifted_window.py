@@ -1,0 +1,229 @@
+"""Swin's (shifted) window self-attention with a learned relative position bias (Liu et al., 2021).
+
+Semantics, for a feature map of ``H x W`` tokens, window ``M`` (``config.window_size``) and the layer's shift
+``S`` (0 or ``M // 2``):
+
+* **Window and shift per call** (transformers' rule, so results match its Swin): when the map is no larger than
+  the window (``min(H, W) <= M``) the window becomes ``m = min(H, W)`` and the shift ``s = 0``, i.e. one window
+  spans the short side and nothing is shifted; otherwise ``m = M`` and ``s = S``. ``always_partition=True`` (the
+  backbone) keeps ``m = M`` and ``s = S`` whatever the size.
+* **Padding instead of failing**: the map is zero-padded at the bottom/right to multiples of ``m``. Padded tokens
+  are ordinary keys (zero input, so their keys/values are the projection biases) exactly as in the original
+  implementation and transformers; their outputs are dropped.
+* **Shift**: the padded map is rolled by ``(-s, -s)`` before being cut into ``m x m`` windows and rolled back
+  afterwards. Tokens that the roll brought together from opposite borders must not see each other: each axis is
+  split into three regions (``[0, P - m)``, ``[P - m, P - s)``, ``[P - s, P)`` for a padded length ``P``) and
+  pairs of tokens from different regions get ``-100`` added to their score (as in the original: its weight
+  ``exp(-100)`` is negligible, and the value is safe in fp16/bf16 arithmetic, unlike ``-inf``).
+* **Relative position bias**: head ``h`` adds ``B[dy + M - 1, dx + M - 1, h]`` for a key ``(dy, dx)`` rows and
+  columns away from the query, from a ``(2M - 1)^2 x heads`` table. A smaller window (``m < M``) reads the
+  central part of the same table, so it equals the full window restricted to the tokens that exist.
+
+How it is computed: pad, roll and window partition are one ``index_select`` with a cached token index (and their
+inverse another), instead of three or four copies (``torch.roll`` over two dims alone costs ~50 copies on CPU).
+All windows of all images then go through one batched ``scaled_dot_product_attention`` call with the bias and
+the shift mask as one additive float mask. When the bias table needs a gradient (training), an explicit
+matmul-softmax-matmul path is used instead (SDPA would fall back to its slower unfused path there), and so it
+is for ``output_attentions``, which returns the probabilities.
+
+This module is the ``attention.self`` of a Swin block; its constructor and ``forward`` differ from the text
+attention interface (``ARCHITECTURE.md``) because a Swin stage has its own width, heads and 2-D token grid.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import AttentionOutput, QKVProjection
+
+SHIFT_MASK_VALUE = -100.0
+"""Score added between tokens of different shift regions (the original implementation's value)."""
+
+
+def window_and_shift(height: int, width: int, window: int, shift: int, always_partition: bool) -> tuple[int, int]:
+    """The ``(window, shift)`` a block uses on an ``height x width`` map (see the module docstring)."""
+    if always_partition or min(height, width) > window:
+        return window, shift
+    return min(height, width), 0
+
+
+def window_partition(x: torch.Tensor, window: int) -> torch.Tensor:
+    """``(batch, H, W, C)`` with ``H, W`` multiples of ``window`` -> ``(batch * num_windows, window**2, C)``,
+    windows in row-major order per image."""
+    batch, height, width, channels = x.shape
+    x = x.view(batch, height // window, window, width // window, window, channels)
+    return x.permute(0, 1, 3, 2, 4, 5).reshape(-1, window * window, channels)
+
+
+@lru_cache(maxsize=64)
+def window_token_indices(
+    height: int, width: int, window: int, shift: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad + roll + window partition of an ``height x width`` token map, and its inverse, as two gathers.
+
+    Returns:
+        ``gather`` ``(num_windows * window**2,)``: for every slot of the windows (windows in row-major order, tokens
+        row-major inside each), the token it holds; padding slots hold ``height * width``, the index of a zero
+        token appended to the input. ``scatter`` ``(height * width,)``: the slot of every real token.
+    """
+    # Built once per map size: torch.roll over two dims is slow on CPU (~50x a copy of the tensor in torch 2.13).
+    with torch.inference_mode(False):
+        tokens = height * width
+        padded_h, padded_w = height + -height % window, width + -width % window
+        grid = torch.full((padded_h, padded_w), tokens, dtype=torch.long)
+        grid[:height, :width] = torch.arange(tokens).view(height, width)
+        if shift:
+            grid = torch.roll(grid, shifts=(-shift, -shift), dims=(0, 1))
+        gather = window_partition(grid[None, :, :, None], window).flatten()
+        real = gather < tokens
+        scatter = torch.empty(tokens, dtype=torch.long)
+        scatter[gather[real]] = torch.arange(gather.numel())[real]
+        return gather.to(device), scatter.to(device)
+
+
+@lru_cache(maxsize=64)
+def relative_position_index(window: int, table_window: int, device: torch.device) -> torch.Tensor:
+    """Row of the bias table for every (query, key) pair of a ``window x window`` window.
+
+    The table covers offsets of a ``table_window`` window: row ``(dy + T - 1) * (2T - 1) + (dx + T - 1)``.
+
+    Returns:
+        ``(window**2 * window**2,)`` long, flattened ``(query, key)``.
+    """
+    # Cached tensors must not be inference tensors: one made under inference_mode cannot be used for autograd later.
+    with torch.inference_mode(False):
+        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+        offsets = coords[:, :, None] - coords[:, None, :] + (table_window - 1)  # (2, N, N), in [0, 2T - 2]
+        return (offsets[0] * (2 * table_window - 1) + offsets[1]).flatten().to(device)
+
+
+@lru_cache(maxsize=64)
+def shifted_window_mask(height: int, width: int, window: int, shift: int, device: torch.device) -> torch.Tensor:
+    """Additive mask that keeps rolled-together regions apart, for a padded ``height x width`` map.
+
+    Returns:
+        ``(num_windows, window**2, window**2)`` float32: 0 within a region, :data:`SHIFT_MASK_VALUE` across.
+    """
+    with torch.inference_mode(False):
+
+        def regions(length: int) -> torch.Tensor:
+            idx = torch.arange(length)
+            return (idx >= length - window).long() + (idx >= length - shift).long()
+
+        region = regions(height)[:, None] * 3 + regions(width)[None, :]  # (H, W), 9 region ids
+        region = window_partition(region[None, :, :, None], window).squeeze(-1)  # (num_windows, N)
+        different = region[:, :, None] != region[:, None, :]
+        return torch.zeros(different.shape).masked_fill_(different, SHIFT_MASK_VALUE).to(device)
+
+
+class HfxShiftedWindowSelfAttention(QKVProjection):
+    """Multi-head self-attention inside (shifted) ``window x window`` windows of a 2-D token map.
+
+    Parameters (names as in Swin checkpoints): ``query``, ``key``, ``value`` (``dim -> dim``) and
+    ``relative_position_bias_table`` ``((2 * window_size - 1)**2, num_heads)``.
+
+    Args:
+        dim: channels of the stage.
+        num_heads: attention heads (``dim`` must be a multiple).
+        window_size: window side ``M``.
+        shift_size: ``0`` (W-MSA) or ``M // 2`` (SW-MSA), used when the map is larger than the window.
+        qkv_bias: biases on ``query``/``key``/``value``.
+        attention_probs_dropout_prob: dropout on the attention probabilities (training only).
+    """
+
+    supports_global_attention = False
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        window_size: int,
+        shift_size: int = 0,
+        qkv_bias: bool = True,
+        attention_probs_dropout_prob: float = 0.0,
+    ) -> None:
+        super().__init__(dim, num_heads)
+        if not qkv_bias:
+            for proj in (self.query, self.key, self.value):
+                proj.register_parameter("bias", None)
+        self.window_size = window_size
+        self.shift_size = shift_size
+        self.dropout_p = attention_probs_dropout_prob
+        self.scale = self.head_dim**-0.5
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window_size - 1) ** 2, num_heads))
+
+    def relative_position_bias(self, window: int) -> torch.Tensor:
+        """``(num_heads, window**2, window**2)``: the bias of every (query, key) pair of a ``window`` window."""
+        index = relative_position_index(window, self.window_size, self.relative_position_bias_table.device)
+        n = window * window
+        return self.relative_position_bias_table[index].view(n, n, -1).permute(2, 0, 1)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        input_dimensions: tuple[int, int],
+        always_partition: bool = False,
+        output_attentions: bool = False,
+        use_sdpa: bool = True,
+    ) -> AttentionOutput:
+        """Attend within windows.
+
+        Args:
+            hidden_states: ``(batch, H * W, dim)``, already normalised, tokens in row-major order.
+            input_dimensions: ``(H, W)``.
+            always_partition: keep the configured window and shift even on maps no larger than the window.
+            output_attentions: also return the probabilities (explicit softmax instead of SDPA).
+            use_sdpa: False forces the explicit path (``attn_implementation="eager"``).
+
+        Returns:
+            :class:`AttentionOutput` with ``context`` ``(batch, H * W, dim)`` (before the output projection) and,
+            when asked, ``attentions`` ``(batch * num_windows, num_heads, m**2, m**2)``.
+        """
+        batch, _, channels = hidden_states.shape
+        height, width = input_dimensions
+        window, shift = window_and_shift(height, width, self.window_size, self.shift_size, always_partition)
+
+        padded_h, padded_w = height + -height % window, width + -width % window
+        gather, scatter = window_token_indices(height, width, window, shift, hidden_states.device)
+        x = hidden_states
+        if padded_h * padded_w > height * width:  # padding slots read this appended zero token
+            x = F.pad(x, (0, 0, 0, 1))
+        windows = x.index_select(1, gather).view(-1, window * window, channels)  # (batch * num_windows, N, dim)
+
+        n = window * window
+        q, k, v = (
+            proj(windows).view(-1, n, self.num_heads, self.head_dim).transpose(1, 2)
+            for proj in (self.query, self.key, self.value)
+        )  # each (batch * num_windows, heads, N, head_dim)
+
+        # One additive mask: bias (1, heads, N, N) [+ shift mask (windows, 1, N, N) -> (windows, heads, N, N)].
+        mask = self.relative_position_bias(window).to(q.dtype).unsqueeze(0)
+        num_windows = (padded_h // window) * (padded_w // window)
+        if shift:
+            shift_mask = shifted_window_mask(padded_h, padded_w, window, shift, q.device).to(q.dtype)
+            mask = mask + shift_mask.unsqueeze(1)
+        dropout = self.dropout_p if self.training else 0.0
+
+        # SDPA's fused CPU kernel cannot return a gradient for the mask; when the bias table needs one, torch runs
+        # its unfused math path instead, which the explicit path below beats (measured ~10 % on Swin-T shapes).
+        if output_attentions or not use_sdpa or (mask.requires_grad and torch.is_grad_enabled()):
+            # Scores as (batch, windows, heads, N, N): the mask broadcasts over images instead of being copied.
+            q, k, v = (t.view(batch, num_windows, self.num_heads, n, self.head_dim) for t in (q, k, v))
+            scores = torch.matmul(q * self.scale, k.transpose(-1, -2)) + mask
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            context = torch.matmul(F.dropout(probs, dropout, True) if dropout else probs, v)
+            probs = probs.flatten(0, 1)
+        else:
+            if shift:  # SDPA needs a mask broadcastable to its 4-D (batch * windows, heads, N, N) problem
+                mask = mask.expand(batch, -1, -1, -1, -1).reshape(batch * num_windows, self.num_heads, n, n)
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale)
+            probs = None
+
+        # (batch * windows, heads, N, head_dim) -> (batch, windows * N, dim) -> the real tokens in map order.
+        context = context.reshape(-1, self.num_heads, n, self.head_dim).transpose(1, 2).reshape(batch, -1, channels)
+        context = context.index_select(1, scatter)
+        return AttentionOutput(context, probs if output_attentions else None)

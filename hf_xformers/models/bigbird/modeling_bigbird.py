@@ -1,0 +1,129 @@
+"""``hfx-bigbird``: BERT/RoBERTa encoder with BigBird's block-sparse attention (Zaheer et al., 2020).
+
+The attention lives in ``hf_xformers/attention/block_sparse.py``. What else differs from the shared RoBERTa-style
+pieces, to match transformers' ``BigBirdModel`` weight for weight: positions start at 0 (no RoBERTa offset) and
+the position table has no padding row, word embeddings may be rescaled by ``sqrt(hidden)``, and the MLM head
+applies ``config.hidden_act`` (``gelu_new`` by default) instead of exact GELU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from ...attention.block_sparse import HfxBlockSparseSelfAttention
+from ...layers.heads import (
+    HfxLMHead,
+    HfxMaskedLMHeadMixin,
+    HfxMultipleChoiceHeadMixin,
+    HfxQuestionAnsweringHeadMixin,
+    HfxSequenceClassificationHeadMixin,
+    HfxTokenClassificationHeadMixin,
+)
+from ...layers.text_model import HfxPreTrainedModel, HfxTextModel
+from .configuration_bigbird import HfxBigBirdConfig
+
+
+class HfxBigBirdEmbeddings(nn.Module):
+    """Word (optionally times ``sqrt(hidden)``) + absolute position (from 0) + token type embeddings, then
+    dropout and LayerNorm (in that order, as transformers' BigBird). Parameter names as in BigBird checkpoints."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.scale = config.hidden_size**0.5 if config.rescale_embeddings else None
+
+    @property
+    def max_tokens(self) -> int:
+        """Longest sequence the position table can serve."""
+        return self.position_embeddings.num_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Returns ``(batch, seq_len, hidden)``."""
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        if self.scale is not None:
+            inputs_embeds = inputs_embeds * self.scale
+        batch, seq_len = inputs_embeds.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=inputs_embeds.device).expand(batch, -1)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros((batch, seq_len), dtype=torch.long, device=inputs_embeds.device)
+        embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
+        return self.LayerNorm(self.dropout(embeddings))
+
+
+class HfxBigBirdLMHead(HfxLMHead):
+    """``decoder(LayerNorm(act(dense(h))))`` with ``act = config.hidden_act``, BigBird's MLM head (transformers
+    names it ``cls.predictions``). ``(batch, seq_len, hidden)`` -> ``(batch, seq_len, vocab)``."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.layer_norm(self.act(self.dense(hidden_states))))
+
+
+class HfxBigBirdPreTrainedModel(HfxPreTrainedModel):
+    config_class = HfxBigBirdConfig
+    base_model_prefix = "bigbird"
+    _no_split_modules = ["HfxEncoderLayer"]
+
+
+class HfxBigBirdModel(HfxTextModel, HfxBigBirdPreTrainedModel):
+    """BigBird encoder. See :class:`~hf_xformers.layers.text_model.HfxTextModel` for inputs and outputs.
+
+    Any length up to ``max_position_embeddings`` works: each layer pads to its block size and cuts back. With
+    ``output_attentions=True`` the block-sparse layers return ``(batch, heads, seq_len, seq_len)`` probabilities
+    (zero outside the pattern) from their dense masked path, which gives the same outputs.
+    """
+
+    attention_class = HfxBlockSparseSelfAttention
+    embeddings_class = HfxBigBirdEmbeddings
+
+
+class HfxBigBirdForMaskedLM(HfxMaskedLMHeadMixin, HfxBigBirdPreTrainedModel):
+    base_model_class = HfxBigBirdModel
+    lm_head_class = HfxBigBirdLMHead
+    _tied_weights_keys = {"lm_head.decoder.weight": "bigbird.embeddings.word_embeddings.weight"}
+
+
+class HfxBigBirdForSequenceClassification(HfxSequenceClassificationHeadMixin, HfxBigBirdPreTrainedModel):
+    base_model_class = HfxBigBirdModel
+
+
+class HfxBigBirdForMultipleChoice(HfxMultipleChoiceHeadMixin, HfxBigBirdPreTrainedModel):
+    base_model_class = HfxBigBirdModel
+
+
+class HfxBigBirdForQuestionAnswering(HfxQuestionAnsweringHeadMixin, HfxBigBirdPreTrainedModel):
+    base_model_class = HfxBigBirdModel
+
+
+class HfxBigBirdForTokenClassification(HfxTokenClassificationHeadMixin, HfxBigBirdPreTrainedModel):
+    base_model_class = HfxBigBirdModel
+
+
+__all__ = [
+    "HfxBigBirdEmbeddings",
+    "HfxBigBirdLMHead",
+    "HfxBigBirdPreTrainedModel",
+    "HfxBigBirdModel",
+    "HfxBigBirdForMaskedLM",
+    "HfxBigBirdForSequenceClassification",
+    "HfxBigBirdForMultipleChoice",
+    "HfxBigBirdForQuestionAnswering",
+    "HfxBigBirdForTokenClassification",
+]

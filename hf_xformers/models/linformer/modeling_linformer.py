@@ -1,0 +1,84 @@
+"""``hfx-linformer``: RoBERTa with Linformer attention (Wang et al., 2020).
+
+The attention lives in ``hf_xformers/attention/low_rank.py``; this file wires it into the shared encoder and heads.
+With ``linformer_sharing="layerwise"`` the base model owns the one projection matrix (``shared_kv_projection``) and
+hands it to every layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from torch import nn
+from transformers import initialization as init
+
+from ...attention.low_rank import HfxLowRankSelfAttention, HfxSequenceProjection, linformer_max_length
+from ...layers.heads import (
+    HfxMaskedLMHeadMixin,
+    HfxMultipleChoiceHeadMixin,
+    HfxQuestionAnsweringHeadMixin,
+    HfxSequenceClassificationHeadMixin,
+    HfxTokenClassificationHeadMixin,
+)
+from ...layers.text_model import HfxPreTrainedModel, HfxTextModel
+from .configuration_linformer import HfxLinformerConfig
+
+
+class HfxLinformerPreTrainedModel(HfxPreTrainedModel):
+    config_class = HfxLinformerConfig
+    base_model_prefix = "linformer"
+    _no_split_modules = ["HfxEncoderLayer"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, HfxSequenceProjection):
+            # transformers' init helpers skip tensors already loaded from a checkpoint.
+            init.uniform_(module.weight, -module.init_bound, module.init_bound)
+
+
+class HfxLinformerModel(HfxTextModel, HfxLinformerPreTrainedModel):
+    """Linformer encoder. See :class:`~hf_xformers.layers.text_model.HfxTextModel` for inputs and outputs.
+
+    Inputs may be up to ``max_position_embeddings - pad_token_id - 1`` tokens long (the rows of the projections).
+    """
+
+    attention_class = HfxLowRankSelfAttention
+
+    def attention_factory(self, config) -> Callable[..., nn.Module]:
+        if config.linformer_sharing != "layerwise":
+            return self.attention_class
+        self.shared_kv_projection = HfxSequenceProjection(linformer_max_length(config), config.linformer_k)
+        return functools.partial(self.attention_class, shared_projection=self.shared_kv_projection)
+
+
+class HfxLinformerForMaskedLM(HfxMaskedLMHeadMixin, HfxLinformerPreTrainedModel):
+    base_model_class = HfxLinformerModel
+    _tied_weights_keys = {"lm_head.decoder.weight": "linformer.embeddings.word_embeddings.weight"}
+
+
+class HfxLinformerForSequenceClassification(HfxSequenceClassificationHeadMixin, HfxLinformerPreTrainedModel):
+    base_model_class = HfxLinformerModel
+
+
+class HfxLinformerForMultipleChoice(HfxMultipleChoiceHeadMixin, HfxLinformerPreTrainedModel):
+    base_model_class = HfxLinformerModel
+
+
+class HfxLinformerForQuestionAnswering(HfxQuestionAnsweringHeadMixin, HfxLinformerPreTrainedModel):
+    base_model_class = HfxLinformerModel
+
+
+class HfxLinformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxLinformerPreTrainedModel):
+    base_model_class = HfxLinformerModel
+
+
+__all__ = [
+    "HfxLinformerPreTrainedModel",
+    "HfxLinformerModel",
+    "HfxLinformerForMaskedLM",
+    "HfxLinformerForSequenceClassification",
+    "HfxLinformerForMultipleChoice",
+    "HfxLinformerForQuestionAnswering",
+    "HfxLinformerForTokenClassification",
+]

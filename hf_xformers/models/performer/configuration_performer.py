@@ -1,0 +1,94 @@
+"""Configuration of ``hfx-performer``."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+from ...attention.favor import KERNELS as FAVOR_KERNELS
+
+
+class HfxPerformerConfig(PreTrainedConfig):
+    r"""Configuration of a Performer (RoBERTa encoder, or causal LM, with FAVOR+ linear attention).
+
+    Args:
+        num_random_features (`int`, *optional*): ``m``, random features per head. None (default): ``int(d ln d)``
+            for head size ``d`` (266 for ``d = 64``). More features approximate softmax attention more closely
+            at a cost linear in ``m``.
+        favor_kernel (`str`, defaults to ``"softmax"``): ``"softmax"``, FAVOR+ positive random features that
+            approximate softmax attention; ``"relu"``, the generalized kernel ``relu(W x) + 1e-3`` (a different
+            attention, not an approximation of softmax).
+        orthogonal_features (`bool`, defaults to True): orthogonal random features (lower variance) instead of
+            i.i.d. Gaussian ones.
+        random_feature_seed (`int`, defaults to 0): seed of the random projections. Layer ``l``'s ``t``-th draw is
+            seeded by ``(random_feature_seed, l, t)``, so a fresh model from the same config is reproducible.
+        feature_redraw_interval (`int`, *optional*): in training mode, draw new projections every this many forward
+            calls of the model (the first draw serves the first ``feature_redraw_interval`` calls). None (default):
+            never redraw automatically; ``model.redraw_projections()`` redraws explicitly. Eval mode never redraws.
+        is_decoder (`bool`, defaults to False): causal attention (each token sees itself and earlier tokens).
+            ``HfxPerformerForCausalLM`` sets it; with it, every head of the model is causal.
+        max_position_embeddings (`int`, defaults to 4098): rows of the position table; with RoBERTa's offset the
+            model takes ``max_position_embeddings - pad_token_id - 1`` tokens (4096 by default).
+        attention_probs_dropout_prob (`float`): kept for RoBERTa compatibility but unused: FAVOR+ never forms the
+            attention probabilities, so there is nothing to drop.
+        Other fields as in ``RobertaConfig``.
+    """
+
+    model_type = "hfx-performer"
+    num_random_features: int | None = None
+    favor_kernel: str = "softmax"
+    orthogonal_features: bool = True
+    random_feature_seed: int = 0
+    feature_redraw_interval: int | None = None
+    is_decoder: bool = False
+    vocab_size: int = 50265
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 4098
+    type_vocab_size: int = 1
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-5
+    classifier_dropout: float | None = None
+    pad_token_id: int | None = 1
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 2
+    sep_token_id: int | None = 2
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self, **kwargs) -> None:
+        super().__post_init__(**kwargs)
+        self.validate_performer()
+
+    def validate_performer(self) -> None:
+        """Raise ``ValueError`` naming the field to change when the values cannot work together."""
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})."
+            )
+
+        def positive_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+        if self.num_random_features is not None and not positive_int(self.num_random_features):
+            raise ValueError(
+                f"num_random_features must be a positive integer or None (d ln d), got {self.num_random_features!r}."
+            )
+        if self.favor_kernel not in FAVOR_KERNELS:
+            raise ValueError(f"favor_kernel must be one of {FAVOR_KERNELS}, got {self.favor_kernel!r}.")
+        if self.feature_redraw_interval is not None and not positive_int(self.feature_redraw_interval):
+            raise ValueError(
+                "feature_redraw_interval must be a positive number of training forward calls, or None to never "
+                f"redraw automatically; got {self.feature_redraw_interval!r}."
+            )
+        if not isinstance(self.random_feature_seed, int) or self.random_feature_seed < 0:
+            raise ValueError(f"random_feature_seed must be a non-negative integer, got {self.random_feature_seed!r}.")
+        if self.pad_token_id is None or self.max_position_embeddings <= self.pad_token_id + 1:
+            raise ValueError(
+                "max_position_embeddings must exceed pad_token_id + 1 (RoBERTa position offset); "
+                f"got max_position_embeddings={self.max_position_embeddings}, pad_token_id={self.pad_token_id}."
+            )

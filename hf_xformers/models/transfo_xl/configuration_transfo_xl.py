@@ -1,0 +1,110 @@
+"""Configuration of ``hfx-transfo-xl``."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+from ...layers.adaptive import validate_cutoffs
+
+
+class HfxTransfoXLConfig(PreTrainedConfig):
+    r"""Configuration of a Transformer-XL language model (Dai et al., 2019).
+
+    Field names and defaults follow ``transformers`` 4.x ``TransfoXLConfig`` (the ``transfo-xl-wt103`` model), so
+    its checkpoints import by renaming; ``hidden_size``, ``num_attention_heads``, ``num_hidden_layers`` and
+    ``intermediate_size`` are aliases of ``d_model``, ``n_head``, ``n_layer`` and ``d_inner``.
+
+    Args:
+        vocab_size (`int`): vocabulary size.
+        cutoffs (`list[int]`): adaptive input / softmax cluster boundaries (``[]`` for one plain softmax).
+        d_model (`int`): width of the hidden states (the projection width ``d_proj`` of the adaptive layers).
+        d_embed (`int`, *optional*): embedding width of the shortlist cluster (``d_model`` when None).
+        n_head (`int`), d_head (`int`, *optional*): heads and their width (``d_model // n_head`` when None).
+        d_inner (`int`): feed-forward width.
+        div_val (`int`): cluster ``i`` has embedding width ``d_embed // div_val**i``.
+        pre_lnorm (`bool`): LayerNorm before (True) or after (False, the paper) each sub-layer.
+        n_layer (`int`): number of layers.
+        mem_len (`int`): hidden states kept per layer as memory for the next segment (0: no memory, a plain
+            Transformer with relative positions).
+        clamp_len (`int`): distances beyond it use the encoding of ``clamp_len`` (<= 0: no clamping).
+        same_length (`bool`): every query attends to exactly ``mem_len`` keys (itself included) instead of to all
+            earlier ones; needs ``mem_len > 0``.
+        proj_share_all_but_first (`bool`): tie the softmax projections of the tail clusters to the input ones
+            (when ``tie_word_embeddings``); the shortlist projection stays separate.
+        dropout (`float`), dropatt (`float`): dropout on activations and on attention probabilities.
+        init_std (`float`), proj_init_std (`float`): initialisation scales of weights and adaptive projections.
+        classifier_dropout (`float`): dropout before the sequence classification layer (``dropout`` when None).
+    """
+
+    model_type = "hfx-transfo-xl"
+    attribute_map = {
+        "hidden_size": "d_model",
+        "num_attention_heads": "n_head",
+        "num_hidden_layers": "n_layer",
+        "intermediate_size": "d_inner",
+    }
+    vocab_size: int = 267735
+    cutoffs: list[int] | None = None
+    d_model: int = 1024
+    d_embed: int | None = None
+    n_head: int = 16
+    d_head: int | None = None
+    d_inner: int = 4096
+    div_val: int = 4
+    pre_lnorm: bool = False
+    n_layer: int = 18
+    mem_len: int = 1600
+    clamp_len: int = 1000
+    same_length: bool = True
+    proj_share_all_but_first: bool = True
+    dropout: float = 0.1
+    dropatt: float = 0.0
+    init_std: float = 0.02
+    proj_init_std: float = 0.01
+    layer_norm_epsilon: float = 1e-5
+    classifier_dropout: float | None = None
+    eos_token_id: int | None = 0
+    pad_token_id: int | None = None
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self, **kwargs) -> None:
+        super().__post_init__(**kwargs)
+        if self.cutoffs is None:
+            self.cutoffs = [20000, 40000, 200000]
+        self.cutoffs = [int(c) for c in self.cutoffs]
+        if self.d_embed is None:
+            self.d_embed = self.d_model
+        if self.d_head is None and self.n_head > 0 and self.d_model % self.n_head == 0:
+            self.d_head = self.d_model // self.n_head
+        self.validate_transfo_xl()
+
+    @property
+    def tie_projs(self) -> list[bool]:
+        """Per cluster: is the softmax projection tied to the input one (shortlist never, tails when sharing)."""
+        return [False] + [self.proj_share_all_but_first] * len(self.cutoffs)
+
+    def validate_transfo_xl(self) -> None:
+        """Raise ``ValueError`` naming the field to change when the values cannot work together."""
+        if self.d_head is None:
+            raise ValueError(
+                f"hidden_size/d_model ({self.d_model}) must be divisible by num_attention_heads/n_head ({self.n_head}), "
+                "or set d_head explicitly."
+            )
+        validate_cutoffs(self.cutoffs, self.vocab_size)
+        if self.div_val < 1:
+            raise ValueError(f"div_val must be >= 1, got {self.div_val}.")
+        if self.div_val > 1 and self.d_embed // self.div_val ** len(self.cutoffs) < 1:
+            raise ValueError(
+                f"div_val={self.div_val} leaves the last of {len(self.cutoffs) + 1} clusters no embedding width "
+                f"(d_embed={self.d_embed}); lower div_val or use fewer cutoffs."
+            )
+        if self.mem_len < 0:
+            raise ValueError(f"mem_len must be >= 0 (0 disables the memory), got {self.mem_len}.")
+        if self.same_length and self.mem_len == 0:
+            raise ValueError(
+                "same_length=True limits attention to the last mem_len keys, so it needs mem_len > 0; "
+                "set same_length=False for a model without memory."
+            )
+        for name in ("dropout", "dropatt"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must lie in [0, 1), got {getattr(self, name)}.")

@@ -1,0 +1,486 @@
+"""``hfx-transfo-xl``: Transformer-XL (Dai et al., 2019), a causal language model with segment-level recurrence.
+
+Each layer attends over its own segment plus a memory: the inputs it saw in earlier segments (detached, at most
+``mem_len`` per layer), with relative positional encodings (``attention/relative_memory.py``). Tokens enter through
+adaptive input embeddings and leave through an adaptive softmax (``layers/adaptive.py``).
+
+Memories are batch-first: a tuple with one ``(batch, memory_len, d_model)`` tensor per layer. Every forward takes
+``mems`` and returns the updated ones; pass them back with the next segment of the same streams (same batch rows).
+``mems=None`` starts with an empty memory (the original code's behaviour; ``transformers`` 4.x instead attends to
+``mem_len`` zero vectors, which ``zero_memories()`` reproduces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import ModelOutput
+
+from ...attention.relative_memory import (
+    HfxRelativeMemoryAttention,
+    allowed_keys,
+    relative_distances,
+    sinusoid_positions,
+)
+from ...layers.adaptive import HfxAdaptiveEmbedding, HfxAdaptiveLogSoftmax
+from ...layers.heads import sequence_classification_loss
+from .configuration_transfo_xl import HfxTransfoXLConfig
+
+Memories = tuple[torch.Tensor, ...]
+
+
+@dataclass
+class HfxTransfoXLModelOutput(ModelOutput):
+    """``last_hidden_state`` ``(batch, seq_len, d_model)``; ``mems``: per layer ``(batch, memory_len, d_model)``
+    for the next segment (None when ``mem_len == 0``); ``hidden_states``: ``n_layer + 1`` tensors
+    ``(batch, seq_len, d_model)``; ``attentions``: per layer ``(batch, n_head, seq_len, memory_len + seq_len)``."""
+
+    last_hidden_state: torch.Tensor | None = None
+    mems: Memories | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class HfxTransfoXLCausalLMOutput(ModelOutput):
+    """``loss``: mean over scored tokens; ``logits``: log-probabilities ``(batch, seq_len, vocab_size)`` (the
+    adaptive softmax yields normalised scores); ``losses``: per-token negative log-likelihoods ``(batch, n_targets)``,
+    0 where ignored; ``mems`` etc. as in :class:`HfxTransfoXLModelOutput`."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    losses: torch.Tensor | None = None
+    mems: Memories | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class HfxTransfoXLSequenceClassifierOutput(ModelOutput):
+    """``logits`` ``(batch, num_labels)`` from the last real token; other fields as above."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    mems: Memories | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+class HfxTransfoXLPreTrainedModel(PreTrainedModel):
+    config_class = HfxTransfoXLConfig
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["HfxTransfoXLLayer"]
+    # Losses are plain means; without this Trainer rescales them under DDP (see the team notes on transformers v5).
+    accepts_loss_kwargs = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std, proj_std = self.config.init_std, self.config.proj_init_std
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, HfxRelativeMemoryAttention):
+            nn.init.normal_(module.r_w_bias, 0.0, std)
+            nn.init.normal_(module.r_r_bias, 0.0, std)
+        elif isinstance(module, nn.ParameterList):
+            # The only parameter lists are the adaptive projections (emb_projs, out_projs). transformers calls this
+            # for every module holding parameters directly, i.e. for the lists, not for their adaptive parents.
+            for proj in module:
+                nn.init.normal_(proj, 0.0, proj_std)
+        elif isinstance(module, HfxAdaptiveLogSoftmax):
+            if module.n_tail:
+                nn.init.normal_(module.cluster_weight, 0.0, std)
+                nn.init.zeros_(module.cluster_bias)
+
+    def zero_memories(self, batch_size: int) -> Memories:
+        """``n_layer`` zero memories ``(batch_size, mem_len, d_model)``: what ``transformers`` 4.x starts from."""
+        param = next(self.parameters())
+        shape = (batch_size, self.config.mem_len, self.config.d_model)
+        return tuple(param.new_zeros(shape) for _ in range(self.config.n_layer))
+
+
+class HfxTransfoXLLayer(GradientCheckpointingLayer):
+    """Relative-position attention over memory + segment, then a ReLU feed-forward block; post-LN (the paper)
+    or pre-LN (``pre_lnorm``), each sub-layer with a residual connection."""
+
+    def __init__(self, config: HfxTransfoXLConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.pre_lnorm = config.pre_lnorm
+        self.attention = HfxRelativeMemoryAttention(config, layer_idx)
+        self.attention_output = nn.Linear(config.n_head * config.d_head, config.d_model, bias=False)
+        self.attention_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.ff_in = nn.Linear(config.d_model, config.d_inner)
+        self.ff_out = nn.Linear(config.d_inner, config.d_model)
+        self.ff_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        position_encodings: torch.Tensor,
+        allowed: torch.Tensor,
+        memory: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``hidden`` ``(batch, q, d_model)``, ``memory`` ``(batch, m, d_model)`` or None; see the attention module
+        for ``position_encodings`` ``(m + q, d_model)`` and ``allowed`` ``(q, m + q)``. Returns the new hidden states
+        ``(batch, q, d_model)`` and the attention probabilities (or None)."""
+        states = hidden if memory is None else torch.cat([memory, hidden], dim=1)
+        if self.pre_lnorm:
+            # Pre-LN normalises the memory too, as the keys and values come from it.
+            states = self.attention_layer_norm(states)
+        context, probs = self.attention(states, hidden.shape[1], position_encodings, allowed, output_attentions)
+        attended = self.dropout(self.attention_output(context))
+        if self.pre_lnorm:
+            hidden = hidden + attended
+            ff = self.dropout(self.ff_out(self.dropout(F.relu(self.ff_in(self.ff_layer_norm(hidden))))))
+            return hidden + ff, probs
+        hidden = self.attention_layer_norm(hidden + attended)
+        ff = self.dropout(self.ff_out(self.dropout(F.relu(self.ff_in(hidden)))))
+        return self.ff_layer_norm(hidden + ff), probs
+
+
+class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
+    """Adaptive embeddings -> ``n_layer`` :class:`HfxTransfoXLLayer` with memories. No pooler."""
+
+    def __init__(self, config: HfxTransfoXLConfig, add_pooling_layer: bool = False) -> None:
+        super().__init__(config)
+        self.word_emb = HfxAdaptiveEmbedding(
+            config.vocab_size, config.d_embed, config.d_model, config.cutoffs, config.div_val
+        )
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList(HfxTransfoXLLayer(config, i) for i in range(config.n_layer))
+        self.post_init()
+
+    def get_input_embeddings(self) -> HfxAdaptiveEmbedding:
+        return self.word_emb
+
+    def set_input_embeddings(self, value: HfxAdaptiveEmbedding) -> None:
+        self.word_emb = value
+
+    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, mems) -> tuple[int, int]:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
+        if len(shape) != 2:
+            raise ValueError(
+                f"`input_ids` must have shape (batch, seq_len), got {shape}. Add a batch dimension with `unsqueeze(0)`."
+            )
+        if input_ids is not None and input_ids.numel():
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if high >= self.config.vocab_size or low < 0:
+                raise ValueError(
+                    f"`input_ids` contains ids from {low} to {high} but vocab_size is {self.config.vocab_size}; "
+                    "use the tokenizer that belongs to this checkpoint."
+                )
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != shape:
+                raise ValueError(
+                    f"`attention_mask` must have the shape of `input_ids` {shape}, got {tuple(attention_mask.shape)}. "
+                    "Pass the mask the tokenizer returned for the same batch (1 = keep, 0 = padding)."
+                )
+            mask = attention_mask.bool()
+            if bool((~mask[:, :-1] & mask[:, 1:]).any()):
+                raise ValueError(
+                    "Transformer-XL is causal and supports right padding only (0s after the real tokens); "
+                    "pad on the right (tokenizer.padding_side = 'right')."
+                )
+        if mems is not None:
+            if len(mems) != self.config.n_layer:
+                raise ValueError(
+                    f"`mems` must hold one tensor per layer ({self.config.n_layer}), got {len(mems)}; pass back the "
+                    "`mems` of the previous output unchanged."
+                )
+            expected = (shape[0], self.config.d_model)
+            for mem in mems:
+                if mem.dim() != 3 or (mem.shape[0], mem.shape[2]) != expected or mem.shape[1] != mems[0].shape[1]:
+                    raise ValueError(
+                        f"`mems` tensors must be (batch={shape[0]}, memory_len, d_model={self.config.d_model}), got "
+                        f"{tuple(mem.shape)}. Memories belong to the batch rows they were made with: keep each stream "
+                        "in the same row, or pass mems=None to start afresh."
+                    )
+        return shape
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        mems: Memories | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> HfxTransfoXLModelOutput | tuple:
+        """Encode one segment of each stream.
+
+        Args:
+            input_ids: ``(batch, seq_len)`` token ids (or ``inputs_embeds`` ``(batch, seq_len, d_model)``).
+            mems: the ``mems`` of the previous segment's output (per layer ``(batch, memory_len, d_model)``), or None.
+            attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for right padding. A causal model needs no
+                mask for right padding; it is checked and used by the classification head to find the last token.
+        Returns:
+            :class:`HfxTransfoXLModelOutput`.
+        """
+        batch, query_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, mems)
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+
+        embeds = self.word_emb(input_ids) if inputs_embeds is None else inputs_embeds
+        memory_len = 0 if mems is None else mems[0].shape[1]
+        key_len = memory_len + query_len
+        device = embeds.device
+        distances = relative_distances(query_len, key_len, self.config.clamp_len, device=device)
+        positions = self.dropout(sinusoid_positions(distances, self.config.d_model).to(embeds.dtype))
+        allowed = allowed_keys(query_len, memory_len, self.config.same_length, self.config.mem_len, device=device)
+
+        hidden = self.dropout(embeds)
+        layer_inputs, all_hidden, all_attentions = [], (), ()
+        for i, layer in enumerate(self.layers):
+            layer_inputs.append(hidden)
+            if output_hidden_states:
+                all_hidden += (hidden,)
+            hidden, probs = layer(
+                hidden,
+                positions,
+                allowed,
+                memory=None if mems is None else mems[i],
+                output_attentions=output_attentions,
+            )
+            if output_attentions:
+                all_attentions += (probs,)
+        hidden = self.dropout(hidden)
+        if output_hidden_states:
+            all_hidden += (hidden,)
+
+        out = HfxTransfoXLModelOutput(
+            last_hidden_state=hidden,
+            mems=self._update_memories(layer_inputs, mems),
+            hidden_states=all_hidden if output_hidden_states else None,
+            attentions=all_attentions if output_attentions else None,
+        )
+        return out if return_dict else out.to_tuple()
+
+    @torch.no_grad()
+    def _update_memories(self, layer_inputs: list[torch.Tensor], mems: Memories | None) -> Memories | None:
+        """Each layer's input of this segment appended to its memory, keeping the last ``mem_len`` positions.
+
+        Detached (no gradient flows into earlier segments, the paper's stop-gradient), so memories can be carried
+        across optimisation steps.
+        """
+        mem_len = self.config.mem_len
+        if mem_len == 0:
+            return None
+        new = []
+        for i, states in enumerate(layer_inputs):
+            full = states if mems is None else torch.cat([mems[i], states], dim=1)
+            new.append(full[:, -mem_len:].detach())
+        return tuple(new)
+
+
+class HfxTransfoXLForCausalLM(HfxTransfoXLPreTrainedModel, GenerationMixin):
+    """Transformer-XL language model: the base model and an adaptive softmax tied to the adaptive embeddings.
+
+    ``labels`` ``(batch, seq_len)`` are the input ids themselves (-100 where no loss is wanted), shifted inside: the
+    output at position ``t`` is scored against ``labels[:, t + 1]``, so ``losses`` has ``seq_len - 1`` columns. To
+    score every token of a long stream (including the first of each segment, predicted from the previous one), pass
+    ``shift_labels`` ``(batch, seq_len)`` instead: the targets already aligned with the positions (what
+    :class:`~hf_xformers.models.transfo_xl.training_transfo_xl.HfxStreamSegments` yields).
+
+    ``generate()`` carries the memories from step to step: each step feeds only the newest token.
+    """
+
+    def __init__(self, config: HfxTransfoXLConfig) -> None:
+        super().__init__(config)
+        self.transformer = HfxTransfoXLModel(config)
+        self.adaptive_softmax = HfxAdaptiveLogSoftmax(
+            config.vocab_size, config.d_embed, config.d_model, config.cutoffs, config.div_val
+        )
+        # Per instance: which tensors are tied depends on the config (number of clusters, div_val, tie_projs).
+        self._tied_weights_keys = self._adaptive_tied_keys()
+        self.post_init()
+
+    def _adaptive_tied_keys(self) -> dict[str, str]:
+        """``{softmax tensor: embedding tensor}``: every cluster weight, and the projections ``config.tie_projs``
+        names (``transformers``' generic tying knows only one output embedding)."""
+        emb, out = "transformer.word_emb", "adaptive_softmax"
+        n_layers = len(self.adaptive_softmax.out_layers)
+        tied = {f"{out}.out_layers.{i}.weight": f"{emb}.emb_layers.{i}.weight" for i in range(n_layers)}
+        n_emb_projs = len(self.transformer.word_emb.emb_projs)
+        for i, tie in enumerate(self.config.tie_projs):
+            if tie and i < len(self.adaptive_softmax.out_projs) and n_emb_projs:
+                # With div_val == 1 there is one input projection for every cluster.
+                tied[f"{out}.out_projs.{i}"] = f"{emb}.emb_projs.{i if self.config.div_val > 1 else 0}"
+        return tied
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        if all_submodels:
+            return super().get_expanded_tied_weights_keys(all_submodels=True)
+        return dict(self._tied_weights_keys) if self.config.tie_word_embeddings else {}
+
+    def get_output_embeddings(self) -> None:
+        # The adaptive softmax is not a single Linear; returning None keeps transformers' resizing helpers away.
+        return None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        mems: Memories | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
+        return_logits: bool = True,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> HfxTransfoXLCausalLMOutput | tuple:
+        """Returns ``logits`` (log-probabilities) ``(batch, seq_len, vocab_size)`` unless ``return_logits=False``
+        (training needs only the loss, which the adaptive softmax computes for the target clusters alone), the
+        new ``mems``, and with ``labels``/``shift_labels`` the per-token ``losses`` and their mean ``loss``.
+
+        ``**kwargs`` absorbs what ``generate()`` passes (``use_cache`` ...); anything else raises.
+        """
+        unknown = set(kwargs) - {"use_cache", "cache_position", "position_ids", "past_key_values"}
+        if unknown:
+            raise TypeError(f"Unexpected arguments {sorted(unknown)} for {type(self).__name__}.forward.")
+        if labels is not None and shift_labels is not None:
+            raise ValueError("Pass `labels` (shifted inside) or `shift_labels` (already aligned), not both.")
+        out = self.transformer(
+            input_ids, mems=mems, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+        )  # fmt: skip
+        hidden = out.last_hidden_state
+        batch, length, _ = hidden.shape
+        logits = None
+        if return_logits:
+            logits = self.adaptive_softmax.log_prob(hidden.reshape(-1, hidden.shape[-1])).view(batch, length, -1)
+
+        loss = losses = None
+        if labels is not None or shift_labels is not None:
+            if labels is not None:
+                targets_hidden, targets = hidden[:, :-1], labels[:, 1:]
+            else:
+                targets_hidden, targets = hidden, shift_labels
+            if tuple(targets.shape) != tuple(targets_hidden.shape[:2]):
+                raise ValueError(
+                    f"labels must have the shape of input_ids {(batch, length)}, got "
+                    f"{tuple((labels if labels is not None else shift_labels).shape)}."
+                )
+            valid = targets != -100
+            if valid.any() and (int(targets[valid].max()) >= self.config.vocab_size or int(targets[valid].min()) < 0):
+                raise ValueError(f"labels must be token ids below vocab_size ({self.config.vocab_size}) or -100.")
+            flat_targets = targets.reshape(-1)
+            losses = self.adaptive_softmax.nll(targets_hidden.reshape(-1, hidden.shape[-1]), flat_targets)
+            losses = losses.view(targets.shape)
+            # Mean over scored tokens; a segment with none gives 0 (not NaN), so a step can still run backward.
+            loss = losses.sum() / valid.sum().clamp(min=1)
+
+        result = HfxTransfoXLCausalLMOutput(
+            loss=loss, logits=logits, losses=losses, mems=out.mems,
+            hidden_states=out.hidden_states, attentions=out.attentions,
+        )  # fmt: skip
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return result if return_dict else result.to_tuple()
+
+    # ----- generation: the memories play the part of the key/value cache ---------------------------------
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate`` with the memories as the cache (greedy search and sampling)."""
+        config = kwargs.get("generation_config") or self.generation_config
+        if (kwargs.get("num_beams") or getattr(config, "num_beams", None) or 1) > 1:
+            raise ValueError(
+                "Beam search would need the memories reordered between beams, which hfx-transfo-xl does not do; "
+                "use num_beams=1 (greedy or sampling)."
+            )
+        return super().generate(*args, **kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, mems: Memories | None = None, **kwargs) -> dict:
+        """First step: the whole prompt; later steps: only the newest token, with the memories of the last step."""
+        if mems is not None:
+            input_ids = input_ids[:, -1:]
+        return {"input_ids": input_ids, "mems": mems}
+
+    def _update_model_kwargs_for_generation(
+        self, outputs, model_kwargs: dict, is_encoder_decoder: bool = False, num_new_tokens: int = 1
+    ) -> dict:
+        model_kwargs["mems"] = outputs.mems
+        if model_kwargs["mems"] is None:
+            raise ValueError("generate() carries memories between steps and needs mem_len > 0 in the config.")
+        return model_kwargs
+
+    def _supports_default_dynamic_cache(self) -> bool:
+        return False
+
+
+class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
+    """A linear classifier on the last real token's hidden state (the only one that has seen the whole input in a
+    causal model). The last token is found from ``attention_mask`` (right padding), else from ``pad_token_id``,
+    else it is the last position. Losses by ``problem_type`` as in every hf_xformers classification head."""
+
+    def __init__(self, config: HfxTransfoXLConfig) -> None:
+        super().__init__(config)
+        self.transformer = HfxTransfoXLModel(config)
+        dropout = config.dropout if config.classifier_dropout is None else config.classifier_dropout
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.d_model, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        mems: Memories | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> HfxTransfoXLSequenceClassifierOutput | tuple:
+        """Returns ``logits`` ``(batch, num_labels)``, the loss when ``labels`` ``(batch,)`` (or multi-hot
+        ``(batch, num_labels)``) are given, and the new ``mems``."""
+        out = self.transformer(
+            input_ids, mems=mems, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+        )  # fmt: skip
+        hidden = out.last_hidden_state
+        batch, length = hidden.shape[:2]
+        if attention_mask is not None:
+            last = attention_mask.long().sum(-1).clamp(min=1) - 1
+        elif input_ids is not None and self.config.pad_token_id is not None:
+            last = (input_ids != self.config.pad_token_id).long().sum(-1).clamp(min=1) - 1
+        else:
+            last = torch.full((batch,), length - 1, device=hidden.device)
+        pooled = hidden[torch.arange(batch, device=hidden.device), last]
+        logits = self.classifier(self.dropout(pooled))
+        loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
+        result = HfxTransfoXLSequenceClassifierOutput(
+            loss=loss, logits=logits, mems=out.mems, hidden_states=out.hidden_states, attentions=out.attentions
+        )
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return result if return_dict else result.to_tuple()
+
+
+__all__ = [
+    "HfxTransfoXLPreTrainedModel",
+    "HfxTransfoXLModel",
+    "HfxTransfoXLForCausalLM",
+    "HfxTransfoXLForSequenceClassification",
+    "HfxTransfoXLModelOutput",
+    "HfxTransfoXLCausalLMOutput",
+    "HfxTransfoXLSequenceClassifierOutput",
+]

@@ -1,0 +1,378 @@
+"""The conformance suite every vision architecture runs with a tiny config.
+
+Use it by subclassing :class:`VisionModelConformance` in a ``test_<arch>.py`` file::
+
+    class TestSwinConformance(VisionModelConformance):
+        config_class = HfxSwinConfig
+        base_config = dict(embed_dim=16, depths=[2, 2], ...)   # tiny: embed <= 32, <= 2 stages, images <= 64 px
+        heads = {"AutoModel": HfxSwinModel, "AutoModelForImageClassification": ..., "AutoBackbone": ...}
+        image_processor_class = HfxSwinImageProcessor
+        bad_configs = [(dict(window_size=0), "window_size")]  # (overrides, regex the ValueError must match)
+
+        def expected_last_hidden_state_shape(self, config, batch, height, width): ...
+        def expected_num_hidden_states(self, config): ...
+        def expected_num_attentions(self, config): ...
+
+Heads are keyed by the Auto class that must resolve to them: ``AutoModel`` (``last_hidden_state``,
+``pooler_output``), ``AutoModelForImageClassification`` (``logits``, ``labels``),
+``AutoModelForMaskedImageModeling`` (``reconstruction``, ``bool_masked_pos``) and ``AutoBackbone``
+(``feature_maps``). ``odd_sizes`` are input sizes that the architecture must accept although they need padding.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+from transformers import AutoConfig, AutoImageProcessor, Trainer, TrainingArguments, pipeline
+
+IMAGE_SIZE = 32
+NUM_LABELS = 3
+ATOL = 1e-5
+
+
+def pixel_values(batch: int, height: int = IMAGE_SIZE, width: int | None = None, channels: int = 3, seed: int = 0):
+    """Normalised-looking random images ``(batch, channels, height, width)``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, channels, height, height if width is None else width, generator=g)
+
+
+def random_images(count: int, sizes=((40, 30), (24, 24), (33, 47)), seed: int = 0) -> list[Image.Image]:
+    """PIL RGB images of assorted sizes (``(width, height)``), as a user would pass them to a processor."""
+    rng = np.random.default_rng(seed)
+    return [
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for w, h in (sizes[i % len(sizes)] for i in range(count))
+    ]
+
+
+class VisionModelConformance:
+    config_class: type
+    base_config: dict = {}
+    heads: dict[str, type] = {}
+    image_processor_class: type | None = None
+    bad_configs: list[tuple[dict, str]] = []
+    image_size: int = IMAGE_SIZE
+    odd_sizes: list[tuple[int, int]] = [(29, 45)]
+
+    # ----- hooks an architecture fills in ---------------------------------------------------------
+    def expected_last_hidden_state_shape(self, config, batch: int, height: int, width: int) -> tuple:
+        raise NotImplementedError
+
+    def expected_num_hidden_states(self, config) -> int:
+        raise NotImplementedError
+
+    def expected_num_attentions(self, config) -> int:
+        raise NotImplementedError
+
+    def expected_feature_map_shapes(self, model, batch: int, height: int, width: int) -> list[tuple]:
+        """Shapes of the backbone's ``feature_maps`` (only needed with an ``AutoBackbone`` head)."""
+        raise NotImplementedError
+
+    # ----- helpers -------------------------------------------------------------------------------
+    def make_config(self, **overrides):
+        return self.config_class(**{"num_labels": NUM_LABELS, **self.base_config, **overrides})
+
+    def make_model(self, auto_name: str, **overrides):
+        torch.manual_seed(0)
+        model = self.heads[auto_name](self.make_config(**overrides)).eval()
+        # Move every parameter off its (often zero / one) initial value so that every weight matters.
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+        return model
+
+    def num_patches(self, config, height: int, width: int) -> int:
+        patch = config.patch_size if isinstance(config.patch_size, int) else config.patch_size[0]
+        return -(-height // patch) * -(-width // patch)
+
+    def inputs_for(self, auto_name: str, batch: int = 2, height: int | None = None, width: int | None = None) -> dict:
+        height = height or self.image_size
+        width = width or height
+        config = self.make_config()
+        inputs = {"pixel_values": pixel_values(batch, height, width, config.num_channels)}
+        if auto_name == "AutoModelForImageClassification":
+            inputs["labels"] = torch.arange(batch) % NUM_LABELS
+        elif auto_name == "AutoModelForMaskedImageModeling":
+            g = torch.Generator().manual_seed(3)
+            inputs["bool_masked_pos"] = torch.rand(batch, self.num_patches(config, height, width), generator=g) > 0.5
+        return inputs
+
+    @staticmethod
+    def main_output(auto_name: str, out) -> torch.Tensor:
+        if auto_name == "AutoModel":
+            return out.last_hidden_state
+        if auto_name == "AutoModelForImageClassification":
+            return out.logits
+        if auto_name == "AutoModelForMaskedImageModeling":
+            return out.reconstruction
+        if auto_name == "AutoBackbone":
+            return torch.cat([f.flatten(1) for f in out.feature_maps], dim=1)
+        raise KeyError(auto_name)
+
+    def check_shapes(self, auto_name: str, model, out, batch: int, height: int, width: int) -> None:
+        config = model.config
+        if auto_name == "AutoModel":
+            assert tuple(out.last_hidden_state.shape) == self.expected_last_hidden_state_shape(
+                config, batch, height, width
+            )
+            assert tuple(out.pooler_output.shape) == (batch, config.hidden_size)
+        elif auto_name == "AutoModelForImageClassification":
+            assert tuple(out.logits.shape) == (batch, NUM_LABELS)
+        elif auto_name == "AutoModelForMaskedImageModeling":
+            assert tuple(out.reconstruction.shape) == (batch, config.num_channels, height, width)
+        elif auto_name == "AutoBackbone":
+            assert [tuple(f.shape) for f in out.feature_maps] == self.expected_feature_map_shapes(
+                model, batch, height, width
+            )
+
+    # ----- shapes and outputs ----------------------------------------------------------------------
+    def test_head_output_shapes_and_losses(self):
+        for auto_name in self.heads:
+            model = self.make_model(auto_name).train()
+            out = model(**self.inputs_for(auto_name))
+            self.check_shapes(auto_name, model, out, 2, self.image_size, self.image_size)
+            target = (
+                out.loss
+                if auto_name in ("AutoModelForImageClassification", "AutoModelForMaskedImageModeling")
+                else None
+            )
+            if target is not None:
+                assert target.dim() == 0 and torch.isfinite(target), auto_name
+            else:
+                target = self.main_output(auto_name, out).pow(2).mean()
+            target.backward()
+            grads = [p.grad for p in model.parameters() if p.requires_grad]
+            assert any(g is not None and g.abs().sum() > 0 for g in grads), auto_name
+
+    def test_any_input_size(self):
+        """Sizes that are not multiples of the patch/window/merging factors are padded, not refused."""
+        for auto_name in self.heads:
+            model = self.make_model(auto_name)
+            for height, width in self.odd_sizes:
+                with torch.no_grad():
+                    out = model(**self.inputs_for(auto_name, batch=1, height=height, width=width))
+                self.check_shapes(auto_name, model, out, 1, height, width)
+                assert torch.isfinite(self.main_output(auto_name, out)).all(), (auto_name, height, width)
+
+    def test_base_model_pooled_output_and_tuple_output(self):
+        model = self.make_model("AutoModel")
+        inputs = self.inputs_for("AutoModel")
+        with torch.no_grad():
+            out = model(**inputs)
+            as_tuple = model(**inputs, return_dict=False)
+        assert out.pooler_output.shape == (2, model.config.hidden_size)
+        assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], out.last_hidden_state)
+
+    def test_output_attentions_and_hidden_states(self):
+        for auto_name in self.heads:
+            model = self.make_model(auto_name)
+            config = model.config
+            inputs = self.inputs_for(auto_name)
+            with torch.no_grad():
+                out = model(**inputs, output_attentions=True, output_hidden_states=True)
+                plain = model(**inputs)
+            if auto_name != "AutoBackbone":
+                assert len(out.hidden_states) == self.expected_num_hidden_states(config), auto_name
+                assert all(h.shape[0] == 2 for h in out.hidden_states)
+            else:
+                assert out.hidden_states is not None and plain.hidden_states is None
+            assert len(out.attentions) == self.expected_num_attentions(config), auto_name
+            for att in out.attentions:
+                assert torch.all(att >= 0)
+                torch.testing.assert_close(att.sum(-1), torch.ones(att.shape[:-1]), atol=1e-5, rtol=0)
+            # Asking for attentions and hidden states must not change the result.
+            torch.testing.assert_close(
+                self.main_output(auto_name, out), self.main_output(auto_name, plain), atol=ATOL, rtol=0
+            )
+
+    def test_eager_and_sdpa_agree(self):
+        for auto_name in self.heads:
+            model = self.make_model(auto_name)
+            inputs = {k: v for k, v in self.inputs_for(auto_name).items() if k != "labels"}
+            with torch.no_grad():
+                fast = self.main_output(auto_name, model(**inputs))
+                model.set_attn_implementation("eager")
+                eager = self.main_output(auto_name, model(**inputs))
+            torch.testing.assert_close(fast, eager, atol=ATOL, rtol=0)
+
+    def test_classification_problem_types(self):
+        if "AutoModelForImageClassification" not in self.heads:
+            pytest.skip("no image classification head")
+        head = self.heads["AutoModelForImageClassification"]
+        images = self.inputs_for("AutoModel")["pixel_values"]
+        torch.manual_seed(0)
+        reg = head(self.make_config(num_labels=1))
+        out = reg(pixel_values=images, labels=torch.tensor([0.5, -1.0]))
+        assert reg.config.problem_type == "regression" and out.logits.shape == (2, 1)
+        torch.testing.assert_close(
+            out.loss, torch.nn.functional.mse_loss(out.logits.squeeze(-1), torch.tensor([0.5, -1.0]))
+        )
+        multi = head(self.make_config())
+        labels = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+        out = multi(pixel_values=images, labels=labels)
+        assert multi.config.problem_type == "multi_label_classification"
+        torch.testing.assert_close(out.loss, torch.nn.functional.binary_cross_entropy_with_logits(out.logits, labels))
+        single = head(self.make_config())
+        with pytest.raises(ValueError, match="num_labels"):
+            single(pixel_values=images, labels=torch.tensor([0, NUM_LABELS]))
+
+    # ----- Auto classes and serialisation ----------------------------------------------------------
+    def test_auto_resolution(self, tmp_path):
+        model_type = self.config_class.model_type
+        assert model_type.startswith("hfx-")
+        config = AutoConfig.for_model(model_type, **self.base_config)
+        assert type(config) is self.config_class
+        for auto_name, cls in self.heads.items():
+            model = getattr(transformers, auto_name).from_config(config)
+            assert type(model) is cls, auto_name
+        if self.image_processor_class is not None:
+            self.image_processor_class().save_pretrained(tmp_path)
+            config.save_pretrained(tmp_path)
+            assert type(AutoImageProcessor.from_pretrained(tmp_path)) is self.image_processor_class
+
+    def test_save_load_roundtrip_is_exact(self, tmp_path):
+        """Eval outputs are identical (bit for bit) after save/load, and twice in a row."""
+        for auto_name, cls in self.heads.items():
+            model = self.make_model(auto_name)
+            inputs = {k: v for k, v in self.inputs_for(auto_name).items() if k != "labels"}
+            with torch.no_grad():
+                before = self.main_output(auto_name, model(**inputs))
+                again = self.main_output(auto_name, model(**inputs))
+            assert torch.equal(before, again), f"{auto_name}: eval outputs differ between two calls"
+            path = tmp_path / auto_name
+            model.save_pretrained(path)
+            # transformers 5.23's AutoBackbone.from_pretrained cannot read local folders (it asks the Hub whether
+            # the path is a repo: HFValidationError, for its own SwinBackbone too); load through the class.
+            loader = cls if auto_name == "AutoBackbone" else getattr(transformers, auto_name)
+            loaded = loader.from_pretrained(path).eval()
+            assert type(loaded) is cls
+            with torch.no_grad():
+                after = self.main_output(auto_name, loaded(**inputs))
+            assert torch.equal(before, after), auto_name
+            saved, original = loaded.config.to_dict(), model.config.to_dict()
+            saved.pop("_name_or_path"), original.pop("_name_or_path")
+            assert saved == original, auto_name
+
+    # ----- invariances -----------------------------------------------------------------------------
+    def test_batch_invariance(self):
+        """An image's output does not depend on its batch-mates."""
+        for auto_name in self.heads:
+            model = self.make_model(auto_name)
+            images = self.inputs_for(auto_name, batch=3)["pixel_values"]
+            with torch.no_grad():
+                both = self.main_output(auto_name, model(pixel_values=images))
+                alone = [self.main_output(auto_name, model(pixel_values=images[i : i + 1])) for i in range(3)]
+            torch.testing.assert_close(both, torch.cat(alone), atol=ATOL, rtol=0)
+
+    # ----- training ----------------------------------------------------------------------------------
+    def test_gradient_checkpointing_same_gradients(self):
+        auto_name = (
+            "AutoModelForImageClassification" if "AutoModelForImageClassification" in self.heads else "AutoModel"
+        )
+        inputs = self.inputs_for(auto_name)
+
+        def grads(checkpointing: bool):
+            model = self.make_model(auto_name).train()
+            if checkpointing:
+                model.gradient_checkpointing_enable()
+                assert model.is_gradient_checkpointing
+            out = self.main_output(auto_name, model(**inputs))
+            out.float().pow(2).mean().backward()
+            return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+        plain, checkpointed = grads(False), grads(True)
+        assert plain.keys() == checkpointed.keys() and plain
+        for name in plain:
+            torch.testing.assert_close(plain[name], checkpointed[name], atol=1e-6, rtol=1e-5, msg=name)
+
+    def test_trainer_step(self, tmp_path):
+        head = self.heads["AutoModelForImageClassification"]
+        torch.manual_seed(0)
+        model = head(self.make_config())
+        images = pixel_values(8, self.image_size, seed=7)
+        rows = [{"pixel_values": images[i], "labels": i % NUM_LABELS} for i in range(8)]
+        before = copy.deepcopy(model.state_dict())
+        args = TrainingArguments(
+            output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
+            use_cpu=True, report_to="none", save_strategy="no", eval_strategy="no", disable_tqdm=True,
+        )  # fmt: skip
+        result = Trainer(model=model, args=args, train_dataset=rows).train()
+        assert result.global_step == 2 and np.isfinite(result.training_loss)
+        changed = [n for n, p in model.state_dict().items() if not torch.equal(p, before[n])]
+        assert any(n.startswith("classifier") for n in changed)
+        assert any("embeddings" in n for n in changed), "the encoder's first weights did not train"
+
+    # ----- bad inputs ----------------------------------------------------------------------------------
+    def test_bad_inputs_raise(self):
+        model = self.make_model("AutoModel")
+        channels = model.config.num_channels
+        with pytest.raises(ValueError, match="num_channels"):
+            model(pixel_values=pixel_values(1, channels=channels + 1))
+        with pytest.raises(ValueError, match="unsqueeze"):
+            model(pixel_values=pixel_values(1, channels=channels)[0])
+        with pytest.raises(ValueError, match="pixel_values"):
+            model()
+        with pytest.raises(ValueError, match="floating point"):
+            model(pixel_values=torch.zeros(1, channels, self.image_size, self.image_size, dtype=torch.uint8))
+        if "AutoModelForMaskedImageModeling" in self.heads:
+            mim = self.make_model("AutoModelForMaskedImageModeling")
+            with pytest.raises(ValueError, match="bool_masked_pos"):
+                mim(pixel_values=pixel_values(1), bool_masked_pos=torch.zeros(1, 3, dtype=torch.bool))
+
+    def test_invalid_config_values_raise(self):
+        assert self.bad_configs, "list at least one invalid config value"
+        for overrides, pattern in self.bad_configs:
+            with pytest.raises(ValueError, match=pattern):
+                self.make_config(**overrides)
+
+    # ----- backbone ------------------------------------------------------------------------------------
+    def test_backbone_out_features(self):
+        if "AutoBackbone" not in self.heads:
+            pytest.skip("no backbone")
+        stages = self.make_config().stage_names
+        for out_features in ([stages[-1]], stages[1:], stages):
+            model = self.make_model("AutoBackbone", out_features=out_features)
+            assert model.out_features == out_features
+            with torch.no_grad():
+                out = model(pixel_values=pixel_values(2))
+            assert len(out.feature_maps) == len(out_features)
+            assert [f.shape[1] for f in out.feature_maps] == model.channels
+        with pytest.raises(ValueError, match="out_features"):
+            self.make_config(out_features=["no-such-stage"])
+
+    # ----- image processor and pipeline ------------------------------------------------------------------
+    def test_image_processor_and_pipeline(self, tmp_path):
+        if self.image_processor_class is None or "AutoModelForImageClassification" not in self.heads:
+            pytest.skip("no image processor or classification head")
+        size = {"height": self.image_size, "width": self.image_size}
+        processor = self.image_processor_class(size=size)
+        images = random_images(3)
+        batch = processor(images, return_tensors="pt")
+        assert tuple(batch["pixel_values"].shape) == (3, 3, self.image_size, self.image_size)
+        gray = processor(images[0].convert("L"), return_tensors="pt")["pixel_values"]
+        assert gray.shape == (1, 3, self.image_size, self.image_size), "grayscale images must become RGB"
+
+        labels = {0: "cat", 1: "dog", 2: "bird"}
+        model = self.make_model(
+            "AutoModelForImageClassification", id2label=labels, label2id={v: k for k, v in labels.items()}
+        )
+        model.save_pretrained(tmp_path)
+        processor.save_pretrained(tmp_path)
+        reloaded = AutoImageProcessor.from_pretrained(tmp_path)
+        assert type(reloaded) is self.image_processor_class
+        assert torch.equal(reloaded(images, return_tensors="pt")["pixel_values"], batch["pixel_values"])
+
+        classifier = pipeline("image-classification", model=str(tmp_path), device="cpu")
+        predictions = classifier(images[0], top_k=3)
+        assert {p["label"] for p in predictions} == set(labels.values())
+        with torch.no_grad():
+            probs = model(**batch).logits[0].softmax(-1)
+        best = max(predictions, key=lambda p: p["score"])
+        assert best["label"] == labels[int(probs.argmax())]
+        assert abs(best["score"] - float(probs.max())) < 1e-5

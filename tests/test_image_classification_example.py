@@ -1,0 +1,111 @@
+"""End-to-end tests of examples/run_image_classification.py on tiny data and tiny models, offline.
+
+Two runs through the script's ``main(argv)``: the default data (scikit-learn digits, subsampled) with a new hfx-swin,
+and an ``imagefolder`` tree written here with a saved hfx-swin checkpoint to fine-tune. Each checks that the output
+folder is ready to upload: it reloads through the Auto classes and a pipeline, and has a model card with metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForImageClassification, pipeline
+
+import hf_xformers
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))  # the scripts are plain files, not a package
+
+import run_image_classification  # noqa: E402
+
+TINY_SWIN = {"embed_dim": 16, "depths": [2, 2], "num_heads": [2, 4], "window_size": 4, "drop_path_rate": 0.0}
+COMMON = [
+    "--do_train", "--do_eval", "--max_steps", "3", "--per_device_train_batch_size", "8",
+    "--per_device_eval_batch_size", "16", "--learning_rate", "1e-3", "--use_cpu", "--report_to", "none",
+    "--save_strategy", "no", "--logging_steps", "1", "--disable_tqdm", "true", "--seed", "0",
+]  # fmt: skip
+
+
+def check_output_folder(path: Path, classes: list[str], metrics: dict) -> None:
+    """What an upload needs is there and loads back: model, config labels, processor, card with the metrics."""
+    for name in ("model.safetensors", "config.json", "preprocessor_config.json", "README.md", "eval_results.json"):
+        assert (path / name).is_file(), name
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "hfx-swin"
+    assert [config["id2label"][str(i)] for i in range(len(classes))] == classes
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and np.isfinite(metrics["train_loss"])
+
+    card = ModelCard((path / "README.md").read_text())
+    assert card.data.pipeline_tag == "image-classification"
+    assert card.data.eval_results[0].metric_value == round(metrics["eval_accuracy"], 4)
+    assert "eval_accuracy" in card.text
+
+    model = AutoModelForImageClassification.from_pretrained(path)
+    assert type(model) is hf_xformers.HfxSwinForImageClassification
+    assert type(AutoImageProcessor.from_pretrained(path)) is hf_xformers.HfxSwinImageProcessor
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (20, 28, 3), dtype=np.uint8))
+    predictions = pipeline("image-classification", model=str(path), device="cpu")(image, top_k=len(classes))
+    assert sorted(p["label"] for p in predictions) == sorted(classes)
+
+
+def test_digits_default_new_model(tmp_path):
+    out = tmp_path / "digits"
+    argv = ["--output_dir", str(out), "--max_train_samples", "64", "--max_eval_samples", "32", "--image_size", "32",
+            "--config_overrides", json.dumps(TINY_SWIN), *COMMON]  # fmt: skip
+    metrics = run_image_classification.main(argv)
+    assert metrics["train_samples"] == 64 and metrics["eval_samples"] == 32
+    check_output_folder(out, [str(d) for d in range(10)], metrics)
+    processor = json.loads((out / "preprocessor_config.json").read_text())
+    assert processor["size"] == {"height": 32, "width": 32}
+    assert "load_digits" in (out / "README.md").read_text()
+
+
+def write_imagefolder(root: Path, classes: dict[str, tuple[int, int, int]], per_class: int, seed: int) -> None:
+    """``root/<class>/<i>.png``: noisy images around each class's colour, assorted sizes."""
+    rng = np.random.default_rng(seed)
+    for name, colour in classes.items():
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            h, w = int(rng.integers(20, 40)), int(rng.integers(20, 40))
+            pixels = np.clip(np.array(colour) + rng.normal(0, 20, (h, w, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{i}.png")
+
+
+def test_imagefolder_finetune_saved_model(tmp_path):
+    classes = {"blue": (20, 40, 220), "red": (220, 30, 30)}
+    write_imagefolder(tmp_path / "data" / "train", classes, per_class=8, seed=0)
+    write_imagefolder(tmp_path / "data" / "validation", classes, per_class=3, seed=1)
+    # A "pretrained" checkpoint with 3 labels: fine-tuning on 2 classes re-initialises the classifier.
+    pretrained = tmp_path / "pretrained"
+    torch.manual_seed(0)
+    config = hf_xformers.HfxSwinConfig(image_size=32, patch_size=2, num_labels=3, **TINY_SWIN)
+    hf_xformers.HfxSwinForImageClassification(config).save_pretrained(pretrained)
+    hf_xformers.HfxSwinImageProcessor(size={"height": 32, "width": 32}).save_pretrained(pretrained)
+
+    out = tmp_path / "finetuned"
+    argv = ["--model_name_or_path", str(pretrained), "--ignore_mismatched_sizes", "--output_dir", str(out),
+            "--train_dir", str(tmp_path / "data" / "train"), "--validation_dir", str(tmp_path / "data" / "validation"),
+            *COMMON]  # fmt: skip
+    metrics = run_image_classification.main(argv)
+    assert metrics["train_samples"] == 16 and metrics["eval_samples"] == 6
+    check_output_folder(out, ["blue", "red"], metrics)
+    assert "fine-tuned from" in (out / "README.md").read_text()
+
+
+def test_random_resized_crop_and_bad_arguments():
+    image = Image.new("RGB", (50, 20))
+    rng = random.Random(0)
+    for _ in range(20):
+        assert run_image_classification.random_resized_crop(image, 16, (0.08, 1.0), rng).size == (16, 16)
+    with pytest.raises(ValueError, match="not both"):
+        run_image_classification.main(["--output_dir", "x", "--dataset_name", "a", "--train_dir", "b"])
+    with pytest.raises(ValueError, match="crop_scale_min"):
+        run_image_classification.main(["--output_dir", "x", "--crop_scale_min", "0"])
