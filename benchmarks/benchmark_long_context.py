@@ -39,9 +39,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -391,23 +391,34 @@ class BackgroundLoad:
         return wall, min(other, 1.0)
 
 
-def hfx_source_hash() -> str:
-    """Short hash of the hf_xformers sources, to catch code that changed between cells of one run."""
+def hfx_source_hash(model=None) -> str:
+    """Short hash of hf_xformers sources, to catch code that changed between cells of one run: with ``model``,
+    only the files defining the classes it is built from (so unrelated architectures can change meanwhile)."""
     import hashlib
+    import inspect
 
     import hf_xformers
 
+    root = Path(hf_xformers.__file__).resolve().parent
+    if model is None:
+        files = set(root.rglob("*.py"))
+    else:
+        files = set()
+        for cls in {c for m in model.modules() for c in type(m).__mro__} | {type(model.config)}:
+            try:
+                f = Path(inspect.getsourcefile(cls)).resolve()
+            except (TypeError, OSError):
+                continue
+            if root in f.parents:
+                files.add(f)
     h = hashlib.sha1()
-    root = Path(hf_xformers.__file__).parent
-    for f in sorted(root.rglob("*.py")):
+    for f in sorted(files):
         h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:10]
 
 
 def run_worker(spec: dict) -> dict:
     import torch
-
-    src = hfx_source_hash()
 
     threads = spec["threads"]
     torch.set_num_threads(threads)
@@ -420,6 +431,7 @@ def run_worker(spec: dict) -> dict:
     input_ids = torch.randint(5, c.vocab, (c.batch, length), generator=gen)
     attention_mask = torch.ones(c.batch, length, dtype=torch.long)
     params = sum(p.numel() for p in model.parameters())
+    src = hfx_source_hash(model) if spec["impl"] == "hfx" else None
 
     if mode == "forward":
         model.eval()
@@ -477,7 +489,7 @@ def run_worker(spec: dict) -> dict:
         "baseline_mib": base / 2**20,
         "params_m": params / 1e6,
         "mem_method": peak.mode,
-        "hfx_src": src,
+        "hfx_model_src": src,
         "torch": torch.__version__,
     }
 
@@ -592,9 +604,9 @@ def render_markdown(meta: dict, results: dict) -> str:
                 f"{fmt_mib(s)} | - | - | - |"
             )
         out.append("")
-    hashes = {v.get("hfx_src") for k, v in results.items() if k.startswith("hfx|") and v.get("hfx_src")}
+    hashes = {v.get("hfx_model_src") for k, v in results.items() if v.get("hfx_model_src")}
     if len(hashes) > 1:
-        out += [f"**Warning:** the hf_xformers sources changed during the run ({len(hashes)} versions: "
+        out += [f"**Warning:** the hfx model's source files changed between cells ({len(hashes)} versions: "
                 f"{', '.join(sorted(hashes))}); rerun for comparable hfx cells.", ""]
     out += [
         "`bg CPU max`: the largest share of the machine's CPU used by other processes during any counted timed call "
