@@ -771,7 +771,7 @@ def main(argv=None) -> int:
                             "max_background": args.max_background, "quiet_wait": args.quiet_wait}
                     res = run_cell(spec, args.timeout, args.mem_limit_gib)
                     results[key(impl, L, mode)] = res
-                    extra = (f"{res['time_s']:.3f}s {res['peak_mib']:.0f}MiB times={['%.3f' % t for t in res['times_s']]} "
+                    extra = (f"{res['time_s']:.3f}s {res['peak_mib']:.0f}MiB times={[f'{t:.3f}' for t in res['times_s']]} "
                              f"bg={max(res['background_cpu']) * 100:.0f}%" if res["status"] == "ok"
                              else res.get("error", ""))
                     print(f"[{time.strftime('%H:%M:%S')}] {impl:4s} L={L:6d} {mode:8s} {res['status']:7s} {extra} "
