@@ -19,12 +19,12 @@ Semantics, for a feature map of ``H x W`` tokens, window ``M`` (``config.window_
   columns away from the query, from a ``(2M - 1)^2 x heads`` table. A smaller window (``m < M``) reads the
   central part of the same table, so it equals the full window restricted to the tokens that exist.
 
-How it is computed: pad, roll and window partition are one ``index_select`` with a cached token index (and their
-inverse another), instead of three or four copies (``torch.roll`` over two dims alone costs ~50 copies on CPU).
-All windows of all images then go through one batched ``scaled_dot_product_attention`` call with the bias and
-the shift mask as one additive float mask. When the bias table needs a gradient (training), an explicit
-matmul-softmax-matmul path is used instead (SDPA would fall back to its slower unfused path there), and so it
-is for ``output_attentions``, which returns the probabilities.
+How it is computed: pad, roll and window partition are one ``index_select`` with a cached token index (and
+their inverse another), instead of three or four copies (``torch.roll`` over two dims alone costs over ten
+copies on CPU). All windows of all images then go through one batched ``scaled_dot_product_attention`` call with
+the bias and the shift mask as one additive float mask. When the bias table needs a gradient (training), an
+explicit matmul-softmax-matmul path is used instead (SDPA would fall back to its slower unfused path there), and
+so it is for ``output_attentions``, which returns the probabilities.
 
 This module is the ``attention.self`` of a Swin block; its constructor and ``forward`` differ from the text
 attention interface (``ARCHITECTURE.md``) because a Swin stage has its own width, heads and 2-D token grid.
@@ -70,7 +70,7 @@ def window_token_indices(
         row-major inside each), the token it holds; padding slots hold ``height * width``, the index of a zero
         token appended to the input. ``scatter`` ``(height * width,)``: the slot of every real token.
     """
-    # Built once per map size: torch.roll over two dims is slow on CPU (~50x a copy of the tensor in torch 2.13).
+    # Built once per map size: torch.roll over two dims is slow on CPU (over 10x a copy of the tensor in torch 2.13).
     with torch.inference_mode(False):
         tokens = height * width
         padded_h, padded_w = height + -height % window, width + -width % window
