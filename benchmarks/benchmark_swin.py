@@ -15,11 +15,13 @@ calls after one warm-up. Memory = growth of the process's peak RSS above the RSS
 Every (impl, size, mode) runs in a fresh subprocess; implementations alternate within each (size, mode) so slow
 drifts of the machine's load hit them alike. Timed calls during which other processes used more than
 ``--max-background`` of the CPU are redone (the noise control of ``benchmark_long_context.py``, whose
-``PeakRSS`` and ``BackgroundLoad`` this script reuses).
+``PeakRSS`` and ``BackgroundLoad`` this script reuses). Process-to-process differences (memory layout, the VM's
+neighbours) move single cells by ~10 % even on a quiet machine; ``--rounds N`` runs the whole set N times (the
+order of implementations flipping every round) and reports the median over all rounds' calls.
 
 Usage::
 
-    HF_HUB_OFFLINE=1 python benchmarks/benchmark_swin.py --repeats 5     # -> benchmarks/results/swin.{md,json}
+    HF_HUB_OFFLINE=1 python benchmarks/benchmark_swin.py --repeats 5 --rounds 3  # -> benchmarks/results/swin.{md,json}
     HF_HUB_OFFLINE=1 python benchmarks/benchmark_swin.py --repeats 5 --sizes 224 --modes backward --merge  # redo cells
 """
 
@@ -143,6 +145,23 @@ def run_cell(spec: dict, timeout: float) -> dict:
     return {"status": "error", "error": tail, "returncode": proc.returncode, "wall_s": time.perf_counter() - t0}
 
 
+def combine(rounds: list[dict]) -> dict:
+    """One cell from its rounds: the median of every counted call of every round, the median peak memory."""
+    ok = [r for r in rounds if r["status"] == "ok"]
+    if not ok:
+        return rounds[-1]
+    times = [t for r in ok for t in r["times_s"]]
+    return {
+        **ok[-1],
+        "time_s": statistics.median(times),
+        "times_s": times,
+        "background_cpu": [b for r in ok for b in r["background_cpu"]],
+        "peak_mib": statistics.median(r["peak_mib"] for r in ok),
+        "peaks_mib": [r["peak_mib"] for r in ok],
+        "rounds": len(ok),
+    }
+
+
 def cell(results: dict, impl: str, size: str, mode: str) -> dict | None:
     return results.get(f"{impl}|{size}|{mode}")
 
@@ -166,9 +185,9 @@ def render_markdown(meta: dict, results: dict) -> str:
         "",
         "- Swin-T: embed 96, depths [2, 2, 6, 2], heads [3, 6, 12, 24], window 7, patch 4, drop_path 0.1, random "
         "weights, base models (no classifier).",
-        f"- {meta['threads']} threads; median of {meta['repeats']} timed calls after 1 warm-up; each (impl, size, mode) "
-        "in a fresh process. fwd = eval + `torch.inference_mode`; fwd+bwd = train mode, "
-        "`last_hidden_state.float().sum().backward()`. MiB = growth of peak RSS over model + inputs.",
+        f"- {meta['threads']} threads; median of {meta['repeats']} timed calls after 1 warm-up per process, over "
+        f"{meta.get('rounds', 1)} round(s); every (impl, size, mode) of every round in a fresh process. fwd = eval + `torch.inference_mode`; fwd+bwd = train mode, "
+        "`last_hidden_state.float().sum().backward()`. MiB = growth of peak RSS over model + inputs (median over rounds).",
         f"- Machine: {meta['machine']}; torch {meta['torch']}, transformers {meta['transformers']}; "
         f"hf_xformers src {meta['src']}; run {meta['date']}. Ratios: transformers / ours (> 1: ours faster or leaner).",
         "",
@@ -222,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run every cell this many times (fresh processes); report medians"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-background", type=float, default=0.15)
     p.add_argument("--quiet-wait", type=float, default=60.0, help="most seconds per cell spent waiting for calm")
@@ -242,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "threads": args.threads,
         "repeats": args.repeats,
+        "rounds": args.rounds,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM",
@@ -253,20 +276,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge and saved.exists():  # e.g. redo the cells a busy machine spoilt
         results = json.loads(saved.read_text())["results"]
         meta["date"] += " (merged with an earlier run)"
-    for size in args.sizes:
-        for mode in args.modes:
-            for impl in args.impls:
-                spec = {"impl": impl, "size": size, "mode": mode, "repeats": args.repeats, "threads": args.threads,
-                        "max_background": args.max_background, "quiet_wait": args.quiet_wait}  # fmt: skip
-                res = run_cell(spec, args.timeout)
-                results[f"{impl}|{size}|{mode}"] = res
-                detail = (
-                    f"{res['time_s']:.3f}s {res['peak_mib']:.0f}MiB times=[{', '.join(f'{t:.3f}' for t in res['times_s'])}] "
-                    f"bg={max(res['background_cpu']) * 100:.0f}%"
-                    if res["status"] == "ok"
-                    else res.get("error", "")
-                )
-                print(f"[{time.strftime('%H:%M:%S')}] {impl:4s} {size} {mode:8s} {res['status']} {detail}", flush=True)
+    runs: dict[str, list[dict]] = {}
+    for round_ in range(args.rounds):
+        for size in args.sizes:
+            for mode in args.modes:
+                # Alternate the order between rounds too, so neither implementation always runs first.
+                for impl in args.impls if round_ % 2 == 0 else args.impls[::-1]:
+                    spec = {"impl": impl, "size": size, "mode": mode, "repeats": args.repeats, "threads": args.threads,
+                            "max_background": args.max_background, "quiet_wait": args.quiet_wait}  # fmt: skip
+                    res = run_cell(spec, args.timeout)
+                    runs.setdefault(f"{impl}|{size}|{mode}", []).append(res)
+                    detail = (
+                        f"{res['time_s']:.3f}s {res['peak_mib']:.0f}MiB "
+                        f"times=[{', '.join(f'{t:.3f}' for t in res['times_s'])}] "
+                        f"bg={max(res['background_cpu']) * 100:.0f}%"
+                        if res["status"] == "ok"
+                        else res.get("error", "")
+                    )
+                    print(f"[{time.strftime('%H:%M:%S')}] round {round_ + 1} {impl:4s} {size} {mode:8s} "
+                          f"{res['status']} {detail}", flush=True)  # fmt: skip
+    results.update({k: combine(v) for k, v in runs.items()})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "swin.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     (args.out / "swin.md").write_text(render_markdown(meta, results))

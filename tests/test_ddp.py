@@ -42,6 +42,9 @@ def _worker(rank: int, port: int, world: int) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+    # Tear down in order: gloo can hang in the DDP reducer's destructor once the peer process has gone.
+    dist.barrier()
+    del model, opt
     dist.destroy_process_group()
 
 

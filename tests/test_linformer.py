@@ -265,3 +265,16 @@ def test_input_longer_than_the_projections_raises():
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model(inputs_embeds=torch.randn(1, N + 1, 32))
     assert model(torch.randint(5, 120, (1, N))).last_hidden_state.shape == (1, N, 32)
+
+
+@pytest.mark.parametrize("sharing", ["none", "layerwise"])
+def test_all_padding_example_has_finite_outputs_and_gradients(sharing):
+    model = HfxLinformerForMaskedLM(HfxLinformerConfig(**TINY, linformer_k=8, linformer_sharing=sharing)).train()
+    ids = torch.randint(5, 120, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[1] = 0
+    ids[1] = 1
+    out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    out.loss.backward()
+    assert torch.isfinite(out.logits).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -21,6 +21,7 @@ from hf_xformers import (
 )
 from hf_xformers.attention.favor import (
     HfxFavorSelfAttention,
+    blocked_softmax_attention,
     causal_linear_attention,
     default_num_features,
     dense_kernel_attention,
@@ -201,6 +202,31 @@ def test_all_padding_example_gives_zeros_not_nan():
     for causal in (False, True):
         out = favor_attention(q, k, v, projection, mask, causal=causal)[0]
         assert torch.isfinite(out).all() and torch.all(out[1] == 0)
+
+
+@pytest.mark.parametrize("block_size", [7, 32, 512])
+def test_blocked_attention_equals_the_unblocked_form(block_size):
+    """Blocks of keys with a running stabiliser (rescaling the state when it rises) give the global-max result, values
+    and gradients, also when whole blocks, or a whole example, are padding."""
+    q, k, v = (t.requires_grad_() for t in qkv(batch=3, length=100))
+    mask = torch.ones(3, 100, dtype=torch.bool)
+    mask[1, :40] = False  # left padding: the first blocks hold no real key
+    mask[1, 90:] = False
+    mask[2] = False
+    projection = draw_random_features(32, 16, torch.Generator().manual_seed(5))
+    qf = softmax_kernel_features(q, projection, is_query=True)
+    kf = softmax_kernel_features(k, projection, is_query=False, key_mask=mask)
+    from hf_xformers.attention.favor import linear_attention
+
+    expected = linear_attention(qf, kf, v, query_eps=1e-6)
+    got = blocked_softmax_attention(q, k, v, projection, mask, block_size=block_size)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    assert torch.all(got[2] == 0)
+    grad = torch.randn_like(got)
+    expected_grads = torch.autograd.grad((expected * grad).sum(), (q, k, v))
+    got_grads = torch.autograd.grad((got * grad).sum(), (q, k, v))
+    for a, b in zip(expected_grads, got_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 # --- causal prefix sums ------------------------------------------------------------------------------------------
@@ -447,3 +473,15 @@ def test_attention_module_standalone():
     hidden = torch.randn(2, 10, 32)
     out = attention(hidden)
     assert out.context.shape == (2, 10, 32) and out.attentions is None
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_all_padding_example_has_finite_gradients(causal):
+    """A batch row made only of padding (e.g. a padded-out choice) must not turn the gradients into NaN."""
+    model = HfxPerformerForMaskedLM(HfxPerformerConfig(**TINY, is_decoder=causal)).train()
+    ids = torch.randint(5, 120, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[1] = 0
+    ids[1] = 1
+    model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

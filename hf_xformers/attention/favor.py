@@ -50,6 +50,9 @@ KERNELS = ("softmax", "relu")
 QUERY_EPS = 1e-6
 RELU_EPS = 1e-3
 CAUSAL_CHUNK_SIZE = 64
+# Bidirectional attention walks the sequence in blocks of this many tokens, so that each block's (heads, block, m)
+# features stay in cache instead of streaming a (heads, seq, m) tensor through memory several times.
+FEATURE_BLOCK_SIZE = 512
 
 
 def default_num_features(head_dim: int) -> int:
@@ -150,9 +153,14 @@ def _with_ones(value: torch.Tensor) -> torch.Tensor:
 
 
 def _normalise(out: torch.Tensor) -> torch.Tensor:
-    """``(..., e + 1)`` numerator and denominator -> ``(..., e)``. Only a query with no real key at all has a zero
-    denominator; its numerator is zero too, and so is its output."""
-    return out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(out.dtype).tiny)
+    """``(..., e + 1)`` numerator and denominator -> ``(..., e)``.
+
+    Only a query with no real key at all (an example made only of padding) has a zero denominator; its numerator is
+    zero too. Dividing it by 1 instead gives output 0 *and* finite gradients (clamping to a tiny value would give
+    gradients of 1/tiny = inf, and NaN after multiplying by the zero features).
+    """
+    denominator = out[..., -1:]
+    return out[..., :-1] / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
 
 
 def linear_attention(
@@ -172,6 +180,60 @@ def linear_attention(
     if query_eps:
         out = out + query_eps * state.sum(-2, keepdim=True)  # (phi(q) + eps) . state, without adding eps to phi(q)
     return _normalise(out)
+
+
+def blocked_softmax_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    projection: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    query_eps: float = QUERY_EPS,
+    block_size: int = FEATURE_BLOCK_SIZE,
+) -> torch.Tensor:
+    """Bidirectional FAVOR+ (softmax kernel) computed block by block, never holding all features at once.
+
+    The same result as ``linear_attention(softmax_kernel_features(q), softmax_kernel_features(k), v)`` to rounding.
+    Keys are taken ``block_size`` at a time: each block's features go straight into the ``(m, e + 1)`` state
+    ``sum_j phi(k_j) [v_j, 1]``. The key stabiliser is the running max over the blocks seen so far (per batch element
+    and head, over real keys only); when it rises, the state is rescaled by ``exp(old - new)``, so the final state is
+    the one a single global max would give. Then queries are taken block by block against the finished state.
+
+    Args:
+        query, key: ``(batch, heads, seq, d)`` float32; value: ``(batch, heads, seq, e)`` float32.
+        projection: ``(m, d)``.
+        key_mask: ``(batch, seq)`` bool, True for real tokens, or None.
+        query_eps: added to every query feature.
+        block_size: tokens per block.
+
+    Returns:
+        ``(batch, heads, seq, e)``.
+    """
+    head_dim, length = query.shape[-1], query.shape[2]
+    if key_mask is not None and bool(key_mask.all()):
+        key_mask = None
+    weights = projection.T * head_dim**-0.25  # x . weights = w_r . x_hat
+    value = _with_ones(value)
+    state = stabiliser = None
+    for start in range(0, length, block_size):
+        block = slice(start, start + block_size)
+        k = key[:, :, block]
+        logits = torch.matmul(k, weights).sub_((0.5 * head_dim**-0.5) * k.pow(2).sum(-1, keepdim=True))
+        if key_mask is not None:
+            logits.masked_fill_(~key_mask[:, None, block, None], float("-inf"))
+        block_max = logits.detach().amax(dim=(-2, -1), keepdim=True)  # (b, h, 1, 1)
+        new = block_max if stabiliser is None else torch.maximum(stabiliser, block_max)
+        # Blocks (or whole examples) of padding only have a -inf max; any finite stabiliser will do for them.
+        new = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+        contribution = torch.matmul(logits.sub_(new).exp_().transpose(-1, -2), value[:, :, block])
+        state = contribution if state is None else state * torch.exp(stabiliser - new) + contribution
+        stabiliser = new
+    eps_term = query_eps * state.sum(-2, keepdim=True)  # what adding eps to every query feature contributes
+    outputs = []
+    for start in range(0, length, block_size):
+        query_features = softmax_kernel_features(query[:, :, start : start + block_size], projection, is_query=True)
+        outputs.append(_normalise(torch.matmul(query_features, state) + eps_term))
+    return torch.cat(outputs, dim=2)
 
 
 def causal_linear_attention(
@@ -239,7 +301,8 @@ def dense_kernel_attention(
     scores = torch.matmul(query_features + query_eps, key_features.transpose(-1, -2))
     if causal:
         scores = scores.tril()
-    probs = scores / scores.sum(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+    total = scores.sum(-1, keepdim=True)
+    probs = scores / torch.where(total > 0, total, torch.ones_like(total))
     return torch.matmul(probs, value), probs
 
 
@@ -271,6 +334,8 @@ def favor_attention(
         raise ValueError(f"Unknown FAVOR kernel {kernel!r}; use one of {KERNELS} (config.favor_kernel).")
     dtype = value.dtype
     query, key, value, projection = (t.float() for t in (query, key, value, projection))
+    if kernel == "softmax" and not causal and not output_attentions:
+        return blocked_softmax_attention(query, key, value, projection, attention_mask).to(dtype), None
     if kernel == "softmax":
         query_features = softmax_kernel_features(query, projection, is_query=True)
         key_features = softmax_kernel_features(key, projection, is_query=False, key_mask=attention_mask)

@@ -160,7 +160,8 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
         """``(num_heads, window**2, window**2)``: the bias of every (query, key) pair of a ``window`` window."""
         index = relative_position_index(window, self.window_size, self.relative_position_bias_table.device)
         n = window * window
-        return self.relative_position_bias_table[index].view(n, n, -1).permute(2, 0, 1)
+        # Contiguous: SDPA reads a contiguous mask measurably faster than this permuted view (and it is small).
+        return self.relative_position_bias_table[index].view(n, n, -1).permute(2, 0, 1).contiguous()
 
     def forward(
         self,
