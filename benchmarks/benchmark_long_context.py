@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import re
 import signal
@@ -564,6 +565,27 @@ def ratio(num: dict | None, den: dict | None, field: str) -> str:
     return f"{num[field] / d:.2f}x" if d > 0 else "-"
 
 
+def loglog_slope(results: dict, impl: str, mode: str, short: int, long: int) -> float | None:
+    """How time grows with length between two lengths: ``log(t_long / t_short) / log(long / short)`` (1 = linear,
+    2 = quadratic), or None when either cell is missing."""
+    a, b = results.get(key(impl, short, mode)), results.get(key(impl, long, mode))
+    if not (a and b and a["status"] == b["status"] == "ok"):
+        return None
+    return math.log(b["time_s"] / a["time_s"]) / math.log(long / short)
+
+
+def slope_line(results: dict, lengths: list[int], mode: str) -> str:
+    """One line: the log-log slope of every implementation's time from 2048 (or the shortest length) to the
+    longest."""
+    short = 2048 if 2048 in lengths else lengths[0]
+    long = lengths[-1]
+    parts = []
+    for impl in IMPLS:
+        slope = loglog_slope(results, impl, mode, short, long)
+        parts.append(f"{impl} {slope:.2f}" if slope is not None else f"{impl} -")
+    return f"Log-log slope of time from {short} to {long} tokens (1 = linear, 2 = quadratic): {', '.join(parts)}."
+
+
 def render_markdown(meta: dict, results: dict) -> str:
     lengths = sorted({int(k.split("|")[1]) for k in results})
     modes = [m for m in ("forward", "backward") if any(k.endswith("|" + m) for k in results)]
@@ -603,7 +625,7 @@ def render_markdown(meta: dict, results: dict) -> str:
                 f"| {L} | {fmt_time(h)} | {fmt_time(r)} | {fmt_time(s)} | - | - | {fmt_mib(h)} | {fmt_mib(r)} | "
                 f"{fmt_mib(s)} | - | - | - |"
             )
-        out.append("")
+        out += ["", slope_line(results, lengths, mode), ""]
     hashes = {v.get("hfx_model_src") for k, v in results.items() if v.get("hfx_model_src")}
     if len(hashes) > 1:
         out += [f"**Warning:** the hfx model's source files changed between cells ({len(hashes)} versions: "
