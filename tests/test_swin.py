@@ -237,6 +237,16 @@ def test_parity_with_transformers_patch4_window_sized_stage():
         assert_same_outputs(ref(x, output_attentions=True), ours(x, output_attentions=True), ["logits", "attentions"])
 
 
+def test_parity_with_transformers_without_qkv_bias():
+    """``qkv_bias=False``: the fused query/key/value product runs without a bias (SDPA and explicit paths)."""
+    x = pixel_values(2, 36, 44, seed=7)
+    ref, ours = reference_pair(SwinModel, HfxSwinModel, qkv_bias=False)
+    assert ours.encoder.layers[0].blocks[0].attention.self.query.bias is None
+    with torch.no_grad():
+        assert_same_outputs(ref(x), ours(x), ["last_hidden_state", "pooler_output"])
+        assert_same_outputs(ref(x, output_attentions=True), ours(x, output_attentions=True), ["attentions"])
+
+
 def test_parity_with_transformers_simmim():
     x = pixel_values(2, 32, seed=3)
     mask = torch.rand(2, 256, generator=torch.Generator().manual_seed(4)) > 0.4

@@ -69,5 +69,6 @@ class QKVProjection(nn.Module):
         parameters stay the three separate, checkpoint-compatible ``Linear`` modules.
         """
         weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
-        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+        biases = (self.query.bias, self.key.bias, self.value.bias)
+        bias = None if any(b is None for b in biases) else torch.cat(biases)
         return nn.functional.linear(hidden_states, weight, bias).chunk(3, dim=-1)

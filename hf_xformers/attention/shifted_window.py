@@ -147,7 +147,7 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
         attention_probs_dropout_prob: float = 0.0,
     ) -> None:
         super().__init__(dim, num_heads)
-        if not qkv_bias:
+        if not qkv_bias:  # all three or none: fused_qkv needs them alike
             for proj in (self.query, self.key, self.value):
                 proj.register_parameter("bias", None)
         self.window_size = window_size
@@ -197,8 +197,7 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
 
         n = window * window
         q, k, v = (
-            proj(windows).view(-1, n, self.num_heads, self.head_dim).transpose(1, 2)
-            for proj in (self.query, self.key, self.value)
+            t.view(-1, n, self.num_heads, self.head_dim).transpose(1, 2) for t in self.fused_qkv(windows)
         )  # each (batch * num_windows, heads, N, head_dim)
 
         # One additive mask: bias (1, heads, N, N) [+ shift mask (windows, 1, N, N) -> (windows, heads, N, N)].
