@@ -180,13 +180,16 @@ def ratio(num: dict | None, den: dict | None, field: str) -> str:
 
 def render_markdown(meta: dict, results: dict) -> str:
     impls = [i for i in IMPLS if any(k.startswith(i + "|") for k in results)]
+    # Cells merged from several runs may have different numbers of rounds.
+    rounds = sorted({r.get("rounds", 1) for r in results.values() if r["status"] == "ok"}) or [1]
+    rounds_text = str(rounds[0]) if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
     out = [
         "# Swin-T benchmark: hfx-swin vs transformers' Swin",
         "",
         "- Swin-T: embed 96, depths [2, 2, 6, 2], heads [3, 6, 12, 24], window 7, patch 4, drop_path 0.1, random "
         "weights, base models (no classifier).",
         f"- {meta['threads']} threads; median of {meta['repeats']} timed calls after 1 warm-up per process, over "
-        f"{meta.get('rounds', 1)} round(s); every (impl, size, mode) of every round in a fresh process. fwd = eval + `torch.inference_mode`; fwd+bwd = train mode, "
+        f"{rounds_text} round(s) per cell; every (impl, size, mode) of every round in a fresh process. fwd = eval + `torch.inference_mode`; fwd+bwd = train mode, "
         "`last_hidden_state.float().sum().backward()`. MiB = growth of peak RSS over model + inputs (median over rounds).",
         f"- Machine: {meta['machine']}; torch {meta['torch']}, transformers {meta['transformers']}; "
         f"hf_xformers src {meta['src']}; run {meta['date']}. Ratios: transformers / ours (> 1: ours faster or leaner).",
