@@ -27,6 +27,11 @@ so time and memory are linear in ``L``. Details:
   ============  ==============================================================================
 
 Attention dropout applies to the ``(L, k)`` probabilities, as in the paper.
+
+How it is computed: with one ``E`` (and ``F``) for all heads of a layer, the input is compressed first and the
+key/value ``Linear`` layers run on the ``k`` compressed rows, ``E^T (X W^T + b) = (E^T X) W^T + (E^T 1) b``, instead
+of on all ``L`` tokens (the same numbers to rounding; it saves two of the layer's four ``L x hidden x hidden``
+products). Per-head matrices (``none``) project the per-head keys and values.
 """
 
 from __future__ import annotations
@@ -116,11 +121,32 @@ class HfxLowRankSelfAttention(QKVProjection):
         shared = self.kv_projection if self.sharing == "kv" else self._shared[0]
         return shared.weight, shared.weight
 
+    def _compressed_linear(
+        self, pooled: torch.Tensor, matrix: torch.Tensor, linear: nn.Linear, padding: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``E^T (X W^T + 1 b^T)`` (padded rows zeroed) from ``pooled = E^T X``: ``(E^T X) W^T + (E^T m) b^T``.
+
+        Associativity: the key/value ``Linear`` then runs on ``k`` compressed rows instead of ``L`` tokens, which
+        removes two of the four ``(L, hidden) x (hidden, hidden)`` products of the layer's attention.
+
+        Args:
+            pooled: ``(batch, k, hidden)``, ``E^T X`` with padded rows of ``X`` zeroed.
+            matrix: ``(L, k)``, the rows of ``E`` in use.
+            linear: ``self.key`` or ``self.value``.
+            padding: ``(batch, L)`` bool, True for real tokens, or None.
+
+        Returns:
+            ``(batch, heads, k, head_dim)``.
+        """
+        out = F.linear(pooled, linear.weight)
+        if linear.bias is not None:
+            # The bias reaches a projected position once per real token it pools: the column sums of E over them.
+            weights = matrix.sum(0) if padding is None else torch.matmul(padding.to(matrix.dtype), matrix)
+            out = out + weights[..., None] * linear.bias
+        return split_heads(out, self.num_heads)
+
     def _project(self, x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-        """``(batch, L, hidden)`` -> ``(batch, heads, k, head_dim)`` through ``matrix`` ``(count, L, k)``."""
-        if matrix.shape[0] == 1:
-            # One matrix for all heads: a single (k, L) @ (L, hidden) product before splitting heads.
-            return split_heads(torch.matmul(matrix[0].T, x), self.num_heads)
+        """``(batch, L, hidden)`` -> ``(batch, heads, k, head_dim)`` through one matrix per head, ``(heads, L, k)``."""
         return torch.matmul(matrix.transpose(1, 2), split_heads(x, self.num_heads))
 
     def _support_mask(
@@ -168,16 +194,24 @@ class HfxLowRankSelfAttention(QKVProjection):
                 "Raise config.max_position_embeddings (the projections E, F have max_position_embeddings - "
                 "pad_token_id - 1 rows) or truncate the input."
             )
-        query, key, value = self.fused_qkv(hidden_states)
-        q = split_heads(query, self.num_heads)
         padding = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
-        if padding is not None:
-            # Zeroed before projecting: padding must not leak into the compressed keys and values.
-            pad = ~padding[..., None]
-            key, value = key.masked_fill(pad, 0.0), value.masked_fill(pad, 0.0)
         key_weight, value_weight = self.projections()
-        k = self._project(key, key_weight[:, :length])
-        v = self._project(value, value_weight[:, :length])
+        if key_weight.shape[0] == 1:  # one E (and F) for all heads: compress the input, then apply W_k, W_v
+            q = split_heads(self.query(hidden_states), self.num_heads)
+            x = hidden_states if padding is None else hidden_states.masked_fill(~padding[..., None], 0.0)
+            pooled_k = torch.matmul(key_weight[0, :length].T, x)  # (batch, k, hidden)
+            pooled_v = pooled_k if value_weight is key_weight else torch.matmul(value_weight[0, :length].T, x)
+            k = self._compressed_linear(pooled_k, key_weight[0, :length], self.key, padding)
+            v = self._compressed_linear(pooled_v, value_weight[0, :length], self.value, padding)
+        else:
+            query, key, value = self.fused_qkv(hidden_states)
+            q = split_heads(query, self.num_heads)
+            if padding is not None:
+                # Zeroed before projecting: padding must not leak into the compressed keys and values.
+                pad = ~padding[..., None]
+                key, value = key.masked_fill(pad, 0.0), value.masked_fill(pad, 0.0)
+            k = self._project(key, key_weight[:, :length])
+            v = self._project(value, value_weight[:, :length])
         mask = self._support_mask(padding, key_weight, value_weight, length)
         dropout = self.dropout_p if self.training else 0.0
         if not output_attentions:
