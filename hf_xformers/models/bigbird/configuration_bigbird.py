@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedConfig
-
 from ...attention.block_sparse import ATTENTION_TYPES
+from ...layers.text_config import HfxTextConfig
 
 
-class HfxBigBirdConfig(PreTrainedConfig):
+class HfxBigBirdConfig(HfxTextConfig):
     r"""Configuration of a BigBird encoder (BERT/RoBERTa layout with block-sparse attention).
 
     Field names and defaults follow ``transformers.BigBirdConfig`` so its checkpoints convert by renaming.
@@ -61,11 +60,6 @@ class HfxBigBirdConfig(PreTrainedConfig):
 
     def validate_bigbird(self) -> None:
         """Raise ``ValueError`` naming the field to change when the values cannot work together."""
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads})."
-            )
         if self.attention_type not in ATTENTION_TYPES:
             raise ValueError(f"attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}.")
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedConfig
-
 from ...attention.low_rank import SHARING_MODES as LINFORMER_SHARING_MODES
+from ...layers.text_config import HfxTextConfig
 
 
-class HfxLinformerConfig(PreTrainedConfig):
+class HfxLinformerConfig(HfxTextConfig):
     r"""Configuration of a Linformer (RoBERTa encoder whose attention projects keys and values along the sequence).
 
     Args:
@@ -27,24 +26,6 @@ class HfxLinformerConfig(PreTrainedConfig):
     model_type = "hfx-linformer"
     linformer_k: int = 256
     linformer_sharing: str = "headwise"
-    vocab_size: int = 50265
-    hidden_size: int = 768
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    intermediate_size: int = 3072
-    hidden_act: str = "gelu"
-    hidden_dropout_prob: float = 0.1
-    attention_probs_dropout_prob: float = 0.1
-    max_position_embeddings: int = 4098
-    type_vocab_size: int = 1
-    initializer_range: float = 0.02
-    layer_norm_eps: float = 1e-5
-    classifier_dropout: float | None = None
-    pad_token_id: int | None = 1
-    bos_token_id: int | None = 0
-    eos_token_id: int | None = 2
-    sep_token_id: int | None = 2
-    tie_word_embeddings: bool = True
 
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)
@@ -52,22 +33,15 @@ class HfxLinformerConfig(PreTrainedConfig):
 
     def validate_linformer(self) -> None:
         """Raise ``ValueError`` naming the field to change when the values cannot work together."""
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads})."
-            )
         if isinstance(self.linformer_k, bool) or not isinstance(self.linformer_k, int) or self.linformer_k < 1:
-            raise ValueError(f"linformer_k (the projected length) must be a positive integer, got {self.linformer_k!r}.")
+            raise ValueError(
+                f"linformer_k (the projected length) must be a positive integer, got {self.linformer_k!r}."
+            )
         if self.linformer_sharing not in LINFORMER_SHARING_MODES:
             raise ValueError(
                 f"linformer_sharing must be one of {LINFORMER_SHARING_MODES}, got {self.linformer_sharing!r}."
             )
-        if self.pad_token_id is None or self.max_position_embeddings <= self.pad_token_id + 1:
-            raise ValueError(
-                "max_position_embeddings must exceed pad_token_id + 1 (RoBERTa position offset); "
-                f"got max_position_embeddings={self.max_position_embeddings}, pad_token_id={self.pad_token_id}."
-            )
+        self.check_roberta_positions()
 
     @property
     def linformer_max_length(self) -> int:

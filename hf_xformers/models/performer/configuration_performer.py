@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedConfig
-
 from ...attention.favor import KERNELS as FAVOR_KERNELS
+from ...layers.text_config import HfxTextConfig
 
 
-class HfxPerformerConfig(PreTrainedConfig):
+class HfxPerformerConfig(HfxTextConfig):
     r"""Configuration of a Performer (RoBERTa encoder, or causal LM, with FAVOR+ linear attention).
 
     Args:
@@ -40,24 +39,6 @@ class HfxPerformerConfig(PreTrainedConfig):
     random_feature_seed: int = 0
     feature_redraw_interval: int | None = None
     is_decoder: bool = False
-    vocab_size: int = 50265
-    hidden_size: int = 768
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    intermediate_size: int = 3072
-    hidden_act: str = "gelu"
-    hidden_dropout_prob: float = 0.1
-    attention_probs_dropout_prob: float = 0.1
-    max_position_embeddings: int = 4098
-    type_vocab_size: int = 1
-    initializer_range: float = 0.02
-    layer_norm_eps: float = 1e-5
-    classifier_dropout: float | None = None
-    pad_token_id: int | None = 1
-    bos_token_id: int | None = 0
-    eos_token_id: int | None = 2
-    sep_token_id: int | None = 2
-    tie_word_embeddings: bool = True
 
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)
@@ -65,11 +46,6 @@ class HfxPerformerConfig(PreTrainedConfig):
 
     def validate_performer(self) -> None:
         """Raise ``ValueError`` naming the field to change when the values cannot work together."""
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads})."
-            )
 
         def positive_int(value) -> bool:
             return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -87,8 +63,4 @@ class HfxPerformerConfig(PreTrainedConfig):
             )
         if not isinstance(self.random_feature_seed, int) or self.random_feature_seed < 0:
             raise ValueError(f"random_feature_seed must be a non-negative integer, got {self.random_feature_seed!r}.")
-        if self.pad_token_id is None or self.max_position_embeddings <= self.pad_token_id + 1:
-            raise ValueError(
-                "max_position_embeddings must exceed pad_token_id + 1 (RoBERTa position offset); "
-                f"got max_position_embeddings={self.max_position_embeddings}, pad_token_id={self.pad_token_id}."
-            )
+        self.check_roberta_positions()

@@ -1,0 +1,59 @@
+"""The configuration fields every RoBERTa-style text architecture shares.
+
+``HfxTextConfig`` holds the encoder's size, dropout, embedding and special-token fields with ``RobertaConfig``'s
+names and defaults; an architecture's config subclasses it, adds its attention fields, overrides the defaults that
+differ (BigBird's vocabulary and positions, say) and validates its own fields in ``__post_init__`` after calling
+``super().__post_init__``. It has no ``model_type`` and is not registered: only the architectures are.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+
+class HfxTextConfig(PreTrainedConfig):
+    r"""Fields shared by the hf_xformers text configs (names and defaults as in ``RobertaConfig``).
+
+    Args:
+        vocab_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, hidden_act,
+        hidden_dropout_prob, attention_probs_dropout_prob, type_vocab_size, initializer_range, layer_norm_eps,
+        classifier_dropout, pad_token_id, bos_token_id, eos_token_id, sep_token_id, tie_word_embeddings: as in
+            ``RobertaConfig``.
+        max_position_embeddings (`int`, defaults to 4098): rows of the position table; with RoBERTa's offset the
+            model takes ``max_position_embeddings - pad_token_id - 1`` tokens (4096 by default).
+    """
+
+    vocab_size: int = 50265
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 4098
+    type_vocab_size: int = 1
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-5
+    classifier_dropout: float | None = None
+    pad_token_id: int | None = 1
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 2
+    sep_token_id: int | None = 2
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self, **kwargs) -> None:
+        super().__post_init__(**kwargs)
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})."
+            )
+
+    def check_roberta_positions(self) -> None:
+        """Raise unless the position table leaves room for RoBERTa's offset (positions start at pad_token_id + 1)."""
+        if self.pad_token_id is None or self.max_position_embeddings <= self.pad_token_id + 1:
+            raise ValueError(
+                "max_position_embeddings must exceed pad_token_id + 1 (RoBERTa position offset); "
+                f"got max_position_embeddings={self.max_position_embeddings}, pad_token_id={self.pad_token_id}."
+            )
