@@ -28,6 +28,7 @@ def _worker(rank: int, port: int, world: int) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
+    torch.set_num_threads(1)  # two processes on a 2-core machine: more threads only oversubscribe it
     torch.manual_seed(0)
     config = HfxLongformerConfig(
         vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
