@@ -30,3 +30,31 @@ def test_intermediate_inplace_activation_is_exact(act):
         ACT2FN[act](torch.nn.functional.linear(x, layer.dense.weight, layer.dense.bias)).sum(), x
     )
     torch.testing.assert_close(grad, expected_grad)
+
+
+@pytest.mark.parametrize(
+    "ours, theirs, extra",
+    # (HfxLongformerConfig follows allenai/longformer-base-4096, not LongformerConfig's BERT-sized defaults.)
+    [
+        (
+            "HfxBigBirdConfig",
+            "BigBirdConfig",
+            ["attention_type", "block_size", "num_random_blocks", "rescale_embeddings"],
+        )
+    ],
+)
+def test_text_config_defaults_follow_transformers(ours, theirs, extra):
+    """The configs inherit RoBERTa defaults from HfxTextConfig and override what differs: their defaults must still
+    be those of the transformers config whose checkpoints they import."""
+    import transformers
+
+    import hf_xformers
+
+    a, b = getattr(hf_xformers, ours)(), getattr(transformers, theirs)()
+    shared = [
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+        "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings", "type_vocab_size",
+        "initializer_range", "layer_norm_eps", "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id",
+    ]  # fmt: skip
+    for name in shared + extra:
+        assert getattr(a, name) == getattr(b, name), (name, getattr(a, name), getattr(b, name))

@@ -34,25 +34,16 @@ class HfxBigBirdConfig(HfxTextConfig):
     num_random_blocks: int = 3
     random_seed: int = 0
     fixed_random_blocks: bool = False
+    rescale_embeddings: bool = False
+    # BigBirdConfig's defaults where they differ from the RoBERTa ones of HfxTextConfig.
     vocab_size: int = 50358
-    hidden_size: int = 768
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    intermediate_size: int = 3072
     hidden_act: str = "gelu_new"
-    hidden_dropout_prob: float = 0.1
-    attention_probs_dropout_prob: float = 0.1
     max_position_embeddings: int = 4096
     type_vocab_size: int = 2
-    initializer_range: float = 0.02
     layer_norm_eps: float = 1e-12
-    rescale_embeddings: bool = False
-    classifier_dropout: float | None = None
     pad_token_id: int | None = 0
     bos_token_id: int | None = 1
-    eos_token_id: int | None = 2
     sep_token_id: int | None = 66
-    tie_word_embeddings: bool = True
 
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)

@@ -8,7 +8,9 @@ from ...layers.text_config import HfxTextConfig
 class HfxLongformerConfig(HfxTextConfig):
     r"""Configuration of a Longformer (RoBERTa encoder with sliding-window + global attention).
 
-    Field names and defaults follow ``transformers.LongformerConfig`` so its checkpoints convert by renaming.
+    Field names follow ``transformers.LongformerConfig`` so its checkpoints convert by renaming; the defaults are
+    those of ``allenai/longformer-base-4096`` (RoBERTa vocabulary and layout, 4096 tokens), not LongformerConfig's
+    BERT-sized ones.
 
     Args:
         attention_window (`int` or `list[int]`, defaults to 512): full width of the local window (tokens
