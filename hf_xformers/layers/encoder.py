@@ -55,11 +55,14 @@ _INPLACE_ACTIVATIONS = {"gelu": torch.ops.aten.gelu_, "relu": torch.relu_}
 
 
 class HfxIntermediate(nn.Module):
-    """``act(dense(x))``: ``(batch, seq_len, hidden)`` -> ``(batch, seq_len, intermediate)``."""
+    """``act(dense(x))``: ``(batch, seq_len, hidden)`` -> ``(batch, seq_len, intermediate)``.
 
-    def __init__(self, config) -> None:
+    Sizes default to ``config.hidden_size`` / ``config.intermediate_size``; Swin passes each stage's own.
+    """
+
+    def __init__(self, config, hidden_size: int | None = None, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense = nn.Linear(hidden_size or config.hidden_size, intermediate_size or config.intermediate_size)
         self.act = ACT2FN[config.hidden_act]
         self.act_inplace = _INPLACE_ACTIVATIONS.get(config.hidden_act) if isinstance(config.hidden_act, str) else None
 

@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.backbone_utils import BackboneMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BackboneOutput
 from transformers.utils import ModelOutput
 
 from ...attention.shifted_window import HfxShiftedWindowSelfAttention
+from ...layers.encoder import HfxIntermediate
 from ...layers.heads import sequence_classification_loss
 from ...layers.text_model import HfxPreTrainedModel
 from .configuration_swin import HfxSwinConfig
@@ -234,14 +234,11 @@ class HfxSwinAttention(nn.Module):
         return self.output(out.context), out.attentions
 
 
-class HfxSwinIntermediate(nn.Module):
-    def __init__(self, config: HfxSwinConfig, dim: int) -> None:
-        super().__init__()
-        self.dense = nn.Linear(dim, int(config.mlp_ratio * dim))
-        self.act = ACT2FN[config.hidden_act]
+class HfxSwinIntermediate(HfxIntermediate):
+    """The shared feed-forward expansion at a stage's width: ``dim -> mlp_ratio * dim``."""
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(hidden_states))
+    def __init__(self, config: HfxSwinConfig, dim: int) -> None:
+        super().__init__(config, dim, int(config.mlp_ratio * dim))
 
 
 class HfxSwinOutput(nn.Module):
