@@ -108,17 +108,12 @@ class HfxHeadMixin:
             **kw,
         )
 
-    @staticmethod
-    def _finish(output, return_dict: bool | None, config):
-        return_dict = config.return_dict if return_dict is None else return_dict
-        return output if return_dict else output.to_tuple()
 
+class HfxLMHeadMixin(HfxHeadMixin):
+    """A base model and a vocabulary head ``lm_head`` whose decoder is the output embedding (tied to the input
+    embeddings through ``_tied_weights_keys``). Masked and causal language models differ only in ``forward``."""
 
-class HfxMaskedLMHeadMixin(HfxHeadMixin):
-    """Masked language modelling. ``labels`` ``(batch, seq_len)``, -100 where no loss is wanted."""
-
-    task = "masked_lm"
-    # An architecture whose MLM head differs (BigBird's activation is config.hidden_act) sets a subclass here.
+    # An architecture whose LM head differs (BigBird's activation is config.hidden_act) sets a subclass here.
     lm_head_class: type[nn.Module] = HfxLMHead
 
     def __init__(self, config) -> None:
@@ -132,6 +127,12 @@ class HfxMaskedLMHeadMixin(HfxHeadMixin):
 
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head.decoder = new_embeddings
+
+
+class HfxMaskedLMHeadMixin(HfxLMHeadMixin):
+    """Masked language modelling. ``labels`` ``(batch, seq_len)``, -100 where no loss is wanted."""
+
+    task = "masked_lm"
 
     def forward(
         self,
@@ -156,7 +157,7 @@ class HfxMaskedLMHeadMixin(HfxHeadMixin):
         if labels is not None:
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1).to(logits.device))
         result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
-        return self._finish(result, return_dict, self.config)
+        return self._finish(result, return_dict)
 
 
 class HfxSequenceClassificationHeadMixin(HfxHeadMixin):
@@ -193,7 +194,7 @@ class HfxSequenceClassificationHeadMixin(HfxHeadMixin):
         result = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
         )
-        return self._finish(result, return_dict, self.config)
+        return self._finish(result, return_dict)
 
 
 class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
@@ -247,7 +248,7 @@ class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
         result = MultipleChoiceModelOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
         )
-        return self._finish(result, return_dict, self.config)
+        return self._finish(result, return_dict)
 
 
 class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
@@ -297,7 +298,7 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
             hidden_states=out.hidden_states,
             attentions=out.attentions,
         )
-        return self._finish(result, return_dict, self.config)
+        return self._finish(result, return_dict)
 
 
 class HfxTokenClassificationHeadMixin(HfxHeadMixin):
@@ -336,4 +337,4 @@ class HfxTokenClassificationHeadMixin(HfxHeadMixin):
         if labels is not None:
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
         result = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
-        return self._finish(result, return_dict, self.config)
+        return self._finish(result, return_dict)

@@ -32,6 +32,12 @@ class HfxPreTrainedModel(PreTrainedModel):
         if isinstance(module, HfxLMHead):
             nn.init.zeros_(module.decoder.bias)
 
+    def _finish(self, output, return_dict: bool | None):
+        """``output`` (a ModelOutput) as it is, or as a tuple when ``return_dict`` (None: ``config.return_dict``)
+        is False."""
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return output if return_dict else output.to_tuple()
+
     def default_global_attention_mask(
         self, task: str, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
     ) -> torch.Tensor | None:
@@ -143,8 +149,6 @@ class HfxTextModel:
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-
         hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
         if attention_mask is not None:
             attention_mask = attention_mask.bool()
@@ -158,4 +162,4 @@ class HfxTextModel:
             attentions=out.attentions,
             global_attentions=out.global_attentions,
         )
-        return out if return_dict else out.to_tuple()
+        return self._finish(out, return_dict)

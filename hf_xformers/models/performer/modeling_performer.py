@@ -16,8 +16,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from ...attention.favor import HfxFavorSelfAttention
 from ...layers.heads import (
-    HfxHeadMixin,
-    HfxLMHead,
+    HfxLMHeadMixin,
     HfxMaskedLMHeadMixin,
     HfxMultipleChoiceHeadMixin,
     HfxQuestionAnsweringHeadMixin,
@@ -95,7 +94,7 @@ class HfxPerformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxPer
     base_model_class = HfxPerformerModel
 
 
-class HfxPerformerForCausalLM(HfxHeadMixin, HfxPerformerPreTrainedModel):
+class HfxPerformerForCausalLM(HfxLMHeadMixin, HfxPerformerPreTrainedModel):
     """Left-to-right language model on causal FAVOR+ attention; the decoder is tied to the input embeddings.
 
     The model is always causal: a config with ``is_decoder=False`` is copied with ``is_decoder=True`` (the caller's
@@ -113,15 +112,6 @@ class HfxPerformerForCausalLM(HfxHeadMixin, HfxPerformerPreTrainedModel):
             config = copy.deepcopy(config)
             config.is_decoder = True
         super().__init__(config)
-        self._build_base_model(config)
-        self.lm_head = HfxLMHead(config)
-        self.post_init()
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head.decoder
-
-    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
-        self.lm_head.decoder = new_embeddings
 
     def forward(
         self,
@@ -147,7 +137,7 @@ class HfxPerformerForCausalLM(HfxHeadMixin, HfxPerformerPreTrainedModel):
             targets = F.pad(labels, (0, 1), value=-100)[:, 1:]
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
         result = CausalLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
-        return self._finish(result, return_dict, self.config)
+        return self._finish(result, return_dict)
 
 
 __all__ = [

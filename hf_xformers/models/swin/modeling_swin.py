@@ -534,7 +534,6 @@ class HfxSwinModel(HfxSwinPreTrainedModel):
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
-        return_dict = self.config.return_dict if return_dict is None else return_dict
         enc = self.encode(pixel_values, bool_masked_pos, output_attentions, output_hidden_states)
         sequence = enc.last_hidden_state
         if self.layernorm is not None:
@@ -546,7 +545,7 @@ class HfxSwinModel(HfxSwinPreTrainedModel):
             attentions=enc.attentions,
             reshaped_hidden_states=enc.reshaped_hidden_states,
         )
-        return out if return_dict else out.to_tuple()
+        return self._finish(out, return_dict)
 
 
 class HfxSwinForImageClassification(HfxSwinPreTrainedModel):
@@ -585,8 +584,7 @@ class HfxSwinForImageClassification(HfxSwinPreTrainedModel):
             attentions=out.attentions,
             reshaped_hidden_states=out.reshaped_hidden_states,
         )
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-        return result if return_dict else result.to_tuple()
+        return self._finish(result, return_dict)
 
 
 class HfxSwinForMaskedImageModeling(HfxSwinPreTrainedModel):
@@ -654,8 +652,7 @@ class HfxSwinForMaskedImageModeling(HfxSwinPreTrainedModel):
             attentions=out.attentions,
             reshaped_hidden_states=out.reshaped_hidden_states,
         )
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-        return result if return_dict else result.to_tuple()
+        return self._finish(result, return_dict)
 
 
 class HfxSwinBackbone(BackboneMixin, HfxSwinPreTrainedModel):
@@ -708,8 +705,7 @@ class HfxSwinBackbone(BackboneMixin, HfxSwinPreTrainedModel):
             hidden_states=maps if output_hidden_states else None,
             attentions=enc.attentions,
         )
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-        return out if return_dict else out.to_tuple()
+        return self._finish(out, return_dict)
 
 
 __all__ = [
