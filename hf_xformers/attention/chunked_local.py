@@ -53,16 +53,19 @@ def neighbour_chunks(
 
 def gather_chunks(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x`` ``(batch, heads, num_chunks, chunk, *rest)`` and ``index`` ``(batch or 1, num_chunks, window)`` ->
-    ``(batch, heads, num_chunks, window * chunk, *rest)``: each chunk followed by its neighbours' rows."""
+    ``(batch, heads, num_chunks, window * chunk, *rest)``: each chunk followed by its neighbours' rows.
+
+    One ``index_select`` over the flattened ``(batch * heads * num_chunks)`` chunks, with the chunk ids offset per
+    example and head: the index is read once per chunk (not per element, as ``gather`` does) and the result is
+    contiguous.
+    """
     batch, heads, num_chunks, chunk = x.shape[:4]
     rest = x.shape[4:]
     window = index.shape[-1]
-    if index.shape[0] == 1:  # the same chunks for every example: a plain row selection
-        out = x.index_select(2, index.reshape(-1))
-    else:
-        rows = torch.arange(batch, device=x.device).view(batch, 1)
-        out = x.transpose(1, 2)[rows, index.reshape(batch, -1)].transpose(1, 2)  # (batch, heads, C * window, ...)
-    return out.reshape(batch, heads, num_chunks, window * chunk, *rest)
+    offsets = torch.arange(batch * heads, device=x.device).view(batch, heads, 1) * num_chunks
+    flat = (index.reshape(index.shape[0], 1, num_chunks * window) + offsets).reshape(-1)
+    out = x.reshape(batch * heads * num_chunks, chunk, *rest).index_select(0, flat)
+    return out.view(batch, heads, num_chunks, window * chunk, *rest)
 
 
 def expand_keep(keep: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -157,7 +160,7 @@ class HfxLocalSelfAttention(nn.Module):
             mask = mask & key_real[:, :, :, None, :]
         if self.is_decoder:
             mask = mask & (positions[..., :, None] >= key_pos[..., None, :])
-        scores = torch.matmul(q, k.transpose(-1, -2)).masked_fill(~mask, MASK_VALUE)
+        scores = torch.matmul(q, k.transpose(-1, -2)).masked_fill_(~mask, MASK_VALUE)  # fresh: no copy needed
         probs = torch.softmax(scores, dim=-1)
         context = torch.matmul(self.dropout(probs), v).reshape(batch, self.num_heads, seq_len, self.head_dim)
         attentions = dense_probabilities(probs, positions, key_pos, seq_len) if output_attentions else None

@@ -126,9 +126,10 @@ class HfxLSHSelfAttention(nn.Module):
         if self.is_decoder:
             causal = q_pos[..., :, None] >= k_pos[..., None, :]
             mask = causal if mask is None else mask & causal
+        # In place: the product is a fresh tensor that its backward does not need (a copy here cost ~5 % of a forward).
         if mask is not None:
-            scores = scores.masked_fill(~mask, MASK_VALUE)
-        return scores.masked_fill(q_pos[..., :, None] == k_pos[..., None, :], SELF_MASK_VALUE)
+            scores.masked_fill_(~mask, MASK_VALUE)
+        return scores.masked_fill_(q_pos[..., :, None] == k_pos[..., None, :], SELF_MASK_VALUE)
 
     def _full(self, qk, v, attention_mask, output_attentions):
         """Every position attends to every other (inputs no longer than a chunk). Returns context, probabilities."""
@@ -228,8 +229,9 @@ class HfxLSHSelfAttention(nn.Module):
                 slot_probs = probs * weights.flatten(2).gather(2, order).view(q_pos.shape)[..., None]
             attentions = dense_probabilities(slot_probs, q_pos, k_pos, seq_len)
 
-        if padded_lengths is not None:
-            # Examples no longer than a chunk attend to all of their positions, as they would alone.
+        if padded_lengths is not None and num_hashes > 1:
+            # Examples no longer than a chunk attend to all of their positions, as they would alone. (With one round
+            # the sorted path already does: such an example fills one chunk, whose repeated neighbours are dropped.)
             short = padded_lengths <= chunk  # (batch,)
             mask_head = None if attention_mask is None else attention_mask[:, :chunk]
             head_context, head_probs = self._full(qk[:, :, :chunk], v[:, :, :chunk], mask_head, output_attentions)
