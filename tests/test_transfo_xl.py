@@ -412,3 +412,86 @@ def test_sequence_classification_uses_last_real_token():
     mask = torch.cat([torch.ones(1, 8), torch.zeros(1, 3)], 1).long()
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=padded, attention_mask=mask).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(cutoffs=[], div_val=1), dict(cutoffs=[20, 50], div_val=1), dict(cutoffs=[20, 50], div_val=2)],
+    ids=["one-softmax", "clusters-div1", "clusters-div2"],
+)
+def test_resize_token_embeddings_grows_last_cluster(overrides, tmp_path):
+    model = lm(**overrides)
+    ids = _ids(2, SEQ_LEN)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    embeddings = model.resize_token_embeddings(VOCAB + 7)
+    assert embeddings is model.transformer.word_emb
+    assert model.config.vocab_size == VOCAB + 7
+    assert model.adaptive_softmax.out_layers[-1].weight is embeddings.emb_layers[-1].weight  # still tied
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert after.shape == (2, SEQ_LEN, VOCAB + 7)
+    torch.testing.assert_close(after.exp().sum(-1), torch.ones(2, SEQ_LEN))
+    # Old tokens keep their weights: within each cluster only the normaliser changes (the last cluster's, which
+    # gained tokens; with one softmax, the only one), so log-probabilities move by one constant per cluster.
+    bounds = [0, *model.config.cutoffs, VOCAB]
+    for start, end in zip(bounds, bounds[1:]):
+        diff = before[..., start:end] - after[..., start:end]
+        torch.testing.assert_close(diff, diff[..., :1].expand_as(diff), atol=1e-5, rtol=0)
+    assert (before[..., bounds[-2]:] - after[..., bounds[-2]:VOCAB]).min() > 0  # new tokens take probability
+    new_ids = torch.full((1, 4), VOCAB + 6)
+    loss = model(input_ids=new_ids, labels=new_ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    model.save_pretrained(tmp_path)
+    reloaded = HfxTransfoXLForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=new_ids).logits, model.eval()(input_ids=new_ids).logits)
+
+
+def test_resize_token_embeddings_pads_and_shrinks_within_last_cluster():
+    model = lm()
+    model.resize_token_embeddings(VOCAB + 1, pad_to_multiple_of=8)
+    assert model.config.vocab_size % 8 == 0 and model.config.vocab_size > VOCAB
+    model.resize_token_embeddings(55)  # the last cluster starts at 50
+    assert model.adaptive_softmax.log_prob(torch.randn(3, 32)).shape == (3, 55)
+    with pytest.raises(ValueError, match="last adaptive cluster"):
+        model.resize_token_embeddings(50)
+
+
+def test_smaller_vocab_than_cutoffs_on_load_is_a_clear_error(tmp_path):
+    lm().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="pass cutoffs that fit"):
+        HfxTransfoXLForCausalLM.from_pretrained(tmp_path, vocab_size=40, ignore_mismatched_sizes=True)
+    model = HfxTransfoXLForCausalLM.from_pretrained(tmp_path, vocab_size=40, cutoffs=[10, 20],
+                                                    ignore_mismatched_sizes=True)
+    assert model.adaptive_softmax.log_prob(torch.randn(1, 32)).shape == (1, 40)
+
+
+def test_memories_longer_than_mem_len_are_trimmed():
+    model = lm(mem_len=4)
+    ids = _ids(1, 12)
+    long_mems = tuple(torch.randn(1, 9, 32) for _ in range(2))
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :5], mems=long_mems)
+        trimmed = model(input_ids=ids[:, :5], mems=tuple(m[:, -4:] for m in long_mems))
+    torch.testing.assert_close(out.logits, trimmed.logits, atol=0, rtol=0)
+    assert all(m.shape == (1, 4, 32) for m in out.mems)
+    no_memory = lm(mem_len=0, same_length=False)
+    with torch.no_grad():
+        torch.testing.assert_close(no_memory(input_ids=ids, mems=long_mems).logits, no_memory(input_ids=ids).logits)
+
+
+def test_adaptive_layers_trace_without_graph_breaks():
+    """Cluster selection in the adaptive embedding and softmax depends on the ids; traced code must not."""
+    model = lm()
+    ids = _ids(2, SEQ_LEN)
+    labels = ids.clone()
+    labels[0, :5] = -100
+    with torch.no_grad():
+        eager = model(input_ids=ids, labels=labels)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids, labels=labels)
+    torch.testing.assert_close(compiled.logits, eager.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(compiled.losses, eager.losses, atol=1e-5, rtol=0)
+    torch.testing.assert_close(compiled.loss, eager.loss, atol=1e-6, rtol=0)

@@ -30,8 +30,36 @@ def validate_cutoffs(cutoffs: list[int], vocab_size: int) -> None:
     if any(b <= a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(
             f"cutoffs must be strictly increasing integers between 0 and vocab_size ({vocab_size}), exclusive; "
-            f"got {cutoffs}. Use e.g. cutoffs=[{vocab_size // 4}, {vocab_size // 2}], or [] for a single softmax."
+            f"got {cutoffs}. Use e.g. cutoffs=[{vocab_size // 4}, {vocab_size // 2}], or [] for a single softmax. "
+            "When changing vocab_size (e.g. from_pretrained(..., vocab_size=N, ignore_mismatched_sizes=True)), pass "
+            "cutoffs that fit it in the same call."
         )
+
+
+def check_resizable(cutoffs: list[int], new_vocab_size: int) -> None:
+    """Raise ``ValueError`` unless a vocabulary of ``new_vocab_size`` keeps every cluster non-empty."""
+    last = cutoffs[-1] if cutoffs else 0
+    if new_vocab_size <= last:
+        raise ValueError(
+            f"Resizing to {new_vocab_size} tokens would empty the last adaptive cluster, which starts at cutoff {last}: "
+            f"resize to more than {last} tokens, or build a new config with cutoffs below the new size (and train "
+            "the adaptive layers again)."
+        )
+
+
+def resized_rows(old: torch.Tensor, new_rows: int, std: float | None = None) -> torch.Tensor:
+    """``old`` ``(n, ...)`` cut or grown to ``(new_rows, ...)``. New rows are the mean of the old ones when ``std``
+    is None, so new tokens start as an average token (transformers' ``mean_resizing`` idea, without the sampling),
+    else drawn from ``N(0, std)`` (0 for 1-d tensors such as biases)."""
+    n = old.shape[0]
+    if new_rows <= n:
+        return old[:new_rows].clone()
+    if std is None:
+        fill = old.mean(0, keepdim=True).expand(new_rows - n, *old.shape[1:])
+    else:
+        fill = old.new_empty(new_rows - n, *old.shape[1:])
+        fill.normal_(0.0, std) if old.dim() > 1 else fill.zero_()
+    return torch.cat([old, fill], 0)
 
 
 class HfxAdaptiveEmbedding(nn.Module):
@@ -58,22 +86,37 @@ class HfxAdaptiveEmbedding(nn.Module):
                 self.emb_layers.append(nn.Embedding(end - start, width))
                 self.emb_projs.append(nn.Parameter(torch.empty(d_proj, width)))
 
+    def resize_vocab(self, new_vocab_size: int, std: float | None = None) -> None:
+        """Grow or shrink the vocabulary at its end: the last cluster (or the single table) gains or loses rows
+        (new rows: see :func:`resized_rows`)."""
+        check_resizable([end for _, end in self.bounds[:-1]], new_vocab_size)
+        delta = new_vocab_size - self.vocab_size
+        table = self.emb_layers[-1]
+        new = nn.Embedding(table.num_embeddings + delta, table.embedding_dim, device=table.weight.device,
+                           dtype=table.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(resized_rows(table.weight, new.num_embeddings, std))
+        self.emb_layers[-1] = new
+        self.vocab_size = new_vocab_size
+        self.bounds[-1] = (self.bounds[-1][0], new_vocab_size)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.div_val == 1:
             embed = self.emb_layers[0](input_ids)
             if len(self.emb_projs):
                 embed = F.linear(embed, self.emb_projs[0])
             return embed * self.scale
-        flat = input_ids.reshape(-1)
-        weight = self.emb_projs[0]
-        out = torch.zeros(flat.shape[0], self.d_proj, dtype=weight.dtype, device=flat.device)
+        # Every cluster embeds every token (ids clamped into its range) and a mask keeps the right one: no
+        # data-dependent shapes, so the same code runs eagerly, compiled and exported. The tail tables are narrow
+        # (d_embed / div_val**i), so this costs little more than one projection of the shortlist width.
+        out = None
         for i, (start, end) in enumerate(self.bounds):
-            rows = ((flat >= start) & (flat < end)).nonzero().squeeze(-1)
-            if rows.numel() == 0:
-                continue
-            embed = F.linear(self.emb_layers[i](flat[rows] - start), self.emb_projs[i])
-            out = out.index_copy(0, rows, embed.to(out.dtype))
-        return out.view(*input_ids.shape, self.d_proj) * self.scale
+            local = (input_ids - start).clamp(0, end - start - 1)
+            embed = F.linear(self.emb_layers[i](local), self.emb_projs[i])
+            inside = ((input_ids >= start) & (input_ids < end)).unsqueeze(-1)
+            part = torch.where(inside, embed, torch.zeros((), dtype=embed.dtype, device=embed.device))
+            out = part if out is None else out + part
+        return out * self.scale
 
 
 class HfxAdaptiveLogSoftmax(nn.Module):
@@ -110,6 +153,22 @@ class HfxAdaptiveLogSoftmax(nn.Module):
                 self.out_layers.append(nn.Linear(width, end - start))
                 self.out_projs.append(nn.Parameter(torch.empty(d_proj, width)))
 
+    def resize_vocab(self, new_vocab_size: int, std: float | None = None) -> None:
+        """Grow or shrink the vocabulary at its end, as :meth:`HfxAdaptiveEmbedding.resize_vocab` does (new biases:
+        the mean of the old ones, or 0 with ``std``)."""
+        check_resizable([end for _, end in self.bounds[:-1]], new_vocab_size)
+        delta = new_vocab_size - self.vocab_size
+        layer = self.out_layers[-1]
+        new = nn.Linear(layer.in_features, layer.out_features + delta, device=layer.weight.device,
+                        dtype=layer.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(resized_rows(layer.weight, new.out_features, std))
+            new.bias.copy_(resized_rows(layer.bias, new.out_features, std))
+        self.out_layers[-1] = new
+        self.vocab_size = new_vocab_size
+        self.bounds[-1] = (self.bounds[-1][0], new_vocab_size)
+        self.shortlist_size = self.bounds[0][1]
+
     def _cluster_logits(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
         """Logits ``(n, cluster size [+ n_tail for the head])`` of cluster ``i`` for hidden states ``(n, d_proj)``."""
         start, end = self.bounds[i]
@@ -141,6 +200,10 @@ class HfxAdaptiveLogSoftmax(nn.Module):
         Only the clusters that hold a target are evaluated, which is what makes training with a large
         vocabulary cheap.
         """
+        if torch.compiler.is_compiling():
+            # Tracing cannot follow the data-dependent cluster selection below: score the full distribution.
+            picked = self.log_prob(hidden).gather(1, target.clamp(0, self.vocab_size - 1)[:, None]).squeeze(1)
+            return torch.where(target == ignore_index, torch.zeros_like(picked), -picked)
         nll = torch.zeros(target.shape[0], dtype=torch.float32, device=hidden.device)
         head = F.log_softmax(self._cluster_logits(hidden, 0).float(), dim=-1)
         for i, (start, end) in enumerate(self.bounds):

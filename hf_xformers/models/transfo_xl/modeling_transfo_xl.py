@@ -105,6 +105,39 @@ class HfxTransfoXLPreTrainedModel(PreTrainedModel):
                 nn.init.normal_(module.cluster_weight, 0.0, std)
                 nn.init.zeros_(module.cluster_bias)
 
+    def __init__(self, config: HfxTransfoXLConfig, *inputs, **kwargs) -> None:
+        # from_pretrained(..., vocab_size=N) sets fields after the config validated itself: check again before
+        # building tables from them (else torch fails with "negative dimension").
+        config.validate_transfo_xl()
+        super().__init__(config, *inputs, **kwargs)
+
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> HfxAdaptiveEmbedding:
+        """Resize the vocabulary to ``new_num_tokens`` (rounded up to ``pad_to_multiple_of``) and return the input
+        embeddings.
+
+        Tokens are added or removed at the end of the vocabulary, i.e. in the last adaptive cluster (the only one
+        with no ``cutoffs``); the adaptive softmax follows and stays tied. New rows start at the mean of the old
+        ones (``mean_resizing=True``) or are drawn from ``N(0, init_std)``. A size that would empty the last cluster
+        raises a ``ValueError``: cutoffs cannot move without retraining the clusters.
+        """
+        embeddings = self.base_model.word_emb
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return embeddings
+        new_size = self.config.vocab_size if new_num_tokens is None else int(new_num_tokens)
+        if pad_to_multiple_of is not None:
+            new_size = -(-new_size // pad_to_multiple_of) * pad_to_multiple_of
+        std = None if mean_resizing else self.config.init_std
+        embeddings.resize_vocab(new_size, std)
+        softmax = getattr(self, "adaptive_softmax", None)
+        if softmax is not None:
+            softmax.resize_vocab(new_size, std)
+        self.config.vocab_size = new_size
+        # The new softmax layer has its own weight; tying points it at the new embedding table again.
+        self.tie_weights()
+        return embeddings
+
     def zero_memories(self, batch_size: int) -> Memories:
         """``n_layer`` zero memories ``(batch_size, mem_len, d_model)``: what ``transformers`` 4.x starts from."""
         param = next(self.parameters())
@@ -224,6 +257,9 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         Args:
             input_ids: ``(batch, seq_len)`` token ids (or ``inputs_embeds`` ``(batch, seq_len, d_model)``).
             mems: the ``mems`` of the previous segment's output (per layer ``(batch, memory_len, d_model)``), or None.
+                Memories longer than ``config.mem_len`` are cut to their last ``mem_len`` positions (what the model
+                itself returns), so the model never attends further back than it was configured (and trained) to;
+                with ``mem_len == 0`` they are ignored. Raise ``config.mem_len`` to use a longer memory at evaluation.
             attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for right padding. A causal model needs no
                 mask for right padding; it is checked and used by the classification head to find the last token.
         Returns:
@@ -236,6 +272,9 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
 
+        if mems is not None:
+            mem_len = self.config.mem_len
+            mems = None if mem_len == 0 else tuple(mem[:, -mem_len:] for mem in mems)
         embeds = self.word_emb(input_ids) if inputs_embeds is None else inputs_embeds
         memory_len = 0 if mems is None else mems[0].shape[1]
         key_len = memory_len + query_len
