@@ -54,7 +54,13 @@ def read_config(source: str | Path, accepted: Iterable[str]) -> dict:
             f"saved with save_pretrained() whose model_type is one of {accepted} (Hub ids are not downloaded; "
             "save the model locally first)."
         )
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{config_file} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); the file is "
+            "damaged or was cut short: copy it again from the original checkpoint."
+        ) from error
     model_type = config.get("model_type")
     if model_type not in accepted:
         raise ValueError(f"Source {str(source)!r} has model_type {model_type!r}; accepted model types: {accepted}.")
@@ -183,6 +189,44 @@ def load_tokenizer(source: str | Path, required: bool = True) -> PreTrainedToken
         ) from error
     logger.info("No tokenizer in %s; converting the model only.", source)
     return None
+
+
+# Files a saved checkpoint consists of: what --overwrite removes from an output folder before writing, so nothing of
+# an earlier model (a stale preprocessor_config.json, another tokenizer's vocabulary) survives next to the new one.
+CHECKPOINT_FILE_PATTERNS = (
+    "config.json", "generation_config.json", "preprocessor_config.json", "processor_config.json",
+    "model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
+    "tokenizer*.json", "special_tokens_map.json", "added_tokens.json", "chat_template.*", "vocab.*", "merges.txt",
+    "*.model",
+)  # fmt: skip
+
+
+def prepare_output_dir(output_dir: str | Path, overwrite: bool = False) -> Path:
+    """Check that ``output_dir`` can receive a converted checkpoint; create it.
+
+    A folder that already holds files is refused (a stale file of another model there would be loaded with the
+    new one), unless ``overwrite``: then the checkpoint files in it (:data:`CHECKPOINT_FILE_PATTERNS`) are removed
+    and other files are left alone.
+
+    Raises:
+        ValueError: ``output_dir`` is a file, or a non-empty folder and ``overwrite`` is False.
+    """
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"Output {str(path)!r} is a file; pass a folder (it is created if missing).")
+    existing = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if existing and not overwrite:
+        shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
+        raise ValueError(
+            f"Output folder {str(path)!r} is not empty ({shown}). Choose a new or empty folder, or pass "
+            "--overwrite (overwrite=True) to replace the checkpoint files in it."
+        )
+    for pattern in CHECKPOINT_FILE_PATTERNS if existing else ():
+        for stale in path.glob(pattern):
+            if stale.is_file():
+                stale.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def save_model_and_tokenizer(

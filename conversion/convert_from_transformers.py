@@ -34,6 +34,7 @@ from conversion.common import (  # noqa: E402
     load_converted_weights,
     load_tokenizer,
     load_weights,
+    prepare_output_dir,
     read_config,
     save_model_and_tokenizer,
     split_prefix,
@@ -563,13 +564,15 @@ IMPORTERS: dict[str, Callable[[Path, dict], PreTrainedModel]] = {
 
 
 def convert_from_transformers(
-    source: str | Path, output_dir: str | Path | None = None
+    source: str | Path, output_dir: str | Path | None = None, overwrite: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Import a local ``transformers`` checkpoint into hf_xformers.
 
     Args:
         source: directory saved with ``save_pretrained`` (config, weights, optionally the tokenizer).
-        output_dir: when given, the converted model (and tokenizer) are saved there.
+        output_dir: when given, the converted model (and tokenizer) are saved there. It must be new or empty,
+            unless ``overwrite`` (see :func:`conversion.common.prepare_output_dir`).
+        overwrite: replace the checkpoint files of a non-empty ``output_dir``.
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode, ``tokenizer`` is None when the source has none.
@@ -579,6 +582,8 @@ def convert_from_transformers(
     """
     path = Path(source)
     config = read_config(path, IMPORTERS)
+    if output_dir is not None:  # before the work: a refused folder should not cost a conversion
+        prepare_output_dir(output_dir, overwrite)
     model = IMPORTERS[config["model_type"]](path, config).eval()
     tokenizer = load_tokenizer(path, required=False)
     if tokenizer is None and config["model_type"] == "reformer" and config.get("vocab_size") == 258:
@@ -599,9 +604,13 @@ def main(argv: list[str] | None = None) -> None:
         "--source", required=True, help=f"local checkpoint directory, model_type in {sorted(IMPORTERS)}"
     )
     parser.add_argument("--output", required=True, help="directory to save the converted model and tokenizer")
+    parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files of a non-empty --output")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    convert_from_transformers(args.source, args.output)
+    try:
+        convert_from_transformers(args.source, args.output, overwrite=args.overwrite)
+    except ValueError as error:
+        parser.error(str(error))
 
 
 if __name__ == "__main__":

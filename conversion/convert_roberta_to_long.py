@@ -46,6 +46,7 @@ from conversion.common import (  # noqa: E402
     load_converted_weights,
     load_tokenizer,
     load_weights,
+    prepare_output_dir,
     read_config,
     save_model_and_tokenizer,
     split_prefix,
@@ -404,6 +405,7 @@ def convert_roberta_to_long(
     attention_window: int = 512,
     output_dir: str | Path | None = None,
     target_options: dict | None = None,
+    overwrite: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Convert a local RoBERTa/BERT checkpoint into a long-context hf_xformers MLM model.
 
@@ -414,10 +416,12 @@ def convert_roberta_to_long(
         max_length: tokens the converted model accepts; the tokenizer's ``model_max_length`` is set to it.
         attention_window: full local window width (even; each token sees ``attention_window // 2`` neighbours
             on each side), the same for every layer.
-        output_dir: when given, the model and tokenizer are saved there with ``save_pretrained``.
+        output_dir: when given, the model and tokenizer are saved there with ``save_pretrained``. It must be new
+            or empty, unless ``overwrite`` (see :func:`conversion.common.prepare_output_dir`).
         target_options: extra keyword arguments of the target's builder: ``linformer_k`` and ``linformer_sharing``
             (:func:`build_linformer`), ``num_random_features`` (:func:`build_performer`), ``block_size``,
             ``num_random_blocks`` and ``attention_type`` (:func:`build_bigbird`).
+        overwrite: replace the checkpoint files of a non-empty ``output_dir``.
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode.
@@ -430,6 +434,8 @@ def convert_roberta_to_long(
     if max_length < 1:
         raise ValueError(f"max_length must be positive, got {max_length}.")
     src = read_encoder_source(source)
+    if output_dir is not None:
+        prepare_output_dir(output_dir, overwrite)
     source_length = int(src.config.get("max_position_embeddings", 512)) - (
         src.pad_token_id + 1 if src.family == "roberta" else 0
     )
@@ -456,6 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-length", type=int, default=4096, help="tokens the new model accepts")
     parser.add_argument("--attention-window", type=int, default=512, help="full local window width (even)")
     parser.add_argument("--output", required=True, help="directory to save the converted model and tokenizer")
+    parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files of a non-empty --output")
     parser.add_argument("--linformer-k", type=int, default=256, help="linformer: projected length k")
     parser.add_argument("--linformer-sharing", default="headwise", help="linformer: none, headwise, kv or layerwise")
     parser.add_argument("--num-random-features", type=int, default=None, help="performer: features per head (d ln d)")
@@ -468,7 +475,12 @@ def main(argv: list[str] | None = None) -> None:
         "performer": {"num_random_features": args.num_random_features},
         "bigbird": {"block_size": args.block_size, "num_random_blocks": args.num_random_blocks},
     }.get(args.target)
-    convert_roberta_to_long(args.source, args.target, args.max_length, args.attention_window, args.output, options)
+    try:
+        convert_roberta_to_long(
+            args.source, args.target, args.max_length, args.attention_window, args.output, options, args.overwrite
+        )
+    except ValueError as error:
+        parser.error(str(error))
 
 
 if __name__ == "__main__":

@@ -86,6 +86,32 @@ def encode(tokens: list[str], vocab: dict[str, int]) -> torch.Tensor:
     return torch.tensor([vocab.get(token, unk) for token in tokens], dtype=torch.long)
 
 
+def load_saved_model(source: Path) -> tuple[HfxTransfoXLForCausalLM, dict[str, int]]:
+    """The hfx-transfo-xl model and ``vocab.json`` that this script saved in ``source``.
+
+    Raises:
+        ValueError: ``source`` is not such a folder (missing or damaged files, another model type), with what to do.
+    """
+    config_file, vocab_file = source / "config.json", source / "vocab.json"
+    if not config_file.is_file():
+        raise ValueError(f"--model_name_or_path {str(source)!r} has no config.json: pass a folder this script saved.")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file} is not valid JSON ({error.msg} at line {error.lineno}).") from error
+    if model_type != "hfx-transfo-xl":
+        raise ValueError(
+            f"--model_name_or_path {str(source)!r} holds a {model_type!r} model; run_clm.py trains hfx-transfo-xl "
+            "language models. Pass a folder this script saved, or leave --model_name_or_path out to train a new model."
+        )
+    if not vocab_file.is_file():
+        raise ValueError(
+            f"--model_name_or_path {str(source)!r} has no vocab.json (the vocabulary run_clm.py writes next to the "
+            "model): pass a folder this script saved."
+        )
+    return HfxTransfoXLForCausalLM.from_pretrained(source), json.loads(vocab_file.read_text())
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
@@ -105,9 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_tokens, valid_tokens = train_tokens[:split], train_tokens[split:]
 
     if model_args.model_name_or_path:
-        source = Path(model_args.model_name_or_path)
-        vocab = json.loads((source / "vocab.json").read_text())
-        model = HfxTransfoXLForCausalLM.from_pretrained(source)
+        model, vocab = load_saved_model(Path(model_args.model_name_or_path))
     else:
         vocab = build_vocab(train_tokens)
         cutoffs = [int(c) for c in model_args.cutoffs.split(",") if c.strip()]

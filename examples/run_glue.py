@@ -393,6 +393,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         trust_remote_code=model_args.trust_remote_code,
         **label_kwargs,
     )
+    if type(config) not in AutoModelForSequenceClassification._model_mapping:
+        # Checked before the tokenizer: loading one for, e.g., an image model fails with an unrelated message.
+        raise ValueError(
+            f"{model_args.config_name or model_args.model_name_or_path!r} holds a {config.model_type!r} model, which "
+            "has no sequence-classification head: run_glue.py fine-tunes text models (hfx-longformer, hfx-bigbird, "
+            "BERT, RoBERTa, ...). For an image model use examples/run_image_classification.py."
+        )
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.tokenizer_name or model_args.model_name_or_path,
         cache_dir=model_args.cache_dir,

