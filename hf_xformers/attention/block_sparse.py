@@ -40,7 +40,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionOutput, merge_heads, split_heads
+from ..layers.input_checks import is_tracing
+from .base import AttentionOutput, cut_to_length, merge_heads, split_heads, unblock
 from .full import HfxFullSelfAttention
 
 ATTENTION_TYPES = ("block_sparse", "original_full")
@@ -77,40 +78,77 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         self.fixed_random_blocks = config.fixed_random_blocks
         # One seed per layer, so layers do not share their random pattern.
         self.seed = (int(config.random_seed) * 1_000_003 + layer_idx) % (2**62)
-        self._seeded_blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The seeded pattern of every block count an input can have (see `seeded_block_table`): looked up with
+        # tensor ops, so traced graphs (torch.compile / torch.export) need no per-length Python and no cache.
+        self.max_blocks = -(-config.max_position_embeddings // self.block_size)
+        self.register_buffer("random_block_table", self.seeded_block_table(), persistent=False)
 
     # ----- the random pattern ------------------------------------------------------------------------------
-    def random_blocks(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def random_blocks(self, num_blocks: int, seeded: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Random key blocks for an example with blocks ``0 .. num_blocks - 1``.
 
         Row ``i`` (a middle block, ``1 <= i <= num_blocks - 2``) draws ``r`` distinct blocks among
         ``1 .. num_blocks - 2`` minus ``i - 1, i, i + 1``; when fewer are left it takes them all and the other
         slots are marked invalid. Rows ``0`` and ``num_blocks - 1`` (global) have no valid slot.
 
+        Args:
+            seeded: draw from the generator seeded by ``(config.random_seed, layer, num_blocks)``, or from torch's
+                global RNG. None: seeded in eval mode or with ``fixed_random_blocks``.
         Returns:
             ``(heads, num_blocks, r)`` long block indices (0 in invalid slots) and ``(num_blocks, r)`` bool
             validity, on the CPU.
         """
         r, heads = self.num_random_blocks, self.num_heads
-        seeded = not self.training or self.fixed_random_blocks
-        if seeded and num_blocks in self._seeded_blocks:
-            return self._seeded_blocks[num_blocks]
+        if seeded is None:
+            seeded = not self.training or self.fixed_random_blocks
         i = torch.arange(num_blocks)[:, None]
         j = torch.arange(num_blocks)[None, :]
         middle = (i >= 1) & (i <= num_blocks - 2)
         allowed = middle & (j >= 1) & (j <= num_blocks - 2) & ((i - j).abs() > 1)
         valid = torch.arange(r)[None, :] < allowed.sum(-1, keepdim=True)
         if r == 0:
-            chosen = torch.zeros(heads, num_blocks, 0, dtype=torch.long)
-        else:
-            generator = torch.Generator().manual_seed(self.seed * 65_537 + num_blocks) if seeded else None
-            # The r allowed blocks with the smallest uniform scores: a uniform draw without replacement.
-            scores = torch.rand(heads, num_blocks, num_blocks, generator=generator).masked_fill(~allowed, 2.0)
-            chosen = scores.topk(min(r, num_blocks), dim=-1, largest=False).indices
-            chosen = F.pad(chosen, (0, r - chosen.shape[-1])).masked_fill(~valid, 0)
-        if seeded:
-            self._seeded_blocks[num_blocks] = (chosen, valid)
-        return chosen, valid
+            return torch.zeros(heads, num_blocks, 0, dtype=torch.long), valid
+        generator = torch.Generator().manual_seed(self.seed * 65_537 + num_blocks) if seeded else None
+        # The r allowed blocks with the smallest uniform scores: a uniform draw without replacement.
+        scores = torch.rand(heads, num_blocks, num_blocks, generator=generator).masked_fill(~allowed, 2.0)
+        chosen = scores.topk(min(r, num_blocks), dim=-1, largest=False).indices
+        return F.pad(chosen, (0, r - chosen.shape[-1])).masked_fill(~valid, 0), valid
+
+    def seeded_block_table(self) -> torch.Tensor:
+        """The seeded pattern of every block count: ``(max_blocks, heads, max_blocks, r)``, row ``c - 1`` holding
+        :meth:`random_blocks` ``(c)`` (seeded) in its first ``c`` block rows and zeros after (int16 where it fits;
+        ``max_blocks = ceil(max_position_embeddings / block_size)``). Slot validity depends on the count alone and
+        is recomputed from it."""
+        n, r = self.max_blocks, self.num_random_blocks
+        dtype = torch.int16 if n < 2**15 else torch.int32
+        table = torch.zeros(n, self.num_heads, n, r, dtype=dtype)
+        if r:
+            with torch.inference_mode(False):
+                for count in range(1, n + 1):
+                    table[count - 1, :, :count] = self.random_blocks(count, seeded=True)[0].to(dtype)
+        return table
+
+    def _allowed_blocks(self, last_block: torch.Tensor, num_blocks) -> tuple[torch.Tensor, torch.Tensor]:
+        """For examples whose last block is ``last_block`` ``(batch,)``: ``allowed`` ``(batch, num_blocks,
+        num_blocks)``, the key blocks each query block may draw from, and ``valid`` ``(batch, num_blocks, r)``, which
+        random slots hold a block (the rule of :meth:`random_blocks`, with tensor ops)."""
+        device = last_block.device
+        i = torch.arange(num_blocks, device=device)[None, :, None]
+        j = torch.arange(num_blocks, device=device)[None, None, :]
+        last = last_block[:, None, None]
+        allowed = (i >= 1) & (i <= last - 1) & (j >= 1) & (j <= last - 1) & ((i - j).abs() > 1)
+        return allowed, torch.arange(self.num_random_blocks, device=device) < allowed.sum(-1, keepdim=True)
+
+    def _drawn_blocks(self, last_block: torch.Tensor, num_blocks) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh random blocks from torch's global RNG for every example at once (traced training graphs): the
+        distribution of :meth:`random_blocks` (unseeded), not its stream of numbers."""
+        batch, r = last_block.shape[0], self.num_random_blocks
+        allowed, valid = self._allowed_blocks(last_block, num_blocks)
+        scores = torch.rand(batch, self.num_heads, num_blocks, num_blocks, device=last_block.device)
+        # r extra columns of "not allowed" so that topk(r) never needs more columns than exist.
+        scores = F.pad(scores.masked_fill(~allowed[:, None], 2.0), (0, r), value=2.0)
+        chosen = scores.topk(r, dim=-1, largest=False).indices
+        return chosen.masked_fill(~valid[:, None], 0), valid
 
     def plan(self, attention_mask: torch.Tensor) -> BlockPlan:
         """Blocks, global blocks and random blocks of a batch.
@@ -126,6 +164,14 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         positions = torch.arange(length, device=device)
         last_block = torch.where(key_mask, positions, -1).amax(-1) // b
         key_mask = F.pad(key_mask, (0, num_blocks * b - length), value=False)
+        seeded = not self.training or self.fixed_random_blocks
+        if r and seeded and (is_tracing() or num_blocks <= self.max_blocks):
+            # Row `last + 1` of the table is each example's pattern; its block rows past `num_blocks` are zeros.
+            random = self.random_block_table.to(device).long()[last_block]  # (batch, heads, max_blocks, r)
+            random = cut_to_length(random, 2, num_blocks)
+            return BlockPlan(key_mask, last_block, random, self._allowed_blocks(last_block, num_blocks)[1])
+        if r and is_tracing():
+            return BlockPlan(key_mask, last_block, *self._drawn_blocks(last_block, num_blocks))
         random = torch.zeros(batch, self.num_heads, num_blocks, r, dtype=torch.long, device=device)
         random_valid = torch.zeros(batch, num_blocks, r, dtype=torch.bool, device=device)
         for count in sorted(set((last_block + 1).tolist())):
@@ -211,9 +257,17 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
             # One gather each (a copy, as every block-sparse kernel needs): (batch * heads, m, s * b, dim). Keys and
             # values are first made contiguous per head, so that every block is one contiguous (b, dim) slab and
             # index_select copies whole slabs (about 30% faster than advanced indexing into the strided view).
-            flat = ((batch_idx * heads + head_idx) * nb + blocks).reshape(-1)
-            kb = k.contiguous().view(-1, b, dim).index_select(0, flat).view(batch * heads, m, -1, dim)
-            vb = v.contiguous().view(-1, b, dim).index_select(0, flat).view(batch * heads, m, -1, dim)
+            if is_tracing():
+                # Advanced indexing gives the (batch, heads, m, s, b, dim) blocks directly: splitting the flat rows of
+                # index_select by the symbolic block count is a view the tracer cannot prove (see `unblock`).
+                kb, vb = (
+                    t.view(batch, heads, nb, b, dim)[batch_idx, head_idx, blocks].view(batch * heads, m, -1, dim)
+                    for t in (k, v)
+                )
+            else:
+                flat = ((batch_idx * heads + head_idx) * nb + blocks).reshape(-1)
+                kb = k.contiguous().view(-1, b, dim).index_select(0, flat).view(batch * heads, m, -1, dim)
+                vb = v.contiguous().view(-1, b, dim).index_select(0, flat).view(batch * heads, m, -1, dim)
             key_ok = plan.key_mask.view(batch, nb, b)[batch_idx, blocks] & valid[..., None]  # (batch, heads, m, s, b)
             neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
             bias = torch.where(key_ok, 0.0, neg_inf).view(batch * heads, m, 1, (5 + r) * b)
@@ -222,7 +276,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
             out = torch.cat([out, middle_out.view(batch, heads, m, b, dim)], dim=2)
         # Block `last` (possibly 0 again) takes its global result.
         out[rows, :, plan.last_block] = global_out[:, :, b:]
-        context = merge_heads(out.view(batch, heads, nb * b, dim))[:, :length]
+        context = merge_heads(unblock(out, length, dim=2))
         return context.masked_fill(~attention_mask[..., None], 0.0)
 
     # ----- the oracle -------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ import math
 
 import torch
 
-from .base import AttentionOutput, QKVProjection, merge_heads, split_heads
+from ..layers.input_checks import is_tracing
+from .base import AttentionOutput, QKVProjection, merge_heads, split_heads, unblock
 
 KERNELS = ("softmax", "relu")
 QUERY_EPS = 1e-6
@@ -120,7 +121,7 @@ def softmax_kernel_features(
         # Detached: the stabiliser cancels in the normalisation, so it carries no gradient either way.
         return logits.sub_(logits.detach().amax(-1, keepdim=True)).exp_()
     logits.sub_((0.5 * head_dim**-0.5) * x.pow(2).sum(-1, keepdim=True))  # - |k_hat|^2 / 2
-    if key_mask is not None and not bool(key_mask.all()):
+    if key_mask is not None and (is_tracing() or not bool(key_mask.all())):
         # -inf before the max and the exponential: padded keys neither move the stabiliser nor count.
         logits.masked_fill_(~key_mask[:, None, :, None], float("-inf"))
     stabiliser = logits.detach().amax(dim=(-2, -1), keepdim=True)
@@ -261,13 +262,14 @@ def causal_linear_attention(
     batch, heads, length, num_features = query_features.shape
     value = _with_ones(value)
     dim = value.shape[-1]
-    pad = (-length) % chunk_size
-    if pad:
+    # Ceil-division written so that a symbolic length traces (chunks * chunk_size - length is the padding).
+    chunks = -(-length // chunk_size)
+    pad = chunks * chunk_size - length
+    if is_tracing() or length % chunk_size:  # traced graphs always pad (by 0 at a multiple): no branch on the length
         # Zero features and values: the padded positions add nothing to any sum.
         query_features, key_features, value = (
             torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (query_features, key_features, value)
         )
-    chunks = (length + pad) // chunk_size
     q = query_features.view(batch, heads, chunks, chunk_size, num_features)
     k = key_features.view(batch, heads, chunks, chunk_size, num_features)
     v = value.view(batch, heads, chunks, chunk_size, dim)
@@ -281,8 +283,7 @@ def causal_linear_attention(
     across = torch.matmul(q, before)
     if query_eps:
         across = across + query_eps * before.sum(-2, keepdim=True)
-    out = (within + across).view(batch, heads, chunks * chunk_size, dim)[:, :, :length]
-    return _normalise(out)
+    return _normalise(unblock(within + across, length, dim=2))
 
 
 def dense_kernel_attention(
@@ -334,7 +335,9 @@ def favor_attention(
         raise ValueError(f"Unknown FAVOR kernel {kernel!r}; use one of {KERNELS} (config.favor_kernel).")
     dtype = value.dtype
     query, key, value, projection = (t.float() for t in (query, key, value, projection))
-    if kernel == "softmax" and not causal and not output_attentions:
+    # The block loop's trip count depends on the length, so traced graphs (torch.compile / torch.export) take the
+    # one-shot form below: the same result to rounding, with every key feature in memory at once.
+    if kernel == "softmax" and not causal and not output_attentions and not is_tracing():
         return blocked_softmax_attention(query, key, value, projection, attention_mask).to(dtype), None
     if kernel == "softmax":
         query_features = softmax_kernel_features(query, projection, is_query=True)

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers.input_checks import is_tracing
 from .base import AttentionOutput, QKVProjection, merge_heads, split_heads
 
 SHARING_MODES = ("none", "headwise", "kv", "layerwise")
@@ -163,7 +164,11 @@ class HfxLowRankSelfAttention(QKVProjection):
         def nonzero() -> torch.Tensor:  # (count, L, k)
             return (key_weight.detach()[:, :length] != 0) | (value_weight.detach()[:, :length] != 0)
 
-        if padding is None:
+        if padding is None and is_tracing():
+            # Traced graphs recompute it (a few comparisons on the (count, L, k) weights): a cache keyed by data
+            # pointers and the length cannot be traced, and would specialise the graph on the length.
+            support = nonzero().any(dim=1)[None, :, None, :]  # (1, count, 1, k)
+        elif padding is None:
             # Depends on the weights only: cached until they change. In-place updates (optimizer steps, copy_) bump
             # ``_version``; moves and casts change ``data_ptr``; a replaced tensor fails the identity check.
             key = tuple((w.data_ptr(), w._version) for w in (key_weight, value_weight)) + (length,)
@@ -175,7 +180,8 @@ class HfxLowRankSelfAttention(QKVProjection):
         else:
             real = padding[:, None, None, :].to(key_weight.dtype)
             support = torch.matmul(real, nonzero().to(key_weight.dtype)[None]) > 0
-        if bool(support.all()):
+        # Traced graphs always apply the mask (all True gives the same result): no branch on tensor values.
+        if not is_tracing() and bool(support.all()):
             return None
         # An example without any real token would have no key at all (NaN); let it see everything, it is ignored.
         return support | ~support.any(-1, keepdim=True)
@@ -194,7 +200,8 @@ class HfxLowRankSelfAttention(QKVProjection):
                 "Raise config.max_position_embeddings (the projections E, F have max_position_embeddings - "
                 "pad_token_id - 1 rows) or truncate the input."
             )
-        padding = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
+        # Padding is zeroed before the projection; traced graphs apply any mask given (no branch on its values).
+        padding = attention_mask if attention_mask is not None and (is_tracing() or not bool(attention_mask.all())) else None
         key_weight, value_weight = self.projections()
         if key_weight.shape[0] == 1:  # one E (and F) for all heads: compress the input, then apply W_k, W_v
             q = split_heads(self.query(hidden_states), self.num_heads)

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import AttentionOutput, QKVProjection, merge_heads, split_heads
+from ..layers.input_checks import is_tracing
+from .base import AttentionOutput, QKVProjection, cut_to_length, merge_heads, split_heads, unblock
 
 
 def _neighbourhoods(x: torch.Tensor, span: int, step: int) -> torch.Tensor:
@@ -78,19 +79,22 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         is_global = None
         if global_attention_mask is not None:
             is_global = global_attention_mask & attention_mask
-            if not bool(is_global.any()):
+            if not is_tracing() and not bool(is_global.any()):
                 is_global = None
 
-        # Global keys/values seen by every query: gathered into G slots per example (G = most globals).
+        # Global keys/values seen by every query: gathered into G slots per example (G = most globals). A traced
+        # graph cannot size a tensor by a value, so there G is the sequence length (every position a slot, the
+        # unused ones masked): the same result, at a cost quadratic in the length for inputs with global tokens.
         global_idx = global_valid = None
         if is_global is not None:
             counts = is_global.sum(-1)
-            num_global = int(counts.max())
+            num_global = length if is_tracing() else int(counts.max())
             # A stable sort puts each example's global positions first, in order.
             global_idx = torch.argsort((~is_global).to(torch.int8), dim=-1, stable=True)[:, :num_global]
             global_valid = torch.arange(num_global, device=hidden_states.device)[None, :] < counts[:, None]
 
-        if not output_attentions and length <= self.one_sided_window + 1:
+        # (Traced graphs always take the banded path: the same result, and no branch on the length.)
+        if not output_attentions and not is_tracing() and length <= self.one_sided_window + 1:
             context, probs = self._dense_attention(hidden_states, attention_mask), None
         else:
             context, probs = self._banded_attention(
@@ -104,8 +108,10 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             global_context, global_probs = self._global_attention(
                 hidden_states, attention_mask, global_idx, global_valid, output_attentions
             )
-            rows = torch.arange(batch, device=context.device)[:, None].expand_as(global_idx)[global_valid]
-            context = context.index_put((rows, global_idx[global_valid]), global_context[global_valid])
+            # Written through an extra row that the empty slots point at (no boolean indexing: traceable).
+            rows = torch.arange(batch, device=context.device)[:, None].expand_as(global_idx)
+            target = torch.where(global_valid, global_idx, length)
+            context = cut_to_length(F.pad(context, (0, 0, 0, 1)).index_put((rows, target), global_context), 1, length)
             if probs is not None:
                 # A global token's local row is not used (its output comes from global attention): zero it.
                 probs = probs.masked_fill(is_global[:, None, :, None], 0.0)
@@ -160,7 +166,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         # A padding query can be left with no key at all (NaN); let it see its whole neighbourhood instead,
         # its output is zeroed later.
         query_pad = ~F.pad(attention_mask, (0, nb * b - length), value=False).view(batch * nb, 1, b, 1)
-        if bool(query_pad.any()):
+        if is_tracing() or bool(query_pad.any()):
             bias.masked_fill_(query_pad, 0.0)
 
         num_global = 0
@@ -183,18 +189,18 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             scores = torch.matmul(qb, kb.transpose(-1, -2)) * dim**-0.5 + bias
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).masked_fill(query_pad, 0.0).to(q.dtype)
             out = torch.matmul(F.dropout(weights, dropout, self.training), vb)
-            probs = self._to_band_layout(weights, batch, nb, num_global)[:, :, :length]
-        out = out.view(batch, nb, heads, b, dim).permute(0, 1, 3, 2, 4).reshape(batch, nb * b, hidden)
-        return out[:, :length], probs
+            probs = self._to_band_layout(weights, batch, nb, num_global, length)
+        out = out.view(batch, nb, heads, b, dim).transpose(2, 3)  # (batch, nb, b, heads, dim)
+        return unblock(out, length).reshape(batch, length, hidden), probs
 
-    def _to_band_layout(self, weights, batch, nb, num_global) -> torch.Tensor:
-        """``(batch * nb, heads, b, G + span)`` block weights -> ``(batch, heads, nb * b, G + 2w + 1)``."""
+    def _to_band_layout(self, weights, batch, nb, num_global, length) -> torch.Tensor:
+        """``(batch * nb, heads, b, G + span)`` block weights -> ``(batch, heads, length, G + 2w + 1)``."""
         w, b, heads = self.one_sided_window, self.query_block, self.num_heads
         # Row r keeps local columns r .. r + 2w, i.e. offsets -w .. w.
         cols = torch.arange(b, device=weights.device)[:, None] + torch.arange(2 * w + 1, device=weights.device)
         band = weights[..., num_global:].gather(-1, cols.expand(batch * nb, heads, b, 2 * w + 1))
         both = torch.cat([weights[..., :num_global], band], dim=-1)
-        return both.view(batch, nb, heads, b, -1).permute(0, 2, 1, 3, 4).reshape(batch, heads, nb * b, -1)
+        return unblock(both.view(batch, nb, heads, b, -1).transpose(2, 3), length).transpose(1, 2)
 
     def _global_attention(self, hidden_states, attention_mask, global_idx, global_valid, output_attentions):
         """Global queries attend to every real token through the global projections.

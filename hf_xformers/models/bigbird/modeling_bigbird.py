@@ -81,6 +81,13 @@ class HfxBigBirdPreTrainedModel(HfxPreTrainedModel):
     base_model_prefix = "bigbird"
     _no_split_modules = ["HfxEncoderLayer"]
 
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, HfxBlockSparseSelfAttention):
+            # A non-persistent buffer (never in a checkpoint): models built on the meta device get it here.
+            module.random_block_table.copy_(module.seeded_block_table())
+
 
 class HfxBigBirdModel(HfxTextModel, HfxBigBirdPreTrainedModel):
     """BigBird encoder. See :class:`~hf_xformers.layers.text_model.HfxTextModel` for inputs and outputs.
