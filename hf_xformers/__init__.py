@@ -80,9 +80,24 @@ register_all()
 
 __version__ = "0.1.0"
 
+# The Hub tools load lazily (PEP 562): `python -m hf_xformers.export` would otherwise find its own module already
+# imported by the package (a RuntimeWarning), and model code need not import huggingface_hub's card machinery.
+_HUB_TOOLS = {"export_for_hub": "export", "write_model_card": "card"}
+
+
+def __getattr__(name: str):
+    if name in _HUB_TOOLS:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_HUB_TOOLS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "REGISTRY",
     "register_all",
+    "export_for_hub",
+    "write_model_card",
     "HfxBigBirdConfig",
     "HfxBigBirdModel",
     "HfxBigBirdForMaskedLM",
