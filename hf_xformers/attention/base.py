@@ -33,6 +33,14 @@ class AttentionOutput(NamedTuple):
     """Probabilities of the global tokens, for modules with global attention."""
 
 
+def ceil_div(size, divisor: int):
+    """``ceil(size / divisor)`` for a positive ``divisor``, written ``(size + divisor - 1) // divisor`` so that a
+    symbolic ``size`` traces into a correct graph: the ``-(-size // divisor)`` idiom divides a negative number, and
+    ONNX's integer ``Div`` (which the ONNX exporter emits for symbolic sizes) truncates towards zero instead of
+    flooring, so an exported graph would get a block count one short at lengths that need padding."""
+    return (size + divisor - 1) // divisor
+
+
 def cut_to_length(x: torch.Tensor, dim: int, length) -> torch.Tensor:
     """The first ``length`` entries of ``x`` along ``dim``: cuts a block-padded result back to the input length.
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.input_checks import is_tracing
-from .base import AttentionOutput, cut_to_length, merge_heads, split_heads, unblock
+from .base import AttentionOutput, ceil_div, cut_to_length, merge_heads, split_heads, unblock
 from .full import HfxFullSelfAttention
 
 ATTENTION_TYPES = ("block_sparse", "original_full")
@@ -158,7 +158,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         """
         batch, length = attention_mask.shape
         b, r, device = self.block_size, self.num_random_blocks, attention_mask.device
-        num_blocks = -(-length // b)
+        num_blocks = ceil_div(length, b)
         # An example of pure padding would have no key at all (NaN): let it see everything, its output is zeroed.
         key_mask = attention_mask | ~attention_mask.any(-1, keepdim=True)
         positions = torch.arange(length, device=device)

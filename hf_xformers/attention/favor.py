@@ -45,7 +45,7 @@ import math
 import torch
 
 from ..layers.input_checks import is_tracing
-from .base import AttentionOutput, QKVProjection, merge_heads, split_heads, unblock
+from .base import AttentionOutput, QKVProjection, ceil_div, merge_heads, split_heads, unblock
 
 KERNELS = ("softmax", "relu")
 QUERY_EPS = 1e-6
@@ -263,7 +263,7 @@ def causal_linear_attention(
     value = _with_ones(value)
     dim = value.shape[-1]
     # Ceil-division written so that a symbolic length traces (chunks * chunk_size - length is the padding).
-    chunks = -(-length // chunk_size)
+    chunks = ceil_div(length, chunk_size)
     pad = chunks * chunk_size - length
     if is_tracing() or length % chunk_size:  # traced graphs always pad (by 0 at a multiple): no branch on the length
         # Zero features and values: the padded positions add nothing to any sum.

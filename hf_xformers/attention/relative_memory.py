@@ -36,7 +36,9 @@ def relative_distances(query_len: int, key_len: int, clamp_len: int, device=None
     Row ``t`` of the position encodings is distance ``key_len - 1 - t``: the distance from the last query
     (absolute position ``key_len - 1``) to key ``t``.
     """
-    distances = torch.arange(key_len - 1, -1, -1.0, device=device)
+    # Integer arange, then float: a float step would make the traced length ceil((0 - key_len) / -1.0), which the
+    # tracer cannot equate with key_len (torch.export then rejects a dynamic length).
+    distances = (key_len - 1 - torch.arange(key_len, device=device)).float()
     if clamp_len > 0:
         # Longer distances than seen in training all share the encoding of clamp_len.
         distances = distances.clamp(max=clamp_len)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import AttentionOutput, QKVProjection
+from .base import AttentionOutput, QKVProjection, ceil_div
 
 SHIFT_MASK_VALUE = -100.0
 """Score added between tokens of different shift regions (the original implementation's value)."""
@@ -85,8 +85,42 @@ def window_token_indices(
         return gather.to(device), scatter.to(device)
 
 
+def traced_window_token_indices(height, width, window: int, shift: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`window_token_indices` from index arithmetic alone, for symbolic ``height`` / ``width`` (torch.compile /
+    torch.export trace this; no cache keyed by the size, no in-place writes). The same indices.
+
+    Slot ``(window row a, window col c, row i, col j)`` of the rolled, padded ``P_h x P_w`` map holds the token at
+    ``((a m + i + s) mod P_h, (c m + j + s) mod P_w)`` (``torch.roll`` by ``-s``), or the appended zero token when that
+    lies in the padding; token ``(y, x)`` sits in the slot of rolled position ``((y - s) mod P_h, (x - s) mod P_w)``.
+    """
+    rows_of_windows, cols_of_windows = ceil_div(height, window), ceil_div(width, window)
+    padded_h, padded_w = rows_of_windows * window, cols_of_windows * window
+    # The wrap-arounds are written as one conditional subtraction / addition (every value is within one period):
+    # a modulo by a symbolic size does not convert to ONNX.
+    inner = torch.arange(window, device=device)
+    y = torch.arange(rows_of_windows, device=device)[:, None] * window + inner + shift  # (a, i)
+    x = torch.arange(cols_of_windows, device=device)[:, None] * window + inner + shift  # (c, j)
+    y, x = torch.where(y >= padded_h, y - padded_h, y), torch.where(x >= padded_w, x - padded_w, x)
+    y, x = y[:, None, :, None], x[None, :, None, :]  # slots in (a, c, i, j) order
+    real = (y < height) & (x < width)
+    gather = torch.where(real, y * width + x, height * width).flatten()
+    ry = torch.arange(height, device=device) - shift
+    rx = torch.arange(width, device=device) - shift
+    ry, rx = torch.where(ry < 0, ry + padded_h, ry), torch.where(rx < 0, rx + padded_w, rx)
+    window_index = (ry // window)[:, None] * cols_of_windows + (rx // window)[None, :]
+    scatter = window_index * (window * window) + (ry % window)[:, None] * window + (rx % window)[None, :]
+    return gather, scatter.flatten()
+
+
 @lru_cache(maxsize=64)
 def relative_position_index(window: int, table_window: int, device: torch.device) -> torch.Tensor:
+    """Cached :func:`relative_position_index_uncached` (eager mode)."""
+    # Cached tensors must not be inference tensors: one made under inference_mode cannot be used for autograd later.
+    with torch.inference_mode(False):
+        return relative_position_index_uncached(window, table_window, device)
+
+
+def relative_position_index_uncached(window: int, table_window: int, device: torch.device) -> torch.Tensor:
     """Row of the bias table for every (query, key) pair of a ``window x window`` window.
 
     The table covers offsets of a ``table_window`` window: row ``(dy + T - 1) * (2T - 1) + (dx + T - 1)``.
@@ -94,30 +128,35 @@ def relative_position_index(window: int, table_window: int, device: torch.device
     Returns:
         ``(window**2 * window**2,)`` long, flattened ``(query, key)``.
     """
-    # Cached tensors must not be inference tensors: one made under inference_mode cannot be used for autograd later.
-    with torch.inference_mode(False):
-        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
-        offsets = coords[:, :, None] - coords[:, None, :] + (table_window - 1)  # (2, N, N), in [0, 2T - 2]
-        return (offsets[0] * (2 * table_window - 1) + offsets[1]).flatten().to(device)
+    coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+    offsets = coords[:, :, None] - coords[:, None, :] + (table_window - 1)  # (2, N, N), in [0, 2T - 2]
+    return (offsets[0] * (2 * table_window - 1) + offsets[1]).flatten().to(device)
 
 
 @lru_cache(maxsize=64)
 def shifted_window_mask(height: int, width: int, window: int, shift: int, device: torch.device) -> torch.Tensor:
-    """Additive mask that keeps rolled-together regions apart, for a padded ``height x width`` map.
+    """Cached :func:`shifted_window_mask_uncached` (eager mode)."""
+    with torch.inference_mode(False):
+        return shifted_window_mask_uncached(height, width, window, shift, device)
+
+
+def shifted_window_mask_uncached(height, width, window: int, shift: int, device) -> torch.Tensor:
+    """Additive mask that keeps rolled-together regions apart, for a padded ``height x width`` map (multiples of
+    ``window``; symbolic sizes trace).
 
     Returns:
         ``(num_windows, window**2, window**2)`` float32: 0 within a region, :data:`SHIFT_MASK_VALUE` across.
     """
-    with torch.inference_mode(False):
 
-        def regions(length: int) -> torch.Tensor:
-            idx = torch.arange(length)
-            return (idx >= length - window).long() + (idx >= length - shift).long()
+    def regions(length, blocks) -> torch.Tensor:  # (blocks, window): region id of each row, per window row
+        idx = torch.arange(blocks, device=device)[:, None] * window + torch.arange(window, device=device)
+        return (idx >= length - window).long() + (idx >= length - shift).long()
 
-        region = regions(height)[:, None] * 3 + regions(width)[None, :]  # (H, W), 9 region ids
-        region = window_partition(region[None, :, :, None], window).squeeze(-1)  # (num_windows, N)
-        different = region[:, :, None] != region[:, None, :]
-        return torch.zeros(different.shape).masked_fill_(different, SHIFT_MASK_VALUE).to(device)
+    # Region ids in window order, (windows along H, windows along W, window, window) -> (num_windows, N).
+    rows, cols = regions(height, height // window), regions(width, width // window)
+    region = (rows[:, None, :, None] * 3 + cols[None, :, None, :]).flatten(0, 1).flatten(1)
+    different = region[:, :, None] != region[:, None, :]
+    return torch.where(different, SHIFT_MASK_VALUE, 0.0).to(torch.float32)
 
 
 class HfxShiftedWindowSelfAttention(QKVProjection):
@@ -158,7 +197,11 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
 
     def relative_position_bias(self, window: int) -> torch.Tensor:
         """``(num_heads, window**2, window**2)``: the bias of every (query, key) pair of a ``window`` window."""
-        index = relative_position_index(window, self.window_size, self.relative_position_bias_table.device)
+        device = self.relative_position_bias_table.device
+        if torch.compiler.is_compiling():  # traced graphs build the (constant) index inline: no Python cache
+            index = relative_position_index_uncached(window, self.window_size, device)
+        else:
+            index = relative_position_index(window, self.window_size, device)
         n = window * window
         # Contiguous: SDPA reads a contiguous mask measurably faster than this permuted view (and it is small).
         return self.relative_position_bias_table[index].view(n, n, -1).permute(2, 0, 1).contiguous()
@@ -188,10 +231,15 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
         height, width = input_dimensions
         window, shift = window_and_shift(height, width, self.window_size, self.shift_size, always_partition)
 
-        padded_h, padded_w = height + -height % window, width + -width % window
-        gather, scatter = window_token_indices(height, width, window, shift, hidden_states.device)
+        tracing = torch.compiler.is_compiling()
+        # Ceil-divisions written so that symbolic sizes trace (torch.compile / torch.export with dynamic H, W).
+        padded_h, padded_w = ceil_div(height, window) * window, ceil_div(width, window) * window
+        if tracing:
+            gather, scatter = traced_window_token_indices(height, width, window, shift, hidden_states.device)
+        else:
+            gather, scatter = window_token_indices(height, width, window, shift, hidden_states.device)
         x = hidden_states
-        if padded_h * padded_w > height * width:  # padding slots read this appended zero token
+        if tracing or padded_h * padded_w > height * width:  # padding slots read this appended zero token
             x = F.pad(x, (0, 0, 0, 1))
         windows = x.index_select(1, gather).view(-1, window * window, channels)  # (batch * num_windows, N, dim)
 
@@ -204,7 +252,8 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
         mask = self.relative_position_bias(window).to(q.dtype).unsqueeze(0)
         num_windows = (padded_h // window) * (padded_w // window)
         if shift:
-            shift_mask = shifted_window_mask(padded_h, padded_w, window, shift, q.device).to(q.dtype)
+            make_mask = shifted_window_mask_uncached if tracing else shifted_window_mask
+            shift_mask = make_mask(padded_h, padded_w, window, shift, q.device).to(q.dtype)
             mask = mask + shift_mask.unsqueeze(1)
         dropout = self.dropout_p if self.training else 0.0
 

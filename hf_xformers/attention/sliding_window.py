@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.input_checks import is_tracing
-from .base import AttentionOutput, QKVProjection, cut_to_length, merge_heads, split_heads, unblock
+from .base import AttentionOutput, QKVProjection, ceil_div, cut_to_length, merge_heads, split_heads, unblock
 
 
 def _neighbourhoods(x: torch.Tensor, span: int, step: int) -> torch.Tensor:
@@ -138,7 +138,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         """
         batch, length, hidden = hidden_states.shape
         heads, dim, w, b = self.num_heads, self.head_dim, self.one_sided_window, self.query_block
-        nb = -(-length // b)
+        nb = ceil_div(length, b)
         span = b + 2 * w
         # w rows of padding before and w (plus the tail to a whole block) after: every query block then has
         # its full neighbourhood, and the padded keys are masked below. Projecting the padding costs 2w rows,

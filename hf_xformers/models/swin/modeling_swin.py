@@ -37,6 +37,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BackboneOutput
 from transformers.utils import ModelOutput
 
+from ...attention.base import ceil_div
 from ...attention.shifted_window import HfxShiftedWindowSelfAttention
 from ...layers.encoder import HfxIntermediate
 from ...layers.heads import sequence_classification_loss
@@ -112,6 +113,11 @@ def stage_grids(config: HfxSwinConfig, height: int, width: int) -> list[tuple[in
     return grids
 
 
+def merged_size(size):
+    """Rows (or columns) after patch merging: ``ceil(size / 2)``, written so that a symbolic size traces."""
+    return ceil_div(size, 2)
+
+
 def tokens_to_map(tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
     """``(batch, h * w, C)`` -> ``(batch, C, h, w)``."""
     return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], *grid)
@@ -152,8 +158,10 @@ class HfxSwinPatchEmbeddings(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         height, width = pixel_values.shape[-2:]
-        pad_h, pad_w = -height % self.patch_size[0], -width % self.patch_size[1]
-        if pad_h or pad_w:
+        patch_h, patch_w = self.patch_size
+        # Ceil-divisions written so that symbolic sizes trace; traced graphs always pad (by 0 at a multiple).
+        pad_h, pad_w = ceil_div(height, patch_h) * patch_h - height, ceil_div(width, patch_w) * patch_w - width
+        if torch.compiler.is_compiling() or height % patch_h or width % patch_w:
             pixel_values = F.pad(pixel_values, (0, pad_w, 0, pad_h))
         x = self.projection(pixel_values)
         return x.flatten(2).transpose(1, 2), (x.shape[2], x.shape[3])
@@ -299,11 +307,14 @@ class HfxSwinPatchMerging(nn.Module):
     def forward(self, hidden_states: torch.Tensor, input_dimensions: tuple[int, int]) -> torch.Tensor:
         height, width = input_dimensions
         batch, _, dim = hidden_states.shape
+        half_h, half_w = merged_size(height), merged_size(width)
         x = hidden_states.view(batch, height, width, dim)
-        if height % 2 or width % 2:
-            x = F.pad(x, (0, 0, 0, width % 2, 0, height % 2))
-        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], dim=-1)
-        return self.reduction(self.norm(x.view(batch, -1, 4 * dim)))
+        if torch.compiler.is_compiling() or height % 2 or width % 2:  # traced graphs always pad (by 0 when even)
+            x = F.pad(x, (0, 0, 0, 2 * half_w - width, 0, 2 * half_h - height))
+        # (batch, h/2, row parity, w/2, col parity, dim) -> neighbours in the order (0,0), (1,0), (0,1), (1,1): a view
+        # and one copy (rather than four strided slices, whose sizes a tracer cannot prove equal for a symbolic size).
+        x = x.view(batch, half_h, 2, half_w, 2, dim).permute(0, 1, 3, 4, 2, 5).reshape(batch, -1, 4 * dim)
+        return self.reduction(self.norm(x))
 
 
 class HfxSwinStage(nn.Module):
@@ -334,7 +345,7 @@ class HfxSwinStage(nn.Module):
         before = hidden_states
         if self.downsample is None:
             return hidden_states, before, input_dimensions, probs
-        grid = ((input_dimensions[0] + 1) // 2, (input_dimensions[1] + 1) // 2)
+        grid = (merged_size(input_dimensions[0]), merged_size(input_dimensions[1]))
         return self.downsample(hidden_states, input_dimensions), before, grid, probs
 
 
