@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from hf_xformers.card import CARD_DATA_FILE, hub_model_id, save_card_data, write_model_card
+
 logger = logging.getLogger(__name__)
 
 # Buffers that some checkpoints store next to the weights; they are rebuilt by the model, never loaded.
@@ -197,7 +199,7 @@ CHECKPOINT_FILE_PATTERNS = (
     "config.json", "generation_config.json", "preprocessor_config.json", "processor_config.json",
     "model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
     "tokenizer*.json", "special_tokens_map.json", "added_tokens.json", "chat_template.*", "vocab.*", "merges.txt",
-    "*.model",
+    "*.model", CARD_DATA_FILE,
 )  # fmt: skip
 
 
@@ -230,12 +232,38 @@ def prepare_output_dir(output_dir: str | Path, overwrite: bool = False) -> Path:
 
 
 def save_model_and_tokenizer(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, output_dir: str | Path
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    output_dir: str | Path,
+    provenance: dict | None = None,
 ) -> None:
-    """``save_pretrained`` the model and (when given) the tokenizer into ``output_dir``."""
+    """``save_pretrained`` the model and (when given) the tokenizer into ``output_dir``.
+
+    With ``provenance`` (:func:`conversion_provenance`), it is also recorded as the folder's card data and a model
+    card (``README.md``) is written, so the converted folder is ready to upload and its card names ``base_model``.
+    """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(output_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(output_dir))
+    if provenance is not None:
+        save_card_data(output_dir, **provenance)
+        write_model_card(output_dir)
     logger.info("Saved %s to %s", type(model).__name__, output_dir)
+
+
+def conversion_provenance(source: str | Path, base_model: str | None, how: str) -> dict:
+    """What a converted checkpoint was made from, as card data (see :mod:`hf_xformers.card`).
+
+    Args:
+        source: the local folder that was converted.
+        base_model: the Hub id ``source`` holds (e.g. ``FacebookAI/roberta-base``). None: taken from a Hub cache
+            path (``.../models--org--name/snapshots/...``) or from ``source``'s own card data when it has them;
+            otherwise the card names no ``base_model`` (a local folder name is no Hub id).
+        how: the conversion, in words (script and main options).
+    """
+    hub_id = base_model or hub_model_id(source)
+    name = Path(source).name
+    origin = f"[`{hub_id}`](https://huggingface.co/{hub_id})" if hub_id else f"the local checkpoint `{name}`"
+    return {"base_model": hub_id, "source": f"`{name}`", "summary": f"Converted from {origin} {how}."}

@@ -30,6 +30,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from conversion.common import (  # noqa: E402
+    conversion_provenance,
     drop_buffers,
     load_converted_weights,
     load_tokenizer,
@@ -564,7 +565,7 @@ IMPORTERS: dict[str, Callable[[Path, dict], PreTrainedModel]] = {
 
 
 def convert_from_transformers(
-    source: str | Path, output_dir: str | Path | None = None, overwrite: bool = False
+    source: str | Path, output_dir: str | Path | None = None, overwrite: bool = False, base_model: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Import a local ``transformers`` checkpoint into hf_xformers.
 
@@ -573,6 +574,8 @@ def convert_from_transformers(
         output_dir: when given, the converted model (and tokenizer) are saved there. It must be new or empty,
             unless ``overwrite`` (see :func:`conversion.common.prepare_output_dir`).
         overwrite: replace the checkpoint files of a non-empty ``output_dir``.
+        base_model: the Hub id ``source`` was downloaded from, named as ``base_model`` in the card written with the
+            output (found by itself for a Hub cache folder; see :func:`conversion.common.conversion_provenance`).
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode, ``tokenizer`` is None when the source has none.
@@ -590,7 +593,8 @@ def convert_from_transformers(
         logger.info("No tokenizer and 258 ids (google/reformer-enwik8's bytes + 2): writing the byte tokenizer.")
         tokenizer = byte_tokenizer()
     if output_dir is not None:
-        save_model_and_tokenizer(model, tokenizer, output_dir)
+        how = f"from transformers' `{config['model_type']}` with conversion/convert_from_transformers.py"
+        save_model_and_tokenizer(model, tokenizer, output_dir, conversion_provenance(path, base_model, how))
         image_processor = convert_image_processor(path) if config["model_type"] == "swin" else None
         if image_processor is not None:
             image_processor.save_pretrained(str(output_dir))
@@ -605,10 +609,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--output", required=True, help="directory to save the converted model and tokenizer")
     parser.add_argument("--overwrite", action="store_true", help="replace the checkpoint files of a non-empty --output")
+    parser.add_argument("--base-model", help="Hub id --source was downloaded from (named in the model card)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        convert_from_transformers(args.source, args.output, overwrite=args.overwrite)
+        convert_from_transformers(args.source, args.output, overwrite=args.overwrite, base_model=args.base_model)
     except ValueError as error:
         parser.error(str(error))
 

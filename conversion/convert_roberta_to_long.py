@@ -42,6 +42,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from conversion.common import (  # noqa: E402
+    conversion_provenance,
     drop_buffers,
     load_converted_weights,
     load_tokenizer,
@@ -406,6 +407,7 @@ def convert_roberta_to_long(
     output_dir: str | Path | None = None,
     target_options: dict | None = None,
     overwrite: bool = False,
+    base_model: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Convert a local RoBERTa/BERT checkpoint into a long-context hf_xformers MLM model.
 
@@ -422,6 +424,8 @@ def convert_roberta_to_long(
             (:func:`build_linformer`), ``num_random_features`` (:func:`build_performer`), ``block_size``,
             ``num_random_blocks`` and ``attention_type`` (:func:`build_bigbird`).
         overwrite: replace the checkpoint files of a non-empty ``output_dir``.
+        base_model: the Hub id ``source`` was downloaded from, named as ``base_model`` in the card written with the
+            output (found by itself for a Hub cache folder; see :func:`conversion.common.conversion_provenance`).
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode.
@@ -450,7 +454,8 @@ def convert_roberta_to_long(
     # init_kwargs are what save_pretrained writes, so the new length survives a save/load round trip.
     tokenizer.init_kwargs["model_max_length"] = max_length
     if output_dir is not None:
-        save_model_and_tokenizer(model, tokenizer, output_dir)
+        how = f"with conversion/convert_roberta_to_long.py (target {target}, max_length {max_length})"
+        save_model_and_tokenizer(model, tokenizer, output_dir, conversion_provenance(source, base_model, how))
     return model, tokenizer
 
 
@@ -468,6 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-random-features", type=int, default=None, help="performer: features per head (d ln d)")
     parser.add_argument("--block-size", type=int, default=64, help="bigbird: tokens per block")
     parser.add_argument("--num-random-blocks", type=int, default=3, help="bigbird: random key blocks per query block")
+    parser.add_argument("--base-model", help="Hub id --source was downloaded from (named in the model card)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = {
@@ -477,7 +483,8 @@ def main(argv: list[str] | None = None) -> None:
     }.get(args.target)
     try:
         convert_roberta_to_long(
-            args.source, args.target, args.max_length, args.attention_window, args.output, options, args.overwrite
+            args.source, args.target, args.max_length, args.attention_window, args.output, options, args.overwrite,
+            base_model=args.base_model,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -11,9 +11,11 @@ Example::
     python examples/run_clm.py --train_file train.txt --validation_file valid.txt --level char \\
         --output_dir out --max_steps 2000 --per_device_train_batch_size 16 --segment_length 128 --mem_len 128
 
-Writes the model, ``vocab.json`` and ``eval_results.json`` (``eval_loss`` in nats per token, plus
-``eval_bpc`` or ``eval_perplexity``) to ``--output_dir``. ``--model_name_or_path`` continues from a saved
-hfx-transfo-xl model (its ``vocab.json`` is reused) instead of building one from the size options.
+Writes the model, ``vocab.json``, ``eval_results.json`` (``eval_loss`` in nats per token, plus
+``eval_bpc`` or ``eval_perplexity``) and a model card (``README.md``) to ``--output_dir``; ``--self_contained`` adds
+the model's code (the folder then loads with ``trust_remote_code=True`` where hf_xformers is not installed) and
+``--push_to_hub`` uploads the folder. ``--model_name_or_path`` continues from a saved hfx-transfo-xl model (its
+``vocab.json`` is reused) instead of building one from the size options.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ from hf_xformers import (  # noqa: E402
     HfxTransfoXLConfig,
     HfxTransfoXLForCausalLM,
 )
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # utils_examples.py sits next to this file
+
+from utils_examples import HubArguments, finish_output_dir, hub_model_id, model_origin  # noqa: E402
 
 logger = logging.getLogger(__name__)
 UNK, EOS = "<unk>", "<eos>"
@@ -113,8 +119,8 @@ def load_saved_model(source: Path) -> tuple[HfxTransfoXLForCausalLM, dict[str, i
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments, HubArguments))
+    model_args, data_args, training_args, hub_args = parser.parse_args_into_dataclasses(args=argv)
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)
     if data_args.level not in ("char", "word"):
         raise ValueError(f"--level must be 'char' or 'word', got {data_args.level!r}.")
@@ -163,6 +169,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     metrics["eval_tokens"] = len(valid_data) * length
     trainer.save_metrics("eval", metrics)
     logger.info("Evaluation: %s", metrics)
+
+    # An upload-ready output_dir: the model card (with --self_contained also the model code); --push_to_hub uploads it.
+    units = "characters" if data_args.level == "char" else "whitespace-separated words, with `<eos>` ending each line"
+    origin = model_args.model_name_or_path
+    start = f"trained further from {model_origin(origin)}" if origin else "trained from scratch"
+    finish_output_dir(
+        trainer,
+        hub_args,
+        trained=do_train,
+        base_model=hub_model_id(model_args.model_name_or_path),
+        summary=f"A Transformer-XL language model {start} on `{train_path.name}` with `examples/run_clm.py` of "
+        "hf_xformers: parallel streams, segment by segment, with the memories carried across segments. Its tokens are "
+        f"{units}; `vocab.json` maps them to ids (there are no tokenizer files). `eval_loss` is in nats per token.",
+        dataset_name=train_path.name,
+        dataset_type="local",
+        task_type="text-generation",
+        extra_hyperparameters={"level": data_args.level, "segment_length": length, "mem_len": model.config.mem_len},
+    )
     return metrics
 
 

@@ -52,7 +52,10 @@ from utils_examples import (  # noqa: E402
     RunArguments,
     check_world_size,
     enable_cpu_distributed,
+    finish_output_dir,
+    hub_model_id,
     load_local_file,
+    model_origin,
     require_columns,
     resume_checkpoint,
     setup_logging,
@@ -486,6 +489,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 path = os.path.join(training_args.output_dir, f"{name}.tsv")
                 write_submission(path, task_name, test_indices[name], predictions)
                 logger.info("Wrote %d test predictions to %s", len(predictions), path)
+
+    # An upload-ready output_dir: the model card (with --self_contained also the model code); --push_to_hub uploads it.
+    from_hub = not data_args.uses_local_files
+    finish_output_dir(
+        trainer,
+        run_args,
+        trained=training_args.do_train,
+        base_model=hub_model_id(model_args.model_name_or_path),
+        summary=f"Fine-tuned from {model_origin(model_args.model_name_or_path)} on GLUE {task_name.upper()} "
+        f"({'the Hub dataset `' + data_args.dataset_name + '`' if from_hub else 'local files'}) with "
+        "`examples/run_glue.py` of hf_xformers.",
+        datasets=[data_args.dataset_name] if from_hub else None,
+        dataset_name=f"GLUE {task_name.upper()}",
+        dataset_type=data_args.dataset_name if from_hub else "local",
+        dataset_config=task_name,
+        task_type="text-classification",
+        eval_splits={"eval": "validation_matched" if task_name == "mnli" else "validation",
+                     "eval_mismatched": "validation_mismatched"},  # fmt: skip
+    )
     return metrics
 
 

@@ -16,7 +16,9 @@ resized. Without ``--model_name_or_path`` a new ``hfx-swin`` is built (``--confi
 
 ``--output_dir`` ends up ready to upload: ``model.safetensors``, ``config.json`` (with ``id2label``),
 ``preprocessor_config.json``, ``README.md`` (model card with the metrics), ``train_results.json``,
-``eval_results.json``, ``all_results.json`` and ``trainer_state.json``.
+``eval_results.json``, ``all_results.json`` and ``trainer_state.json``; ``--self_contained`` adds the model's code, so
+the folder also loads with ``trust_remote_code=True`` where hf_xformers is not installed, and ``--push_to_hub``
+uploads it.
 
 Examples (see examples/README.md)::
 
@@ -41,7 +43,6 @@ import numpy as np
 import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, load_dataset
 from datasets import Image as ImageFeature
-from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from PIL import Image, ImageOps
 from transformers import (
     AutoConfig,
@@ -60,6 +61,9 @@ from utils_examples import (  # noqa: E402
     RunArguments,
     check_world_size,
     enable_cpu_distributed,
+    finish_output_dir,
+    hub_model_id,
+    model_origin,
     resume_checkpoint,
     setup_logging,
     take,
@@ -344,86 +348,29 @@ def build_model_and_processor(model_args: ModelArguments, data_args: DataTrainin
     return model, processor, image_size
 
 
-def write_model_card(output_dir: str, model_args, data_args, training_args, metrics: dict, names: list[str]) -> None:
-    """``README.md`` for the Hub: what was trained on what, the metrics, and how to use it."""
+def card_data(model_args: ModelArguments, data_args: DataTrainingArguments, names: list[str]) -> dict:
+    """What the model card (``hf_xformers.card``) says about this run beyond what the output folder holds."""
     source = data_args.source
-    name = os.path.basename(os.path.normpath(output_dir))
-    eval_results = []
-    if "eval_accuracy" in metrics:
-        eval_results.append(
-            EvalResult(
-                task_type="image-classification",
-                dataset_type=data_args.dataset_name or source,
-                dataset_name=data_args.dataset_name or source,
-                dataset_split="validation",
-                metric_type="accuracy",
-                metric_value=round(float(metrics["eval_accuracy"]), 4),
-            )
-        )
-    data = ModelCardData(
-        license="apache-2.0",
-        library_name="transformers",
-        pipeline_tag="image-classification",
-        tags=["image-classification", "hf-xformers", "vision"],
-        datasets=[data_args.dataset_name] if data_args.dataset_name else None,
-        metrics=["accuracy"],
-        base_model=model_args.model_name_or_path
-        if model_args.model_name_or_path and not os.path.isdir(model_args.model_name_or_path)
-        else None,
-        model_name=name,
-        eval_results=eval_results or None,
-    )
     described = {
         DIGITS: "scikit-learn's `load_digits()` (8 x 8 grayscale digits, upscaled to RGB)",
         "imagefolder": "local image folders (one folder per class)",
     }.get(source, f"the Hub dataset `{source}`")
     start = (
-        f"fine-tuned from `{model_args.model_name_or_path}`"
+        f"fine-tuned from {model_origin(model_args.model_name_or_path)}"
         if model_args.model_name_or_path
         else "trained from scratch"
     )
-    rows = "\n".join(
-        f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in sorted(metrics.items())
-    )
-    hyper = {
-        "learning_rate": training_args.learning_rate,
-        "per_device_train_batch_size": training_args.per_device_train_batch_size,
-        "num_train_epochs": training_args.num_train_epochs,
-        "max_steps": training_args.max_steps,
-        "seed": training_args.seed,
+    classes = ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
+    return {
+        "base_model": hub_model_id(model_args.model_name_or_path),
+        "summary": f"An image classifier ({len(names)} classes: {classes}) {start} on {described}, with "
+        "`examples/run_image_classification.py` of hf_xformers.",
+        "datasets": [data_args.dataset_name] if data_args.dataset_name else None,
+        "dataset_name": data_args.dataset_name or source,
+        "dataset_type": data_args.dataset_name or "local",
+        "dataset_config": data_args.dataset_config_name,
+        "task_type": "image-classification",
     }
-    text = f"""---
-{data.to_yaml()}
----
-
-# {name}
-
-An image classifier ({len(names)} classes: {", ".join(names[:20])}{" ..." if len(names) > 20 else ""}) {start} on
-{described}, with `examples/run_image_classification.py` of hf_xformers.
-
-## Results
-
-| metric | value |
-|---|---|
-{rows}
-
-## Use
-
-```python
-import hf_xformers  # registers the hfx-* model types (pip install hf-xformers)
-from transformers import pipeline
-
-classifier = pipeline("image-classification", model="{name}")
-classifier("image.png")
-```
-
-## Training
-
-Augmentation: random resized crop (scale {data_args.crop_scale_min}-1.0) and horizontal flips with probability
-{_hflip_prob(data_args)}{" (disabled)" if data_args.no_augmentation else ""}. Hyperparameters:
-{", ".join(f"`{k}={v}`" for k, v in hyper.items())}.
-"""
-    ModelCard(text).save(os.path.join(output_dir, "README.md"))
 
 
 def _hflip_prob(data_args: DataTrainingArguments) -> float:
@@ -506,10 +453,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)  # eval_results.json
         metrics.update(eval_metrics)
-    if trainer.is_world_process_zero():
-        if not training_args.do_train:  # evaluation only: still leave a usable folder
-            trainer.save_model()
-        write_model_card(training_args.output_dir, model_args, data_args, training_args, metrics, names)
+    if trainer.is_world_process_zero() and not training_args.do_train:  # evaluation only: still a usable folder
+        trainer.save_model()
+    # The model card (with --self_contained also the model code); --push_to_hub uploads the folder.
+    augmentation = (
+        {"augmentation": "none"}
+        if data_args.no_augmentation
+        else {"crop_scale_min": data_args.crop_scale_min, "hflip_prob": _hflip_prob(data_args)}
+    )
+    finish_output_dir(
+        trainer,
+        run_args,
+        trained=training_args.do_train,
+        extra_hyperparameters={"image_size": image_size, **augmentation},
+        **card_data(model_args, data_args, names),
+    )
     return metrics
 
 

@@ -59,7 +59,10 @@ from utils_examples import (  # noqa: E402
     RunArguments,
     check_world_size,
     enable_cpu_distributed,
+    finish_output_dir,
+    hub_model_id,
     load_local_file,
+    model_origin,
     require_columns,
     resume_checkpoint,
     setup_logging,
@@ -426,6 +429,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)  # eval_results.json
         metrics.update(eval_metrics)
+
+    # An upload-ready output_dir: the model card (with --self_contained also the model code); --push_to_hub uploads it.
+    finish_output_dir(
+        trainer,
+        run_args,
+        trained=training_args.do_train,
+        base_model=hub_model_id(model_args.model_name_or_path),
+        summary=f"Fine-tuned from {model_origin(model_args.model_name_or_path)} on WikiHop (multi-hop multiple-choice "
+        "QA) with `examples/run_wikihop.py` of hf_xformers. The folder holds the encoder (`AutoModel` loads it) and "
+        f"the candidate scorer in `{HEAD_FILE}`: a candidate's score is a linear layer on the mean state of its "
+        "tokens, averaged over the chunks of a long input (`WikiHopModel` in the script puts them together).",
+        dataset_name="WikiHop (qangaroo v1.1)",
+        dataset_type="local",
+        task_type="multiple-choice",
+        extra_hyperparameters={"max_seq_length": max_length, "max_chunks_per_example": data_args.max_chunks_per_example},
+    )
     return metrics
 
 

@@ -1,4 +1,5 @@
-"""Helpers shared by the Trainer example scripts (``run_glue.py``, ``run_wikihop.py``).
+"""Helpers shared by the Trainer example scripts (``run_glue.py``, ``run_wikihop.py``, ``run_image_classification.py``,
+``run_clm.py``).
 
 The scripts put ``examples/`` on ``sys.path`` and import this module by name, so it stays a plain file next
 to them (``examples/`` is not a package).
@@ -7,6 +8,7 @@ to them (``examples/`` is not a package).
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import sys
@@ -17,8 +19,13 @@ import datasets
 import torch
 import transformers
 from datasets import Dataset, load_dataset
-from transformers import TrainingArguments
+from huggingface_hub import upload_folder
+from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
+
+from hf_xformers.card import hub_model_id, save_card_data, write_model_card
+from hf_xformers.export import export_for_hub
+from hf_xformers.registration import REGISTRY
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +34,20 @@ LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json"}
 
 
 @dataclass
-class RunArguments:
+class HubArguments:
+    """What makes ``--output_dir`` self-contained for the Hub (see :func:`finish_output_dir`)."""
+
+    self_contained: bool = field(
+        default=False,
+        metadata={
+            "help": "Also write the model's code into output_dir (hf_xformers.export_for_hub), so the folder, and "
+            "what --push_to_hub uploads, loads with trust_remote_code=True where hf_xformers is not installed."
+        },
+    )
+
+
+@dataclass
+class RunArguments(HubArguments):
     """Options about the output directory that ``TrainingArguments`` no longer has in transformers v5."""
 
     overwrite_output_dir: bool = field(
@@ -154,3 +174,110 @@ def supports_global_attention(model) -> bool:
     if attention_class is not None:
         return bool(getattr(attention_class, "supports_global_attention", False))
     return "global_attention_mask" in inspect.signature(model.forward).parameters
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# An upload-ready output directory: model card, optional self-contained code, push
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _plain(value):
+    """Enum members (optimizer, scheduler ...) as their string value, for the card."""
+    return getattr(value, "value", value)
+
+
+def training_hyperparameters(args: TrainingArguments) -> dict:
+    """The hyperparameters of a Trainer run that a model card states."""
+    per_device = args.per_device_train_batch_size
+    hyper = {
+        "learning_rate": args.learning_rate,
+        "train_batch_size": per_device,
+        "eval_batch_size": args.per_device_eval_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "num_processes": args.world_size,
+        "total_train_batch_size": per_device * args.gradient_accumulation_steps * args.world_size,
+        "optimizer": _plain(args.optim),
+        "weight_decay": args.weight_decay,
+        "lr_scheduler_type": _plain(args.lr_scheduler_type),
+        "warmup_steps": args.warmup_steps,
+        "seed": args.seed,
+    }
+    if args.max_steps > 0:
+        hyper["training_steps"] = args.max_steps
+    else:
+        hyper["num_epochs"] = args.num_train_epochs
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+    if precision:
+        hyper["mixed_precision"] = precision
+    return hyper
+
+
+def model_origin(name_or_path: str | None) -> str:
+    """How a card names the model a run started from: a Hub link, or the local folder's name (and the Hub model
+    that folder came from, when it recorded one)."""
+    if not name_or_path:
+        return "a new model (trained from scratch)"
+    if not os.path.exists(name_or_path):
+        return f"[`{name_or_path}`](https://huggingface.co/{name_or_path})"
+    base = hub_model_id(name_or_path)
+    return f"the local checkpoint `{Path(name_or_path).name}`" + (f" (from `{base}`)" if base else "")
+
+
+def finish_output_dir(
+    trainer: Trainer, hub_args: HubArguments, trained: bool, extra_hyperparameters: dict | None = None, **card_data
+) -> None:
+    """Leave ``trainer.args.output_dir`` ready to upload; call it at the end of a script, on every process.
+
+    On the main process, when the folder holds a saved hf_xformers model (``config.json``): records ``card_data`` (keys in
+    :mod:`hf_xformers.card`) and, after training, the run's hyperparameters; with ``--self_contained`` writes the
+    model's code into the folder (:func:`hf_xformers.export_for_hub`, in place); writes the model card
+    (``README.md``); and with ``--push_to_hub`` uploads the folder (:func:`push_output_dir`).
+    """
+    if not trainer.is_world_process_zero():
+        return
+    output_dir = trainer.args.output_dir
+    config_file = os.path.join(output_dir, "config.json")
+    if not os.path.isfile(config_file):
+        logger.info("No model was saved in %s (no training): no model card written.", output_dir)
+        return
+    with open(config_file, encoding="utf-8") as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in REGISTRY:
+        # A transformers model: its code ships with transformers, and Trainer already wrote (and pushed) its card.
+        logger.info("%s is not an hf_xformers model: no hf_xformers card or code export.", model_type)
+        return
+    if trained:
+        card_data["hyperparameters"] = {**training_hyperparameters(trainer.args), **(extra_hyperparameters or {})}
+    save_card_data(output_dir, **card_data)
+    if hub_args.self_contained:
+        export_for_hub(output_dir, output_dir)
+    card = write_model_card(output_dir)
+    code = " and the model code (it loads without hf_xformers)" if hub_args.self_contained else ""
+    logger.info("Wrote the model card %s%s", card, code)
+    if trainer.args.push_to_hub:
+        push_output_dir(trainer)
+
+
+def push_output_dir(trainer: Trainer) -> None:
+    """Upload ``output_dir`` to the repository Trainer set up for ``--push_to_hub`` (``--hub_model_id``).
+
+    Trainer pushes on its own when the model is saved, with a card of its own making; this upload comes last, so
+    the Hub gets our card and, with ``--self_contained``, the code. ``checkpoint-*`` folders stay local, as in
+    ``Trainer.push_to_hub``.
+    """
+    args = trainer.args
+    finish = getattr(trainer, "_finish_current_push", None)  # a checkpoint upload Trainer runs in the background
+    if finish is not None:
+        finish()
+    repo_id = getattr(trainer, "hub_model_id", None) or args.hub_model_id
+    if repo_id is None:
+        raise ValueError("--push_to_hub needs a repository: pass --hub_model_id (or let Trainer create one).")
+    upload_folder(
+        repo_id=repo_id,
+        folder_path=args.output_dir,
+        commit_message="Model card and files (hf_xformers example script)",
+        token=args.hub_token,
+        revision=args.hub_revision,
+        ignore_patterns=["_*", "checkpoint-*"],
+    )
+    logger.info("Uploaded %s to %s", args.output_dir, repo_id)

@@ -108,7 +108,8 @@ def save_card_data(folder: str | os.PathLike, **fields: Any) -> Path:
     path = Path(folder) / CARD_DATA_FILE
     data = load_card_data(folder)
     data.update({key: value for key, value in fields.items() if value is not None})
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
+    # Insertion order kept: the card lists the hyperparameters in the order the scripts give them.
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
     return path
 
 
