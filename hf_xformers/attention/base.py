@@ -50,7 +50,8 @@ def cut_to_length(x: torch.Tensor, dim: int, length) -> torch.Tensor:
     specialises the graph on the length; the gather needs neither. The same numbers either way.
     """
     if not torch.compiler.is_compiling():
-        return x.narrow(dim, 0, length)
+        # Uncut inputs come back as they are (not a view): returned attention maps stay on the autograd path.
+        return x if x.shape[dim] == length else x.narrow(dim, 0, length)
     return x.index_select(dim, torch.arange(length, device=x.device))
 
 

@@ -137,7 +137,9 @@ class HfxLocalSelfAttention(nn.Module):
         batch, seq_len, _ = hidden_states.shape
         q, k, v = self._qkv(hidden_states)
         k = k / math.sqrt(self.head_dim)
-        chunk = min(self.chunk_length, seq_len)
+        # A branch rather than min(): on a symbolic length it becomes a guard (static per traced graph) instead of a
+        # Min(...) expression that every later size inherits and the tracer cannot simplify.
+        chunk = self.chunk_length if seq_len >= self.chunk_length else seq_len
         num_chunks = seq_len // chunk
         if num_chunks * chunk != seq_len:
             raise ValueError(
@@ -150,6 +152,7 @@ class HfxLocalSelfAttention(nn.Module):
         )  # fmt: skip
         q = q.reshape(batch, self.num_heads, num_chunks, chunk, self.head_dim)
         k = gather_chunks(k.reshape(batch, self.num_heads, num_chunks, chunk, self.head_dim), index)
+        values = v
         v = gather_chunks(v.reshape(batch, self.num_heads, num_chunks, chunk, self.head_dim), index)
         positions = torch.arange(seq_len, device=hidden_states.device).view(1, 1, num_chunks, chunk)
         key_pos = gather_chunks(positions.expand(index.shape[0], 1, -1, -1), index)  # (b, 1, C, K)
@@ -162,9 +165,13 @@ class HfxLocalSelfAttention(nn.Module):
             mask = mask & (positions[..., :, None] >= key_pos[..., None, :])
         scores = torch.matmul(q, k.transpose(-1, -2)).masked_fill_(~mask, MASK_VALUE)  # fresh: no copy needed
         probs = torch.softmax(scores, dim=-1)
+        if output_attentions:
+            # The context comes from the returned dense probabilities (the same numbers to rounding), so that they
+            # are part of the autograd graph (`retain_grad()` on them gets a gradient).
+            attentions = dense_probabilities(probs, positions, key_pos, seq_len)
+            return AttentionOutput(merge_heads(torch.matmul(self.dropout(attentions), values)), attentions)
         context = torch.matmul(self.dropout(probs), v).reshape(batch, self.num_heads, seq_len, self.head_dim)
-        attentions = dense_probabilities(probs, positions, key_pos, seq_len) if output_attentions else None
-        return AttentionOutput(merge_heads(context), attentions)
+        return AttentionOutput(merge_heads(context), None)
 
     def decode_step(self, hidden_states: torch.Tensor, past_states: torch.Tensor) -> torch.Tensor:
         """One new position ``hidden_states`` ``(batch, 1, hidden)`` attending to itself and the cached (normalised)

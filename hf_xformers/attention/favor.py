@@ -347,14 +347,16 @@ def favor_attention(
         query_features = relu_kernel_features(query, projection)
         key_features = relu_kernel_features(key, projection, key_mask=attention_mask)
         eps = 0.0
+    if output_attentions:
+        # The context comes from the returned (implied) attention matrix, the same numbers to rounding as the linear
+        # form, so that the matrix is part of the autograd graph (`retain_grad()` on it gets a gradient).
+        context, probs = dense_kernel_attention(query_features, key_features, value, causal, eps)
+        return context.to(dtype), probs.to(dtype)
     if causal:
         context = causal_linear_attention(query_features, key_features, value, chunk_size, eps)
     else:
         context = linear_attention(query_features, key_features, value, eps)
-    probs = None
-    if output_attentions:
-        probs = dense_kernel_attention(query_features, key_features, value, causal, eps)[1].to(dtype)
-    return context.to(dtype), probs
+    return context.to(dtype), None
 
 
 def _draw_seed(seed: int, layer_idx: int, draw: int) -> int:

@@ -180,7 +180,9 @@ class HfxLSHSelfAttention(nn.Module):
             key = key.masked_fill(beyond[:, None, None, :], num_hashes * (extra_bucket + 1))
         # Sort by (round, bucket); ties keep (round, position) order, as transformers' stable argsort.
         order = torch.argsort(key.flatten(2), dim=-1, stable=True)  # (batch, heads, rounds * seq)
-        token = order % seq_len
+        # Position of every sorted slot, order % seq_len, as a lookup (a modulo by a symbolic length does not convert
+        # to ONNX).
+        token = torch.arange(seq_len, device=qk.device).repeat(num_hashes)[order]
         total = num_hashes * seq_len
         num_chunks = total // chunk
 
@@ -240,6 +242,10 @@ class HfxLSHSelfAttention(nn.Module):
             if output_attentions:
                 padded_probs = nn.functional.pad(head_probs, (0, seq_len - chunk, 0, seq_len - chunk))
                 attentions = torch.where(short[:, None, None, None], padded_probs, attentions)
+        if output_attentions:
+            # The context comes from the returned dense probabilities (rounds combined; the same numbers to rounding),
+            # so that they are part of the autograd graph (`retain_grad()` on them gets a gradient).
+            context = torch.matmul(self.dropout(attentions), v)
         return AttentionOutput(merge_heads(context), attentions, buckets)
 
     # ----- cached decoding -----------------------------------------------------------------------------------

@@ -263,9 +263,11 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
             # Scores as (batch, windows, heads, N, N): the mask broadcasts over images instead of being copied.
             q, k, v = (t.view(batch, num_windows, self.num_heads, n, self.head_dim) for t in (q, k, v))
             scores = torch.matmul(q * self.scale, k.transpose(-1, -2)) + mask
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            context = torch.matmul(F.dropout(probs, dropout, True) if dropout else probs, v)
-            probs = probs.flatten(0, 1)
+            # The returned (batch * windows, heads, N, N) probabilities are the tensor the context is computed from
+            # (through a view), so they are part of the autograd graph: `retain_grad()` on them gets a gradient.
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).flatten(0, 1)
+            weights = probs.view(batch, num_windows, self.num_heads, n, n)
+            context = torch.matmul(F.dropout(weights, dropout, True) if dropout else weights, v)
         else:
             if shift:  # SDPA needs a mask broadcastable to its 4-D (batch * windows, heads, N, N) problem
                 mask = mask.expand(batch, -1, -1, -1, -1).reshape(batch * num_windows, self.num_heads, n, n)

@@ -21,6 +21,7 @@ from transformers import GenerationMixin
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import ModelOutput
 
+from ...attention.base import ceil_div, cut_to_length
 from ...attention.chunked_local import HfxLocalSelfAttention
 from ...attention.lsh import HfxLSHSelfAttention
 from ...layers.encoder import _INPLACE_ACTIVATIONS
@@ -430,8 +431,9 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         mask = None if attention_mask is None else attention_mask.bool()
         padded_lengths = None
         multiple = config.chunk_multiple
-        if start == 0 and seq_len > config.min_chunk_length and seq_len % multiple:
-            pad = multiple - seq_len % multiple
+        # Traced graphs (torch.compile / torch.export) always pad, by 0 at a multiple: no branch on the remainder.
+        if start == 0 and seq_len > config.min_chunk_length and (torch.compiler.is_compiling() or seq_len % multiple):
+            pad = ceil_div(seq_len, multiple) * multiple - seq_len
             hidden = nn.functional.pad(hidden, (0, 0, 0, pad))
             if mask is None:
                 mask = torch.ones(batch, seq_len, dtype=torch.bool, device=device)
@@ -450,10 +452,14 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             cache=cache if use_cache else None, cache_length=seq_len,
         )  # fmt: skip
         out = HfxReformerModelOutput(
-            last_hidden_state=hidden[:, :seq_len],
+            last_hidden_state=cut_to_length(hidden, 1, seq_len),
             past_buckets_states=cache if use_cache else None,
-            hidden_states=tuple(h[:, :seq_len] for h in all_hidden) if output_hidden_states else None,
-            attentions=tuple(a[:, :, :seq_len, :seq_len] for a in all_attn) if output_attentions else None,
+            hidden_states=tuple(cut_to_length(h, 1, seq_len) for h in all_hidden) if output_hidden_states else None,
+            attentions=(
+                tuple(cut_to_length(cut_to_length(a, 2, seq_len), 3, seq_len) for a in all_attn)
+                if output_attentions
+                else None
+            ),
         )
         return self._finish(out, return_dict)
 
