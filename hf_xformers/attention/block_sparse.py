@@ -128,23 +128,27 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
                     table[count - 1, :, :count] = self.random_blocks(count, seeded=True)[0].to(dtype)
         return table
 
-    def _allowed_blocks(self, last_block: torch.Tensor, num_blocks) -> tuple[torch.Tensor, torch.Tensor]:
-        """For examples whose last block is ``last_block`` ``(batch,)``: ``allowed`` ``(batch, num_blocks,
-        num_blocks)``, the key blocks each query block may draw from, and ``valid`` ``(batch, num_blocks, r)``, which
-        random slots hold a block (the rule of :meth:`random_blocks`, with tensor ops)."""
-        device = last_block.device
-        i = torch.arange(num_blocks, device=device)[None, :, None]
-        j = torch.arange(num_blocks, device=device)[None, None, :]
-        last = last_block[:, None, None]
-        allowed = (i >= 1) & (i <= last - 1) & (j >= 1) & (j <= last - 1) & ((i - j).abs() > 1)
-        return allowed, torch.arange(self.num_random_blocks, device=device) < allowed.sum(-1, keepdim=True)
+    def _valid_slots(self, last_block: torch.Tensor, num_blocks) -> torch.Tensor:
+        """``(batch, num_blocks, r)`` bool: which random slots hold a block, for examples whose last block is
+        ``last_block`` ``(batch,)`` (the rule of :meth:`random_blocks`). A middle block ``i`` may draw from
+        ``1 .. last - 1`` minus its window ``i - 1 .. i + 1``: counted in closed form, elementwise (no
+        ``(num_blocks, num_blocks)`` tensor, and nothing a tracer has to broadcast over a symbolic square)."""
+        i = torch.arange(num_blocks, device=last_block.device)[None, :]
+        last = last_block[:, None]
+        window = torch.minimum(i + 1, last - 1) - torch.maximum(i - 1, torch.ones_like(i)) + 1
+        count = torch.where((i >= 1) & (i <= last - 1), last - 1 - window, 0)  # (batch, num_blocks)
+        return torch.arange(self.num_random_blocks, device=last_block.device) < count[..., None]
 
     def _drawn_blocks(self, last_block: torch.Tensor, num_blocks) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh random blocks from torch's global RNG for every example at once (traced training graphs): the
         distribution of :meth:`random_blocks` (unseeded), not its stream of numbers."""
-        batch, r = last_block.shape[0], self.num_random_blocks
-        allowed, valid = self._allowed_blocks(last_block, num_blocks)
-        scores = torch.rand(batch, self.num_heads, num_blocks, num_blocks, device=last_block.device)
+        batch, r, device = last_block.shape[0], self.num_random_blocks, last_block.device
+        i = torch.arange(num_blocks, device=device)[None, :, None]
+        j = torch.arange(num_blocks, device=device)[None, None, :]
+        last = last_block[:, None, None]
+        allowed = (i >= 1) & (i <= last - 1) & (j >= 1) & (j <= last - 1) & ((i - j).abs() > 1)
+        valid = self._valid_slots(last_block, num_blocks)
+        scores = torch.rand(batch, self.num_heads, num_blocks, num_blocks, device=device)
         # r extra columns of "not allowed" so that topk(r) never needs more columns than exist.
         scores = F.pad(scores.masked_fill(~allowed[:, None], 2.0), (0, r), value=2.0)
         chosen = scores.topk(r, dim=-1, largest=False).indices
@@ -169,7 +173,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
             # Row `last + 1` of the table is each example's pattern; its block rows past `num_blocks` are zeros.
             random = self.random_block_table.to(device).long()[last_block]  # (batch, heads, max_blocks, r)
             random = cut_to_length(random, 2, num_blocks)
-            return BlockPlan(key_mask, last_block, random, self._allowed_blocks(last_block, num_blocks)[1])
+            return BlockPlan(key_mask, last_block, random, self._valid_slots(last_block, num_blocks))
         if r and is_tracing():
             return BlockPlan(key_mask, last_block, *self._drawn_blocks(last_block, num_blocks))
         random = torch.zeros(batch, self.num_heads, num_blocks, r, dtype=torch.long, device=device)

@@ -155,7 +155,10 @@ class HfxLocalSelfAttention(nn.Module):
         values = v
         v = gather_chunks(v.reshape(batch, self.num_heads, num_chunks, chunk, self.head_dim), index)
         positions = torch.arange(seq_len, device=hidden_states.device).view(1, 1, num_chunks, chunk)
-        key_pos = gather_chunks(positions.expand(index.shape[0], 1, -1, -1), index)  # (b, 1, C, K)
+        # Key positions of every chunk's window, from the chunk ids (gathering an expanded position tensor would make
+        # a traced graph decide whether the batch is 1).
+        offsets = torch.arange(chunk, device=hidden_states.device)
+        key_pos = (index[:, None, :, :, None] * chunk + offsets).flatten(-2)  # (b, 1, C, K)
 
         mask = expand_keep(keep, chunk)  # (b, 1, C, 1, K)
         if attention_mask is not None:

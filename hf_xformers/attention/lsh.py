@@ -179,7 +179,14 @@ class HfxLSHSelfAttention(nn.Module):
             beyond = torch.arange(seq_len, device=qk.device) >= padded_lengths[:, None]  # (batch, seq)
             key = key.masked_fill(beyond[:, None, None, :], num_hashes * (extra_bucket + 1))
         # Sort by (round, bucket); ties keep (round, position) order, as transformers' stable argsort.
-        order = torch.argsort(key.flatten(2), dim=-1, stable=True)  # (batch, heads, rounds * seq)
+        if torch.compiler.is_compiling():
+            # ONNX has no stable sort: traced graphs make every key distinct (slot index as the last digit), which
+            # gives a plain sort the same order.
+            flat_key = key.flatten(2)
+            slots = torch.arange(flat_key.shape[-1], device=qk.device)
+            order = torch.argsort(flat_key * flat_key.shape[-1] + slots, dim=-1)
+        else:
+            order = torch.argsort(key.flatten(2), dim=-1, stable=True)  # (batch, heads, rounds * seq)
         # Position of every sorted slot, order % seq_len, as a lookup (a modulo by a symbolic length does not convert
         # to ONNX).
         token = torch.arange(seq_len, device=qk.device).repeat(num_hashes)[order]

@@ -112,9 +112,6 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             rows = torch.arange(batch, device=context.device)[:, None].expand_as(global_idx)
             target = torch.where(global_valid, global_idx, length)
             context = cut_to_length(F.pad(context, (0, 0, 0, 1)).index_put((rows, target), global_context), 1, length)
-            if probs is not None:
-                # A global token's local row is not used (its output comes from global attention): zero it.
-                probs = probs.masked_fill(is_global[:, None, :, None], 0.0)
         elif self.training:
             # The global projections get no gradient when no token is global; DistributedDataParallel then
             # fails with "parameters that were not used". A zero-weighted term keeps them in the graph.
@@ -188,8 +185,19 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         else:
             scores = torch.matmul(qb, kb.transpose(-1, -2)) * dim**-0.5 + bias
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).masked_fill(query_pad, 0.0).to(q.dtype)
-            out = torch.matmul(F.dropout(weights, dropout, self.training), vb)
             probs = self._to_band_layout(weights, batch, nb, num_global, length)
+            if is_global is not None:
+                # A global token's local row is not used (its output comes from global attention): zero it.
+                probs = probs.masked_fill(is_global[:, None, :, None], 0.0)
+            # The context is computed from the returned band probabilities (so that they are part of the autograd
+            # graph): offset o of query t is padded key row t + w + o, i.e. window t .. t + 2w of the padded keys.
+            band = F.dropout(probs, dropout, self.training)
+            local_v = cut_to_length(v.unfold(1, 2 * w + 1, 1), 1, length)  # (batch, length, heads, dim, 2w + 1)
+            out = torch.einsum("bhlj,blhdj->blhd", band[..., num_global:], local_v)
+            if num_global:
+                global_v = v.gather(1, (global_idx + w)[..., None, None].expand(-1, -1, heads, dim))  # (b, G, h, d)
+                out = out + torch.einsum("bhlg,bghd->blhd", band[..., :num_global], global_v)
+            return out.reshape(batch, length, hidden), probs
         out = out.view(batch, nb, heads, b, dim).transpose(2, 3)  # (batch, nb, b, heads, dim)
         return unblock(out, length).reshape(batch, length, hidden), probs
 
