@@ -233,7 +233,8 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         encoder_hidden_states: torch.Tensor | None,
         past_len: int,
     ) -> None:
-        """Eager-mode checks with messages that name the fix (skipped under ``torch.compile``)."""
+        """Checks with messages that name the fix. Shapes and dtypes are checked in traced graphs too; the id-range
+        checks, which read tensor values, only in eager mode (``layers/input_checks.py``)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
@@ -306,10 +307,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
                 f"{type(past_key_values).__name__}; pass use_cache=True to start one."
             )
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if not torch.compiler.is_compiling():
-            self._check_inputs(
-                input_ids, inputs_embeds, attention_mask, token_type_ids, encoder_hidden_states, past_len
-            )
+        self._check_inputs(input_ids, inputs_embeds, attention_mask, token_type_ids, encoder_hidden_states, past_len)
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
 
