@@ -151,18 +151,8 @@ def real_rows(arch: str, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
 
 
 def torch_export(module: torch.nn.Module, arch: str):
-    """``torch.export.export`` with the dynamic shapes above.
-
-    Reformer's LSH attention sorts, chunks and unsorts through flattened index arithmetic whose reshapes merge the
-    symbolic chunk count with constant sizes; the tracer cannot prove those divisibilities (``Mod(c, 2 c) != 0``) for
-    a backed symbol and rejects the dynamic length. With ``backed_size_oblivious`` (the setting torch.onnx's own
-    exporter traces under) it exports; the resulting program is checked at other lengths below like every other.
-    """
-    if arch == "reformer":
-        import torch.fx.experimental._config as fx_config
-
-        with fx_config.patch(backed_size_oblivious=True):
-            return torch.export.export(module, example(arch), dynamic_shapes=dynamic_shapes(arch))
+    """Plain ``torch.export.export`` with the dynamic shapes above (no tracer settings: a guard the tracer cannot
+    prove for every length in the range fails the export)."""
     return torch.export.export(module, example(arch), dynamic_shapes=dynamic_shapes(arch))
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..layers.fast_dropout import HfxDropout
-from .base import AttentionOutput, merge_heads, split_heads
+from .base import AttentionOutput, merge_heads, split_heads, unblock
 
 # Logits of masked keys (as transformers: finite, so a row with every key masked stays finite).
 MASK_VALUE = -1e9
@@ -62,6 +62,13 @@ def gather_chunks(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     batch, heads, num_chunks, chunk = x.shape[:4]
     rest = x.shape[4:]
     window = index.shape[-1]
+    if torch.compiler.is_compiling():
+        # Advanced indexing gives (batch, heads, num_chunks, window, chunk, *rest) directly: flattening the symbolic
+        # chunk count with the window (and splitting it back) is a reshape the tracer cannot prove (see `unblock`).
+        rows = torch.arange(batch, device=x.device)[:, None, None, None]
+        head_rows = torch.arange(heads, device=x.device)[None, :, None, None]
+        out = x[rows, head_rows, index[:, None]]
+        return out.view(batch, heads, num_chunks, window * chunk, *rest)
     offsets = torch.arange(batch * heads, device=x.device).view(batch, heads, 1) * num_chunks
     flat = (index.reshape(index.shape[0], 1, num_chunks * window) + offsets).reshape(-1)
     out = x.reshape(batch * heads * num_chunks, chunk, *rest).index_select(0, flat)
@@ -173,7 +180,7 @@ class HfxLocalSelfAttention(nn.Module):
             # are part of the autograd graph (`retain_grad()` on them gets a gradient).
             attentions = dense_probabilities(probs, positions, key_pos, seq_len)
             return AttentionOutput(merge_heads(torch.matmul(self.dropout(attentions), values)), attentions)
-        context = torch.matmul(self.dropout(probs), v).reshape(batch, self.num_heads, seq_len, self.head_dim)
+        context = unblock(torch.matmul(self.dropout(probs), v), seq_len, dim=2)  # (batch, heads, seq_len, head_dim)
         return AttentionOutput(merge_heads(context), None)
 
     def decode_step(self, hidden_states: torch.Tensor, past_states: torch.Tensor) -> torch.Tensor:

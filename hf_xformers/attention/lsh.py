@@ -182,7 +182,9 @@ class HfxLSHSelfAttention(nn.Module):
         if torch.compiler.is_compiling():
             # ONNX has no stable sort: traced graphs make every key distinct (slot index as the last digit), which
             # gives a plain sort the same order.
-            flat_key = key.flatten(2)
+            # (The rounds are concatenated rather than flattened: merging the static round count with a symbolic
+            # length is a reshape the tracer cannot prove.)
+            flat_key = torch.cat(key.unbind(2), dim=-1)
             slots = torch.arange(flat_key.shape[-1], device=qk.device)
             order = torch.argsort(flat_key * flat_key.shape[-1] + slots, dim=-1)
         else:
@@ -213,8 +215,7 @@ class HfxLSHSelfAttention(nn.Module):
         k_pos = gather_chunks(q_pos, index)
         key_real = None
         if attention_mask is not None:
-            key_real = attention_mask[:, None, :].expand(-1, self.num_heads, -1).gather(2, k_pos.flatten(2))
-            key_real = key_real.view(k_pos.shape)
+            key_real = attention_mask[torch.arange(batch, device=qk.device)[:, None, None, None], k_pos]
         scores = self._scores(q, k, q_pos, k_pos, key_real, expand_keep(keep, chunk))
         probs = torch.softmax(scores, dim=-1)
         context = torch.matmul(self.dropout(probs), v_sorted).view(-1, self.head_dim)
