@@ -281,3 +281,34 @@ def push_output_dir(trainer: Trainer) -> None:
         ignore_patterns=["_*", "checkpoint-*"],
     )
     logger.info("Uploaded %s to %s", args.output_dir, repo_id)
+
+
+def explicit_options(argv: list[str] | None) -> set[str]:
+    """Names of the options given on the command line (``--learning_rate 1e-3``, ``--learning_rate=1e-3``) or as
+    keys of a single ``.json`` arguments file, without the leading dashes."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return set(json.loads(Path(argv[0]).read_text()))
+    return {arg[2:].split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+
+
+def apply_scratch_defaults(
+    training_args: TrainingArguments, argv: list[str] | None, defaults: dict, log: logging.Logger
+) -> dict:
+    """Set the ``TrainingArguments`` fields of ``defaults`` that the user did not give, and log them.
+
+    The Trainer's defaults (learning rate 5e-5, no warm-up, 3 epochs) suit fine-tuning a pretrained model; a model
+    built from scratch needs a larger learning rate with a warm-up, and more passes over small data. A key
+    ``"num_train_epochs"`` is skipped when ``--max_steps`` is given. Returns what was applied.
+    """
+    given = explicit_options(argv)
+    applied = {}
+    for name, value in defaults.items():
+        if name in given or (name == "num_train_epochs" and "max_steps" in given):
+            continue
+        setattr(training_args, name, value)
+        applied[name] = value
+    if applied:
+        shown = ", ".join(f"--{k} {v}" for k, v in applied.items())
+        log.info("New model trained from scratch: using %s (set any of them to override).", shown)
+    return applied

@@ -109,3 +109,46 @@ def test_random_resized_crop_and_bad_arguments():
         run_image_classification.main(["--output_dir", "x", "--dataset_name", "a", "--train_dir", "b"])
     with pytest.raises(ValueError, match="crop_scale_min"):
         run_image_classification.main(["--output_dir", "x", "--crop_scale_min", "0"])
+
+
+def test_new_model_defaults_learn_digits(tmp_path):
+    """Nothing but the data size is given: the script's from-scratch defaults (learning rate, warm-up, cosine
+    schedule, epochs, batch) must learn real digits well above chance (0.1); the Trainer's own defaults stay near
+    chance (0.15 measured on the full data)."""
+    out = tmp_path / "digits"
+    argv = ["--output_dir", str(out), "--do_train", "--do_eval", "--max_train_samples", "800", "--report_to", "none",
+            "--save_strategy", "no", "--disable_tqdm", "true", "--use_cpu", "--logging_steps", "10"]  # fmt: skip
+    metrics = run_image_classification.main(argv)
+    assert metrics["eval_accuracy"] >= 0.6, metrics
+    state = json.loads((out / "trainer_state.json").read_text())
+    rates = [row["learning_rate"] for row in state["log_history"] if "learning_rate" in row]
+    assert 1e-3 < max(rates) <= 2e-3  # the from-scratch learning rate, warmed up and decayed
+    assert state["log_history"][-1]["epoch"] == pytest.approx(30)
+
+
+def test_scratch_defaults_keep_what_the_user_set(tmp_path):
+    import utils_examples
+
+    assert utils_examples.explicit_options(["--learning_rate=1e-4", "--max_steps", "5", "--do_train"]) == {
+        "learning_rate", "max_steps", "do_train"
+    }  # fmt: skip
+    args = run_image_classification.TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-4, max_steps=5)
+    applied = utils_examples.apply_scratch_defaults(
+        args, ["--learning_rate", "1e-4", "--max_steps", "5"], run_image_classification.SCRATCH_TRAINING,
+        run_image_classification.logger,
+    )  # fmt: skip
+    assert args.learning_rate == 1e-4 and "learning_rate" not in applied and "num_train_epochs" not in applied
+    assert args.warmup_steps == 0.1 and applied["weight_decay"] == 0.05
+
+
+def test_image_size_and_flips_follow_the_images():
+    gray = [Image.new("L", (28, 28)) for _ in range(3)] + [Image.new("L", (30, 20))]
+    assert run_image_classification.infer_image_size(gray) == 32
+    assert run_image_classification.infer_image_size([Image.new("RGB", (500, 375))]) == 224
+    assert run_image_classification.infer_image_size([Image.new("RGB", (9, 9))]) == 16
+    data_args = run_image_classification.DataTrainingArguments(train_dir="x")
+    run_image_classification.resolve_augmentation(data_args, gray, scratch=True)
+    assert data_args.hflip_prob == 0.0 and data_args.crop_scale_min == 0.8
+    data_args = run_image_classification.DataTrainingArguments(train_dir="x")
+    run_image_classification.resolve_augmentation(data_args, [Image.new("RGB", (28, 28))], scratch=False)
+    assert data_args.hflip_prob == 0.5 and data_args.crop_scale_min == 0.5
