@@ -256,3 +256,24 @@ def test_bfloat16_block_sparse_is_close_to_float32():
         half = model.to(torch.bfloat16)(ids, attention_mask=mask).logits.float()
     assert torch.isfinite(half).all()
     assert (half - full).abs()[mask.bool()].max() < 0.1 * full.abs().max()
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train-fresh-random-blocks"])
+@pytest.mark.parametrize("length", [3, 7, 13, 20], ids=lambda n: f"len{n}")
+def test_short_input_full_attention_path_equals_block_sparse(length, training):
+    """Up to r + 4 blocks the pattern covers every key, so one full-attention call replaces the blocked path; the
+    blocked path (what tracing uses) must give the same result, padding queries zeroed."""
+    from hf_xformers.attention.block_sparse import HfxBlockSparseSelfAttention
+
+    torch.manual_seed(0)
+    config = HfxBigBirdConfig(hidden_size=32, num_attention_heads=4, block_size=4, num_random_blocks=1,
+                              vocab_size=50, max_position_embeddings=32, attention_probs_dropout_prob=0.0)  # fmt: skip
+    attention = HfxBlockSparseSelfAttention(config).train(training)  # full path up to 5 blocks = 20 tokens
+    hidden = torch.randn(3, length, 32)
+    mask = torch.ones(3, length, dtype=torch.bool)
+    mask[1, max(1, length // 2) :] = False
+    with torch.no_grad():
+        fast = attention(hidden, mask).context
+        blocked = attention._block_sparse(hidden, mask, attention.plan(mask))
+    torch.testing.assert_close(fast, blocked, atol=1e-5, rtol=0)
+    assert fast[1, max(1, length // 2) :].abs().max() == 0 if length > 1 else True

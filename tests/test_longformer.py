@@ -283,3 +283,26 @@ def test_multiple_choice_default_global_mask_matches_transformers():
     assert (expected - got).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="sep_token_id"):
         ours(torch.randint(5, TINY["vocab_size"], (1, 2, 21)))
+
+
+@pytest.mark.parametrize("length", [5, 9, 13, 24, 25], ids=lambda n: f"len{n}")
+def test_short_input_dense_path_equals_banded_path(length):
+    """Up to b + 2w tokens one masked dense call replaces the blocked computation; both must agree (padding,
+    global tokens, a window that covers the input and one that does not)."""
+    from hf_xformers.attention.sliding_window import HfxSlidingWindowSelfAttention
+
+    torch.manual_seed(0)
+    config = HfxLongformerConfig(hidden_size=32, num_attention_heads=4, attention_window=16, vocab_size=50)
+    attention = HfxSlidingWindowSelfAttention(config).eval()  # w = 8, b = 8: dense up to 24 tokens
+    hidden = torch.randn(3, length, 32)
+    mask = torch.ones(3, length, dtype=torch.bool)
+    mask[1, length // 2 :] = False
+    mask[2, 0] = True
+    mask[2, 1:] = length < 3
+    is_global = torch.zeros(3, length, dtype=torch.bool)
+    is_global[0, length // 3] = True
+    for global_mask in (None, is_global):
+        with torch.no_grad():
+            fast = attention(hidden, mask, global_mask).context
+            banded = attention(hidden, mask, global_mask, output_attentions=True).context  # the banded path
+        torch.testing.assert_close(fast, banded, atol=1e-5, rtol=0)

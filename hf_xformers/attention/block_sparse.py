@@ -11,9 +11,12 @@ blocks of ``b = config.block_size`` tokens. For one example let ``last`` be the 
   window (different draws per head and per query block);
 * padding keys are never attended to; padding queries give zeros.
 
-Short inputs need no special case: when a row has fewer than ``r`` blocks left to draw from, it takes all of
-them, so once ``last <= r + 3`` the pattern covers every key and the result IS full attention, computed by the
-same code. Nothing switches modes (transformers switches to full attention below ``(5 + 2r) * b`` tokens).
+Short inputs: when a row has fewer than ``r`` blocks left to draw from, it takes all of them, so once ``last <= r +
+3`` the pattern covers every key and the result IS full attention. Inputs of at most ``r + 4`` blocks therefore go
+through one full-attention SDPA call (padding queries zeroed), which is the same result at the speed of full
+attention; the blocked path computes the same thing more slowly, and is what traced graphs and
+``output_attentions`` use. (transformers switches to full attention below ``(5 + 2r) * b`` tokens, where its
+pattern is *not* yet complete, so its outputs change at that length; ours do not.)
 Defining ``last`` per example (not from the padded batch length) makes outputs independent of how much
 padding the batch adds. Lengths need not be a multiple of ``b``: the layer pads internally and cuts back.
 
@@ -199,6 +202,11 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         batch, length, _ = hidden_states.shape
         if attention_mask is None:
             attention_mask = torch.ones(batch, length, dtype=torch.bool, device=hidden_states.device)
+        if not output_attentions and not is_tracing() and ceil_div(length, self.block_size) <= self.num_random_blocks + 4:
+            # Every example's last block is <= r + 3, so the pattern covers every key (module docstring): the result
+            # is full attention, computed at full-attention speed by one SDPA call instead of the blocked path.
+            context = super().forward(hidden_states, attention_mask, None, False).context
+            return AttentionOutput(context.masked_fill(~attention_mask[..., None], 0.0))
         plan = self.plan(attention_mask)
         if output_attentions:
             context, probs = self.dense_reference(hidden_states, attention_mask, plan, output_attentions=True)

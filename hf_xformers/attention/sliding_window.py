@@ -93,9 +93,12 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             global_idx = torch.argsort((~is_global).to(torch.int8), dim=-1, stable=True)[:, :num_global]
             global_valid = torch.arange(num_global, device=hidden_states.device)[None, :] < counts[:, None]
 
-        # (Traced graphs always take the banded path: the same result, and no branch on the length.)
-        if not output_attentions and not is_tracing() and length <= self.one_sided_window + 1:
-            context, probs = self._dense_attention(hidden_states, attention_mask), None
+        # Up to one block's key span (b + 2w) the blocked computation does no less work than one dense call over
+        # all keys, so short inputs take the dense call with the band as a mask: the same result at the speed
+        # of full attention (no mask at all once the window covers the whole sequence). Traced graphs always
+        # take the banded path: the same result, and no branch on the length.
+        if not output_attentions and not is_tracing() and length <= self.query_block + 2 * self.one_sided_window:
+            context, probs = self._dense_attention(hidden_states, attention_mask, is_global), None
         else:
             context, probs = self._banded_attention(
                 hidden_states, attention_mask, is_global, global_idx, global_valid, output_attentions
@@ -119,11 +122,23 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             context = context + 0.0 * unused
         return AttentionOutput(context, probs, global_probs)
 
-    def _dense_attention(self, hidden_states, attention_mask) -> torch.Tensor:
-        """The window covers the sequence: one full attention over the non-padding keys."""
-        heads = self.num_heads
+    def _dense_attention(self, hidden_states, attention_mask, is_global) -> torch.Tensor:
+        """Short inputs: one attention call over all keys, masked to the window and the global keys.
+
+        A query sees the real keys within ``w`` of it and every global key (through the ordinary projections, as
+        in the banded path); when ``w`` covers the whole sequence that is every real key.
+        """
+        heads, length, w = self.num_heads, hidden_states.shape[1], self.one_sided_window
         q, k, v = (split_heads(f(hidden_states), heads) for f in (self.query, self.key, self.value))
-        mask = (attention_mask | ~attention_mask.any(-1, keepdim=True))[:, None, None, :]
+        mask = attention_mask[:, None, None, :]
+        if length > w + 1:
+            position = torch.arange(length, device=hidden_states.device)
+            band = (position[None, :] - position[:, None]).abs() <= w
+            mask = mask & band
+            if is_global is not None:
+                mask = mask | is_global[:, None, None, :]
+        # A query left with no key (padding far from any real token) sees everything; its output is zeroed later.
+        mask = mask | ~mask.any(-1, keepdim=True)
         dropout = self.dropout_p if self.training else 0.0
         return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout))
 
