@@ -94,6 +94,22 @@ def dense_probabilities(
     return dense.view(batch, heads, length, length)
 
 
+def corner_on_graph(attentions: torch.Tensor, length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(corner, rebuilt)``: the ``(..., length, length)`` corner of ``attentions`` ``(..., P, P)`` (what the model
+    returns when it padded the input to ``P``) and ``attentions`` rebuilt from that corner and the rest.
+
+    ``rebuilt`` has the same values; computing the context from it puts the returned corner on the autograd path of
+    the outputs (``retain_grad()`` on it gets a gradient), which a slice taken afterwards would not be.
+    """
+    full = attentions.shape[-1]
+    if length is None or length >= full:
+        return attentions, attentions
+    corner = attentions[..., :length, :length]
+    rest = attentions.clone()
+    rest[..., :length, :length] = 0.0
+    return corner, rest + nn.functional.pad(corner, (0, full - length, 0, full - length))
+
+
 def real_chunk_count(padded_lengths: torch.Tensor | None, chunk: int, seq_len: int) -> torch.Tensor | None:
     """Chunks an example would have alone: ``ceil(padded_length / chunk)`` (at least 1); None when every example
     fills the batch (``padded_lengths`` None)."""
@@ -139,8 +155,12 @@ class HfxLocalSelfAttention(nn.Module):
         global_attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
         padded_lengths: torch.Tensor | None = None,
+        output_length: int | None = None,
     ) -> AttentionOutput:
-        """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, heads * head_dim)``."""
+        """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, heads * head_dim)``.
+
+        ``output_length``: the model's real length when it padded the input; the returned attentions are then the
+        ``(output_length, output_length)`` corner, on the autograd path of the context."""
         batch, seq_len, _ = hidden_states.shape
         q, k, v = self._qkv(hidden_states)
         k = k / math.sqrt(self.head_dim)
@@ -178,8 +198,8 @@ class HfxLocalSelfAttention(nn.Module):
         if output_attentions:
             # The context comes from the returned dense probabilities (the same numbers to rounding), so that they
             # are part of the autograd graph (`retain_grad()` on them gets a gradient).
-            attentions = dense_probabilities(probs, positions, key_pos, seq_len)
-            return AttentionOutput(merge_heads(torch.matmul(self.dropout(attentions), values)), attentions)
+            attentions, rebuilt = corner_on_graph(dense_probabilities(probs, positions, key_pos, seq_len), output_length)
+            return AttentionOutput(merge_heads(torch.matmul(self.dropout(rebuilt), values)), attentions)
         context = unblock(torch.matmul(self.dropout(probs), v), seq_len, dim=2)  # (batch, heads, seq_len, head_dim)
         return AttentionOutput(merge_heads(context), None)
 

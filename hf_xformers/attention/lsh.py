@@ -25,6 +25,7 @@ from ..layers.fast_dropout import HfxDropout
 from .base import AttentionOutput, merge_heads, split_heads
 from .chunked_local import (
     MASK_VALUE,
+    corner_on_graph,
     dense_probabilities,
     expand_keep,
     gather_chunks,
@@ -131,14 +132,17 @@ class HfxLSHSelfAttention(nn.Module):
             scores.masked_fill_(~mask, MASK_VALUE)
         return scores.masked_fill_(q_pos[..., :, None] == k_pos[..., None, :], SELF_MASK_VALUE)
 
-    def _full(self, qk, v, attention_mask, output_attentions):
+    def _full(self, qk, v, attention_mask, output_attentions, output_length=None):
         """Every position attends to every other (inputs no longer than a chunk). Returns context, probabilities."""
         seq_len = qk.shape[2]
         pos = torch.arange(seq_len, device=qk.device)
         key_real = None if attention_mask is None else attention_mask[:, None, :]
         scores = self._scores(qk, unit_rms(qk) / math.sqrt(self.head_dim), pos, pos, key_real, None)
         probs = torch.softmax(scores, dim=-1)
-        return torch.matmul(self.dropout(probs), v), (probs if output_attentions else None)
+        if not output_attentions:
+            return torch.matmul(self.dropout(probs), v), None
+        probs, rebuilt = corner_on_graph(probs, output_length)
+        return torch.matmul(self.dropout(rebuilt), v), probs
 
     def forward(
         self,
@@ -149,15 +153,18 @@ class HfxLSHSelfAttention(nn.Module):
         padded_lengths: torch.Tensor | None = None,
         num_hashes: int | None = None,
         buckets: torch.Tensor | None = None,
+        output_length: int | None = None,
     ) -> AttentionOutput:
-        """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, heads * head_dim)``."""
+        """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, heads * head_dim)``.
+
+        ``output_length``: the model's real length when it padded the input (see ``HfxLocalSelfAttention``)."""
         num_hashes = self.num_hashes if num_hashes is None else num_hashes
         batch, seq_len, _ = hidden_states.shape
         weight = torch.cat([self.query_key.weight, self.value.weight])
         qk, v = (split_heads(t, self.num_heads) for t in nn.functional.linear(hidden_states, weight).chunk(2, dim=-1))
         chunk = self.chunk_length
         if seq_len <= chunk:
-            context, attentions = self._full(qk, v, attention_mask, output_attentions)
+            context, attentions = self._full(qk, v, attention_mask, output_attentions, output_length)
             return AttentionOutput(merge_heads(context), attentions, None)
         if seq_len % chunk:
             raise ValueError(
@@ -253,7 +260,8 @@ class HfxLSHSelfAttention(nn.Module):
         if output_attentions:
             # The context comes from the returned dense probabilities (rounds combined; the same numbers to rounding),
             # so that they are part of the autograd graph (`retain_grad()` on them gets a gradient).
-            context = torch.matmul(self.dropout(attentions), v)
+            attentions, rebuilt = corner_on_graph(attentions, output_length)
+            context = torch.matmul(self.dropout(rebuilt), v)
         return AttentionOutput(merge_heads(context), attentions, buckets)
 
     # ----- cached decoding -----------------------------------------------------------------------------------

@@ -148,15 +148,15 @@ class HfxReformerAttention(nn.Module):
         self.output = HfxReformerSelfOutput(config)
 
     def forward(self, hidden_states, attention_mask=None, padded_lengths=None, num_hashes=None, buckets=None,
-                output_attentions=False):  # fmt: skip
+                output_attentions=False, output_length=None):  # fmt: skip
         """``(batch, seq, hidden)`` -> (output, :class:`AttentionOutput` with the LSH buckets in ``global_attentions``'
         place ``[2]``, the normalised input)."""
         normed = self.layer_norm(hidden_states)
         if isinstance(self.self_attention, HfxLSHSelfAttention):
             out = self.self_attention(normed, attention_mask, None, output_attentions, padded_lengths, num_hashes,
-                                      buckets)  # fmt: skip
+                                      buckets, output_length)  # fmt: skip
         else:
-            out = self.self_attention(normed, attention_mask, None, output_attentions, padded_lengths)
+            out = self.self_attention(normed, attention_mask, None, output_attentions, padded_lengths, output_length)
         return self.output(out.context), out, normed
 
 
@@ -283,7 +283,8 @@ class HfxReformerEncoder(nn.Module):
                 if output_hidden_states:
                     all_hidden.append(x2)
                 out, attn, normed = layer.attention(x2, attention_mask, padded_lengths, num_hashes,
-                                                    output_attentions=output_attentions)  # fmt: skip
+                                                    output_attentions=output_attentions,
+                                                    output_length=cache_length)  # fmt: skip
                 if cache is not None:
                     cache.states.append(normed[:, :cache_length])
                     buckets = attn.global_attentions
