@@ -7,6 +7,7 @@ and LayerNorms are shared. Parameter names match BERT/RoBERTa/Longformer checkpo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,14 @@ class HfxAttentionBlock(nn.Module):
 
 
 # Activations with an in-place ATen form, used when no gradient is recorded (exact same numbers).
-_INPLACE_ACTIVATIONS = {"gelu": torch.ops.aten.gelu_, "relu": torch.relu_}
+_INPLACE_ACTIVATIONS = {
+    "gelu": torch.ops.aten.gelu_,
+    "relu": torch.relu_,
+    "gelu_pytorch_tanh": functools.partial(torch.ops.aten.gelu_, approximate="tanh"),
+}
+# transformers' "gelu_new" (BigBird's default) is GELU's tanh approximation written as five elementwise ops; PyTorch's
+# fused tanh GELU evaluates the same formula in one pass (max |diff| 5e-7 on N(0, 9) inputs), about 2.5x faster on CPU.
+_FUSED_ACTIVATIONS = {"gelu_new": "gelu_pytorch_tanh"}
 
 
 class HfxIntermediate(nn.Module):
@@ -63,8 +71,10 @@ class HfxIntermediate(nn.Module):
     def __init__(self, config, hidden_size: int | None = None, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.dense = nn.Linear(hidden_size or config.hidden_size, intermediate_size or config.intermediate_size)
-        self.act = ACT2FN[config.hidden_act]
-        self.act_inplace = _INPLACE_ACTIVATIONS.get(config.hidden_act) if isinstance(config.hidden_act, str) else None
+        name = config.hidden_act
+        name = _FUSED_ACTIVATIONS.get(name, name) if isinstance(name, str) else name
+        self.act = ACT2FN[name]
+        self.act_inplace = _INPLACE_ACTIVATIONS.get(name) if isinstance(name, str) else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden = self.dense(hidden_states)
