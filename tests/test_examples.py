@@ -51,16 +51,6 @@ TINY = dict(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def longformer_dir(tmp_path_factory) -> Path:
-    """A tiny hfx-longformer base model (128 tokens, window 8) and its byte-level BPE tokenizer."""
-    path = tmp_path_factory.mktemp("hfx_longformer")
-    tokenizer = roberta_tokenizer()
-    torch.manual_seed(0)
-    config = hf_xformers.HfxLongformerConfig(vocab_size=len(tokenizer), attention_window=8, **TINY)
-    hf_xformers.HfxLongformerModel(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

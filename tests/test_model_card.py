@@ -43,16 +43,6 @@ TRAIN = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--per_device
          "--disable_tqdm", "true"]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def longformer_dir(tmp_path_factory) -> Path:
-    """A tiny hfx-longformer base model (128 tokens, window 8) with its byte-level BPE tokenizer."""
-    path = tmp_path_factory.mktemp("longformer")
-    tokenizer = roberta_tokenizer()
-    torch.manual_seed(0)
-    config = hf_xformers.HfxLongformerConfig(vocab_size=len(tokenizer), attention_window=8, **TINY_TEXT)
-    hf_xformers.HfxLongformerModel(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def parse(folder: Path) -> ModelCard:
