@@ -177,9 +177,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     logger.info(
         "Converting %s -> %s (max_length=%d, window=%d)", source, converted_dir, args.max_length, args.attention_window
     )
+    # The demo owns this folder: a second `make demo` replaces the checkpoint it converted last time.
     _, tokenizer = convert_roberta_to_long(
-        source, max_length=args.max_length, attention_window=args.attention_window, output_dir=converted_dir
-    )
+        source, max_length=args.max_length, attention_window=args.attention_window, output_dir=converted_dir,
+        overwrite=True,
+    )  # fmt: skip
 
     # 2. Data.
     if args.train_file:
