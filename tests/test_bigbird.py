@@ -279,3 +279,22 @@ def test_short_input_full_attention_path_equals_block_sparse(length, training):
         blocked = attention._block_sparse(hidden, mask, attention.plan(mask))
     torch.testing.assert_close(fast, blocked, atol=1e-5, rtol=0)
     assert fast[1, max(1, length // 2) :].abs().max() == 0 if length > 1 else True
+
+
+def test_block_sparse_has_no_attention_dropout_but_original_full_does():
+    """As in the original implementation and transformers' block-sparse kernel, attention_probs_dropout_prob does not
+    apply to block_sparse attention (at any length: blocked path and short-input full path); original_full uses it."""
+    from hf_xformers.attention.block_sparse import HfxBlockSparseSelfAttention
+
+    torch.manual_seed(0)
+    config = HfxBigBirdConfig(hidden_size=32, num_attention_heads=4, block_size=4, num_random_blocks=1,
+                              vocab_size=50, max_position_embeddings=64, attention_probs_dropout_prob=0.5,
+                              fixed_random_blocks=True)  # fmt: skip
+    layer = HfxBlockSparseSelfAttention(config)
+    for length in (12, 45):  # full-attention path (3 blocks) and blocked path (12 blocks)
+        hidden = torch.randn(2, length, 32)
+        torch.testing.assert_close(layer.train()(hidden).context, layer.eval()(hidden).context, rtol=0, atol=1e-6)
+    config.attention_type = "original_full"
+    full = HfxBlockSparseSelfAttention(config)
+    hidden = torch.randn(2, 12, 32)
+    assert (full.train()(hidden).context - full.eval()(hidden).context).abs().max() > 0.1

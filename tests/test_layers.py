@@ -61,3 +61,63 @@ def test_text_config_defaults_follow_transformers(ours, theirs, extra):
     ]  # fmt: skip
     for name in shared + extra:
         assert getattr(a, name) == getattr(b, name), (name, getattr(a, name), getattr(b, name))
+
+
+# ----- attention with dropout (hf_xformers/attention/kernels.py) and the dropout mask -------------------------------
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "none"])
+def test_dropout_attention_matches_the_formula_and_its_gradients(mask_kind):
+    """The closed-form backward of the dropout kernel against autograd through the explicit formula, with the same
+    dropout mask (drawn first from the same seed), in float64."""
+    from hf_xformers.attention.kernels import attention
+    from hf_xformers.layers.fast_dropout import dropout_mask
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64, requires_grad=True) for n in (7, 9, 9))
+    allowed = torch.rand(2, 1, 7, 9) > 0.3
+    allowed[..., 0] = True
+    mask = {"bool": allowed, "additive": torch.where(allowed, 0.0, float("-inf")).double(), "none": None}[mask_kind]
+    torch.manual_seed(5)
+    out = attention(q, k, v, mask, 0.25)
+    grad = torch.randn_like(out)
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    torch.manual_seed(5)
+    kept = ~dropout_mask((3, 2, 7, 9), 0.25).transpose(0, 1)  # the kernel draws it head-major
+    scores = q @ k.transpose(-1, -2) / 8**0.5
+    if mask is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    expected = (torch.softmax(scores, -1) * kept / 0.75) @ v
+    wanted = (expected, *torch.autograd.grad(expected, (q, k, v), grad))
+    for a, b in zip(got, wanted):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert not kept.all() and kept.any()  # the test draws a real mask
+
+
+def test_attention_without_dropout_is_sdpa():
+    from hf_xformers.attention.kernels import attention
+
+    q, k, v = (torch.randn(2, 2, 5, 8) for _ in range(3))
+    mask = torch.rand(2, 1, 5, 5) > 0.3
+    mask[..., 0] = True
+    torch.testing.assert_close(
+        attention(q, k, v, mask, 0.0), torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    )
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_dropout_mask_rate_and_seeding(p):
+    from hf_xformers.layers.fast_dropout import dropout_mask
+
+    torch.manual_seed(3)
+    first = dropout_mask((1001, 999), p)  # odd size: the last 64-bit word is partly used
+    torch.manual_seed(3)
+    assert torch.equal(first, dropout_mask((1001, 999), p))
+    assert first.shape == (1001, 999) and first.dtype == torch.bool
+    n = first.numel()
+    assert abs(first.float().mean().item() - p) < 5 * (p * (1 - p) / n) ** 0.5 + 1e-9
+    if 0 < p < 1:  # neighbouring lanes of one 64-bit word are independent
+        pairs = first.view(-1)[: n - 1 : 2].float() * first.view(-1)[1:n:2].float()
+        assert abs(pairs.mean().item() - p * p) < 5 * (p * p * (1 - p * p) / (n // 2)) ** 0.5
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        dropout_mask((3,), 1.5)

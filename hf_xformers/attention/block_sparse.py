@@ -9,7 +9,9 @@ blocks of ``b = config.block_size`` tokens. For one example let ``last`` be the 
 * every other query block ``i`` also attends to its window ``i - 1, i, i + 1`` and to ``r =
   config.num_random_blocks`` *random* key blocks, drawn without replacement among ``1 .. last - 1`` minus the
   window (different draws per head and per query block);
-* padding keys are never attended to; padding queries give zeros.
+* padding keys are never attended to; padding queries give zeros;
+* no dropout on the attention probabilities (``attention_probs_dropout_prob`` applies to ``original_full`` only),
+  as in the original implementation and transformers' block-sparse kernel; hidden-state dropout is unchanged.
 
 Short inputs: when a row has fewer than ``r`` blocks left to draw from, it takes all of them, so once ``last <= r +
 3`` the pattern covers every key and the result IS full attention. Inputs of at most ``r + 4`` blocks therefore go
@@ -205,7 +207,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         if not output_attentions and not is_tracing() and ceil_div(length, self.block_size) <= self.num_random_blocks + 4:
             # Every example's last block is <= r + 3, so the pattern covers every key (module docstring): the result
             # is full attention, computed at full-attention speed by one SDPA call instead of the blocked path.
-            context = super().forward(hidden_states, attention_mask, None, False).context
+            context = self.attend(hidden_states, attention_mask, False, 0.0).context
             return AttentionOutput(context.masked_fill(~attention_mask[..., None], 0.0))
         plan = self.plan(attention_mask)
         if output_attentions:
@@ -217,7 +219,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         """Q, K, V of the input padded to ``padded_length`` rows: each ``(batch, heads, padded_length, dim)``."""
         # Padding the input (not q, k and v) costs one pad instead of three.
         padded = F.pad(hidden_states, (0, 0, 0, padded_length - hidden_states.shape[1]))
-        return tuple(split_heads(f(padded), self.num_heads) for f in (self.query, self.key, self.value))
+        return tuple(split_heads(t, self.num_heads) for t in self.fused_qkv(padded))
 
     def _block_sparse(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
         """The fast path. Shapes inside: ``nb`` blocks of ``b`` tokens, ``m = nb - 1`` middle query blocks (all but
@@ -226,14 +228,13 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         heads, dim, b = self.num_heads, self.head_dim, self.block_size
         nb = plan.key_mask.shape[1] // b
         q, k, v = self._project(hidden_states, nb * b)
-        dropout = self.dropout_p if self.training else 0.0
         qb = q.view(batch, heads, nb, b, dim)
         rows = torch.arange(batch, device=q.device)
 
         # Global query blocks 0 and `last` of every example: dense attention over all real keys.
         global_q = torch.cat([qb[:, :, 0], qb[rows, :, plan.last_block]], dim=2)  # (batch, heads, 2b, dim)
         global_out = F.scaled_dot_product_attention(
-            global_q, k, v, attn_mask=plan.key_mask[:, None, None, :], dropout_p=dropout
+            global_q, k, v, attn_mask=plan.key_mask[:, None, None, :]
         )
         # A copy: block `last` is written into `out` below, and SDPA keeps its output for the backward pass.
         out = global_out[:, :, None, :b].clone()  # (batch, heads, 1, b, dim)
@@ -284,7 +285,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
             neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
             bias = torch.where(key_ok, 0.0, neg_inf).view(batch * heads, m, 1, (5 + r) * b)
             middle_q = qb[:, :, 1:].reshape(batch * heads, m, b, dim)
-            middle_out = F.scaled_dot_product_attention(middle_q, kb, vb, attn_mask=bias, dropout_p=dropout)
+            middle_out = F.scaled_dot_product_attention(middle_q, kb, vb, attn_mask=bias)
             out = torch.cat([out, middle_out.view(batch, heads, m, b, dim)], dim=2)
         # Block `last` (possibly 0 again) takes its global result.
         out[rows, :, plan.last_block] = global_out[:, :, b:]
@@ -331,6 +332,6 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
         probs = probs.masked_fill(~attention_mask[:, None, :, None], 0.0)
-        context = torch.matmul(F.dropout(probs, self.dropout_p, self.training), v)
+        context = torch.matmul(probs, v)
         context = merge_heads(context).masked_fill(~attention_mask[..., None], 0.0)
         return context, (probs if output_attentions else None)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionOutput, QKVProjection, merge_heads, split_heads
+from .kernels import attention
 
 
 class HfxFullSelfAttention(QKVProjection):
@@ -31,20 +32,24 @@ class HfxFullSelfAttention(QKVProjection):
         global_attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
     ) -> AttentionOutput:
-        q = split_heads(self.query(hidden_states), self.num_heads)
-        k = split_heads(self.key(hidden_states), self.num_heads)
-        v = split_heads(self.value(hidden_states), self.num_heads)
+        dropout = self.dropout_p if self.training else 0.0
+        return self.attend(hidden_states, attention_mask, output_attentions, dropout)
+
+    def attend(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, output_attentions: bool, dropout: float
+    ) -> AttentionOutput:
+        """Full attention with ``dropout`` on the probabilities (0 for none)."""
+        q, k, v = (split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
         mask = None
         if attention_mask is not None:
             # A row of pure padding would have no key at all (NaN); let it see everything, it is ignored anyway.
             mask = (attention_mask | ~attention_mask.any(-1, keepdim=True))[:, None, None, :]
-        dropout = self.dropout_p if self.training else 0.0
         if not output_attentions:
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            context = attention(q, k, v, mask, dropout)
             return AttentionOutput(merge_heads(context))
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        context = torch.matmul(F.dropout(probs, dropout, self.training), v)
+        context = torch.matmul(F.dropout(probs, dropout, dropout > 0.0), v)
         return AttentionOutput(merge_heads(context), probs)

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..layers.input_checks import is_tracing
 from .base import AttentionOutput, QKVProjection, ceil_div, cut_to_length, merge_heads, split_heads, unblock
+from .kernels import attention
 
 
 def _neighbourhoods(x: torch.Tensor, span: int, step: int) -> torch.Tensor:
@@ -129,7 +130,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         in the banded path); when ``w`` covers the whole sequence that is every real key.
         """
         heads, length, w = self.num_heads, hidden_states.shape[1], self.one_sided_window
-        q, k, v = (split_heads(f(hidden_states), heads) for f in (self.query, self.key, self.value))
+        q, k, v = (split_heads(t, heads) for t in self.fused_qkv(hidden_states))
         mask = attention_mask[:, None, None, :]
         if length > w + 1:
             position = torch.arange(length, device=hidden_states.device)
@@ -140,7 +141,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         # A query left with no key (padding far from any real token) sees everything; its output is zeroed later.
         mask = mask | ~mask.any(-1, keepdim=True)
         dropout = self.dropout_p if self.training else 0.0
-        return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout))
+        return merge_heads(attention(q, k, v, mask, dropout))
 
     def _banded_attention(self, hidden_states, attention_mask, is_global, global_idx, global_valid, output_attentions):
         """Sliding-window attention (plus global keys) computed block by block.
@@ -196,7 +197,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         dropout = self.dropout_p if self.training else 0.0
         probs = None
         if not output_attentions:
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, dropout_p=dropout)
+            out = attention(qb, kb, vb, bias, dropout)
         else:
             scores = torch.matmul(qb, kb.transpose(-1, -2)) * dim**-0.5 + bias
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).masked_fill(query_pad, 0.0).to(q.dtype)
@@ -238,8 +239,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         mask = (attention_mask[:, None, :] | ~global_valid[:, :, None])[:, None]
         dropout = self.dropout_p if self.training else 0.0
         if not output_attentions:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
-            return merge_heads(out), None
+            return merge_heads(attention(q, k, v, mask, dropout)), None
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
         probs = probs.masked_fill(~global_valid[:, None, :, None], 0.0)

