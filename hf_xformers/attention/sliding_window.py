@@ -138,8 +138,11 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             mask = mask & band
             if is_global is not None:
                 mask = mask | is_global[:, None, None, :]
-        # A query left with no key (padding far from any real token) sees everything; its output is zeroed later.
-        mask = mask | ~mask.any(-1, keepdim=True)
+        if length <= w + 1 and bool(attention_mask.all()):
+            mask = None  # nothing to mask: SDPA's unmasked kernel is the fastest (this path never runs traced)
+        else:
+            # A query left with no key (padding far from any real token) sees everything; its output is zeroed later.
+            mask = mask | ~mask.any(-1, keepdim=True)
         dropout = self.dropout_p if self.training else 0.0
         return merge_heads(attention(q, k, v, mask, dropout))
 
