@@ -704,6 +704,9 @@ def render_markdown(meta: dict, results: dict) -> str:
     lengths = sorted({int(k.split("|")[1]) for k in results})
     modes = [m for m in ("forward", "backward") if any(k.endswith("|" + m) for k in results)]
     c = meta["config"]
+    # Merged runs may differ in --repeats: name every count that occurs among the cells.
+    counts = sorted({len(v["times_s"]) for v in results.values() if v.get("times_s")}) or [meta["repeats"]]
+    repeats = " or ".join(str(n) for n in counts)
     out = [
         f"# Long-context benchmark: `{meta['arch']}`",
         "",
@@ -712,7 +715,7 @@ def render_markdown(meta: dict, results: dict) -> str:
         f"- config: hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, intermediate {c['intermediate']}, "
         f"vocab {c['vocab']}, window {c['window']}, batch {c['batch']}, dropout {c['dropout']}; random weights, "
         "random token ids in [5, vocab), attention_mask all ones, no global tokens.",
-        f"- {meta['threads']} threads; median of {meta['repeats']} timed calls after 1 warm-up; each (impl, length, mode) "
+        f"- {meta['threads']} threads; median of {repeats} timed calls after 1 warm-up; each (impl, length, mode) "
         "in its own process. forward = eval + `torch.inference_mode`; fwd+bwd = train mode, "
         "`last_hidden_state.sum().backward()`.",
         "- memory = growth of the process's peak RSS (VmHWM reset after building model and inputs) over warm-up + "
