@@ -92,6 +92,10 @@ def test_dropout_attention_matches_the_formula_and_its_gradients(mask_kind):
     for a, b in zip(got, wanted):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     assert not kept.all() and kept.any()  # the test draws a real mask
+    # The closed-form backward is not differentiable again: a clear error, not a silently wrong second derivative.
+    first = torch.autograd.grad(attention(q, k, v, mask, 0.25).sum(), q, create_graph=True)[0]
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate|does not require grad"):
+        torch.autograd.grad(first.sum(), k)
 
 
 def test_attention_without_dropout_is_sdpa():

@@ -17,7 +17,7 @@ tensors kept for the backward pass (probabilities, noise, dropped probabilities:
 
   (``rowsum(P * dP) = rowsum(dO * O)`` also with dropout, as in FlashAttention).
 
-The distribution is ``nn.Dropout``'s; the random stream is not, so training-mode outputs differ from a run with
+The distribution is ``nn.Dropout``'s (to ``2**-17`` in ``p``); the random stream is not, so training-mode outputs differ from a run with
 SDPA's dropout (eval mode is unaffected). Traced graphs (``torch.compile`` / ``torch.export``) keep SDPA.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..layers.fast_dropout import dropout_mask
 from ..layers.input_checks import is_tracing
@@ -65,6 +66,7 @@ class _DropoutAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the closed-form gradient is not itself differentiable: say so instead of a wrong result
     def backward(ctx, grad_out):  # noqa: D102
         q, k, v, probs, dropped, out = ctx.saved_tensors
         heads, scale = q.shape[1], q.shape[-1] ** -0.5
