@@ -66,7 +66,7 @@ def test_text_config_defaults_follow_transformers(ours, theirs, extra):
 # ----- attention with dropout (hf_xformers/attention/kernels.py) and the dropout mask -------------------------------
 
 
-@pytest.mark.parametrize("mask_kind", ["bool", "additive", "none"])
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "none", "per-head-3d"])
 def test_dropout_attention_matches_the_formula_and_its_gradients(mask_kind):
     """The closed-form backward of the dropout kernel against autograd through the explicit formula, with the same
     dropout mask (drawn first from the same seed), in float64."""
@@ -76,8 +76,11 @@ def test_dropout_attention_matches_the_formula_and_its_gradients(mask_kind):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64, requires_grad=True) for n in (7, 9, 9))
     allowed = torch.rand(2, 1, 7, 9) > 0.3
+    if mask_kind == "per-head-3d":  # (heads, Lq, Lk): broadcast over the batch, as SDPA does
+        allowed = torch.rand(3, 7, 9) > 0.3
     allowed[..., 0] = True
-    mask = {"bool": allowed, "additive": torch.where(allowed, 0.0, float("-inf")).double(), "none": None}[mask_kind]
+    masks = {"bool": allowed, "additive": torch.where(allowed, 0.0, float("-inf")).double(), "per-head-3d": allowed}
+    mask = masks.get(mask_kind)
     torch.manual_seed(5)
     out = attention(q, k, v, mask, 0.25)
     grad = torch.randn_like(out)

@@ -17,8 +17,9 @@ tensors kept for the backward pass (probabilities, noise, dropped probabilities:
 
   (``rowsum(P * dP) = rowsum(dO * O)`` also with dropout, as in FlashAttention).
 
-The distribution is ``nn.Dropout``'s (to ``2**-17`` in ``p``); the random stream is not, so training-mode outputs differ from a run with
-SDPA's dropout (eval mode is unaffected). Traced graphs (``torch.compile`` / ``torch.export``) keep SDPA.
+The distribution is ``nn.Dropout``'s (to ``2**-17`` in ``p``); the random stream is not, so training-mode outputs
+differ from a run with SDPA's dropout (eval mode is unaffected). Traced graphs (``torch.compile`` /
+``torch.export``) keep SDPA.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class _DropoutAttention(torch.autograd.Function):
         for h in range(heads):
             torch.bmm(scaled_q[:, h], k[:, h].transpose(1, 2), out=scores[h])
         if mask is not None:
-            mask = mask.transpose(0, 1) if mask.dim() == 4 else mask
+            # Broadcast like SDPA (trailing dimensions align), then to the head-major layout of `scores`.
+            mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).transpose(0, 1)
             if mask.dtype == torch.bool:
                 scores.masked_fill_(~mask, float("-inf"))
             else:
@@ -100,8 +102,9 @@ def attention(
 
     Args:
         q: ``(batch, heads, Lq, d)``; k, v: ``(batch, heads, Lk, d)`` (any strides).
-        mask: broadcastable to ``(batch, heads, Lq, Lk)``: bool (True = may attend) or additive float (0 / -inf). Every query
-            row must keep at least one key (a fully masked row gives NaN, as in SDPA's math path).
+        mask: broadcastable to ``(batch, heads, Lq, Lk)`` (at most 4-D): bool (True = may attend) or additive float
+            (0 / -inf). Every query row must keep at least one key (a fully masked row gives NaN, as in SDPA's math
+            path).
         dropout_p: dropout on the attention probabilities (pass 0 in eval mode).
     Returns:
         ``(batch, heads, Lq, d)`` (with dropout: a head-major buffer seen through a transpose).
