@@ -112,6 +112,15 @@ def test_attention_without_dropout_is_sdpa():
     )
 
 
+def test_dropout_attention_refuses_a_mask_that_requires_grad():
+    from hf_xformers.attention.kernels import attention
+
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    bias = torch.zeros(1, 1, 4, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="must not require a gradient"):
+        attention(q, k, v, bias, 0.1)
+
+
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9, 1.0])
 def test_dropout_mask_rate_and_seeding(p):
     from hf_xformers.layers.fast_dropout import dropout_mask

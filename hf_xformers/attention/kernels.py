@@ -32,22 +32,28 @@ from ..layers.fast_dropout import dropout_mask
 from ..layers.input_checks import is_tracing
 
 
+def _per_head_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a`` ``(heads, batch, n, k)`` @ ``b`` ``(heads, batch, k, m)`` -> contiguous ``(heads, batch, n, m)``, one
+    ``torch.bmm`` per head: the operands may be any strided views, where ``torch.matmul`` would first copy a pair of
+    batch dimensions it cannot merge (Longformer's overlapping key windows)."""
+    out = a.new_empty(a.shape[0], a.shape[1], a.shape[2], b.shape[3])
+    for h in range(a.shape[0]):
+        torch.bmm(a[h], b[h], out=out[h])
+    return out
+
+
 class _DropoutAttention(torch.autograd.Function):
     """``dropout(softmax(q k^T / sqrt(d) + mask), p) v`` with a compact saved state (see the module docstring).
 
-    Products run one head at a time with ``torch.bmm`` into head-major ``(heads, batch, ...)`` buffers: ``q``, ``k``
-    and ``v`` may then be any strided views (Longformer passes overlapping key windows), which ``torch.matmul``
-    would first copy, in the forward and again in the backward pass. The ``1 / (1 - p)`` scale is applied to the
-    ``(L, d)`` outputs and gradients, not to the ``(Lq, Lk)`` probabilities.
+    Inputs and gradients are ``(batch, heads, ...)``; inside, everything is head-major ``(heads, batch, ...)``
+    (:func:`_per_head_bmm`), so ``q``, ``k`` and ``v`` are never copied, in the forward or the backward pass. The
+    ``1 / (1 - p)`` scale is applied to the ``(L, d)`` outputs and gradients, not to the ``(Lq, Lk)`` probabilities.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, mask, p):  # noqa: D102 (documented on `attention`)
-        heads = q.shape[1]
-        scaled_q = q * q.shape[-1] ** -0.5
-        scores = q.new_empty(heads, q.shape[0], q.shape[2], k.shape[2])
-        for h in range(heads):
-            torch.bmm(scaled_q[:, h], k[:, h].transpose(1, 2), out=scores[h])
+        qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))
+        scores = _per_head_bmm(qh * q.shape[-1] ** -0.5, kh.transpose(-1, -2))
         if mask is not None:
             # Broadcast like SDPA (trailing dimensions align), then to the head-major layout of `scores`.
             mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).transpose(0, 1)
@@ -58,37 +64,26 @@ class _DropoutAttention(torch.autograd.Function):
         probs = torch.softmax(scores, dim=-1)
         del scores
         dropped = dropout_mask(probs.shape, p, probs.device)
-        kept = torch.where(dropped, 0.0, probs)
-        out = q.new_empty(heads, q.shape[0], q.shape[2], v.shape[-1])
-        for h in range(heads):
-            torch.bmm(kept[h], v[:, h], out=out[h])
-        out = out.mul_(1.0 / (1.0 - p)).transpose(0, 1)
-        ctx.save_for_backward(q, k, v, probs, dropped, out)
+        out = _per_head_bmm(torch.where(dropped, 0.0, probs), vh).mul_(1.0 / (1.0 - p))
+        ctx.save_for_backward(qh, kh, vh, probs, dropped, out)
         ctx.p = p
-        return out
+        return out.transpose(0, 1)
 
     @staticmethod
     @once_differentiable  # the closed-form gradient is not itself differentiable: say so instead of a wrong result
     def backward(ctx, grad_out):  # noqa: D102
-        q, k, v, probs, dropped, out = ctx.saved_tensors
-        heads, scale = q.shape[1], q.shape[-1] ** -0.5
-        row_dot = (grad_out * out).sum(-1, keepdim=True).transpose(0, 1)  # rowsum(P * dP), head-major
-        # dO / (1 - p): the gradient of the kept, unscaled probabilities' product; head-major and contiguous.
-        grad_kept = grad_out.transpose(0, 1).mul(1.0 / (1.0 - ctx.p))
-        kept = torch.where(dropped, 0.0, probs)
-        grad_v = v.new_empty(heads, v.shape[0], v.shape[2], v.shape[3])
-        grad_scores = torch.empty_like(probs)
-        for h in range(heads):
-            torch.bmm(kept[h].transpose(1, 2), grad_kept[h], out=grad_v[h])
-            torch.bmm(grad_kept[h], v[:, h].transpose(1, 2), out=grad_scores[h])
-        del kept
+        qh, kh, vh, probs, dropped, out = ctx.saved_tensors
+        grad_out = grad_out.transpose(0, 1)  # head-major, like everything saved
+        row_dot = (grad_out * out).sum(-1, keepdim=True)  # rowsum(P * dP)
+        # dO / (1 - p): the gradient of the kept, unscaled probabilities' product.
+        grad_kept = grad_out.mul(1.0 / (1.0 - ctx.p))
+        grad_v = _per_head_bmm(torch.where(dropped, 0.0, probs).transpose(-1, -2), grad_kept)
+        grad_scores = _per_head_bmm(grad_kept, vh.transpose(-1, -2))
         grad_scores.masked_fill_(dropped, 0.0).sub_(row_dot).mul_(probs)  # dS = P * (dP - rowsum(P * dP))
-        grad_q = q.new_empty(heads, q.shape[0], q.shape[2], q.shape[3])
-        grad_k = k.new_empty(heads, k.shape[0], k.shape[2], k.shape[3])
-        for h in range(heads):
-            torch.bmm(grad_scores[h], k[:, h], out=grad_q[h])
-            torch.bmm(grad_scores[h].transpose(1, 2), q[:, h], out=grad_k[h])
-        return grad_q.mul_(scale).transpose(0, 1), grad_k.mul_(scale).transpose(0, 1), grad_v.transpose(0, 1), None, None
+        scale = qh.shape[-1] ** -0.5
+        grad_q = _per_head_bmm(grad_scores, kh).mul_(scale)
+        grad_k = _per_head_bmm(grad_scores.transpose(-1, -2), qh).mul_(scale)
+        return grad_q.transpose(0, 1), grad_k.transpose(0, 1), grad_v.transpose(0, 1), None, None
 
 
 def attention(

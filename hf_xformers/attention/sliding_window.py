@@ -131,16 +131,16 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         """
         heads, length, w = self.num_heads, hidden_states.shape[1], self.one_sided_window
         q, k, v = (split_heads(t, heads) for t in self.fused_qkv(hidden_states))
-        mask = attention_mask[:, None, None, :]
-        if length > w + 1:
-            position = torch.arange(length, device=hidden_states.device)
-            band = (position[None, :] - position[:, None]).abs() <= w
-            mask = mask & band
-            if is_global is not None:
-                mask = mask | is_global[:, None, None, :]
         if length <= w + 1 and bool(attention_mask.all()):
             mask = None  # nothing to mask: SDPA's unmasked kernel is the fastest (this path never runs traced)
         else:
+            mask = attention_mask[:, None, None, :]
+            if length > w + 1:
+                position = torch.arange(length, device=hidden_states.device)
+                band = (position[None, :] - position[:, None]).abs() <= w
+                mask = mask & band
+                if is_global is not None:
+                    mask = mask | is_global[:, None, None, :]
             # A query left with no key (padding far from any real token) sees everything; its output is zeroed later.
             mask = mask | ~mask.any(-1, keepdim=True)
         dropout = self.dropout_p if self.training else 0.0
