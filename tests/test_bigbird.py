@@ -79,10 +79,11 @@ def test_block_sparse_kernel_equals_dense_oracle(num_random_blocks, length):
     x = torch.randn(4, length, TINY["hidden_size"], generator=torch.Generator().manual_seed(length))
     mask = padded_masks(4, length)
     with torch.no_grad():
-        fast = layer(x, mask).context
         oracle, _ = layer.dense_reference(x, mask)
-    assert (fast - oracle).abs().max() <= 1e-5
-    assert torch.all(fast[~mask] == 0)
+        # The blocked kernel itself (short inputs dispatch elsewhere, tested below) and whatever forward dispatches to.
+        for fast in (layer._block_sparse(x, mask, layer.plan(mask)), layer(x, mask).context):
+            assert (fast - oracle).abs().max() <= 1e-5
+            assert torch.all(fast[~mask] == 0)
 
 
 def test_kernel_and_oracle_gradients_agree():
@@ -298,3 +299,39 @@ def test_block_sparse_has_no_attention_dropout_but_original_full_does():
     full = HfxBlockSparseSelfAttention(config)
     hidden = torch.randn(2, 12, 32)
     assert (full.train()(hidden).context - full.eval()(hidden).context).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("num_random_blocks", [0, 1, 3])
+def test_dense_dispatch_is_where_it_computes_no_more_block_products(num_random_blocks):
+    """Dense: nb * nb block products; blocked: 5 + r for each of the nb - 2 middle blocks plus nb for each of the
+    two global query blocks (block nb - 1 goes through the global call as well)."""
+    layer = attention_layer(block_size=4, num_random_blocks=num_random_blocks)
+    for nb in range(1, 40):
+        blocked = (nb - 1) * (5 + num_random_blocks) + 2 * nb
+        assert layer.dense_is_cheaper(nb) == (nb * nb <= blocked)
+    assert attention_layer(block_size=4, num_random_blocks=3).dense_is_cheaper(9)  # 576 tokens at block_size 64
+    assert not attention_layer(block_size=4, num_random_blocks=3).dense_is_cheaper(10)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train-fresh-random-blocks"])
+@pytest.mark.parametrize("num_random_blocks,length", [(0, 21), (0, 24), (1, 27), (3, 30), (3, 36)])
+def test_dense_pattern_path_equals_block_sparse(num_random_blocks, length, training):
+    """Past full coverage (more than r + 4 blocks) but where dense is no more work, forward runs one SDPA call with
+    the pattern as a mask: the same outputs and gradients as the blocked path, padded or not (an unpadded batch
+    shares one mask over the batch)."""
+    layer = attention_layer(block_size=4, num_random_blocks=num_random_blocks).train(training)
+    nb = -(-length // 4)
+    assert nb > num_random_blocks + 4 and layer.dense_is_cheaper(nb)
+    x = torch.randn(4, length, TINY["hidden_size"], generator=torch.Generator().manual_seed(length))
+    for mask in (padded_masks(4, length), torch.ones(4, length, dtype=torch.bool)):
+        results = []
+        for fn in (lambda h: layer(h, mask).context, lambda h: layer._block_sparse(h, mask, layer.plan(mask))):
+            h = x.clone().requires_grad_(True)
+            layer.zero_grad()
+            torch.manual_seed(3)  # training draws random blocks from the global RNG: the same draws for both paths
+            out = fn(h)
+            out.pow(2).sum().backward()
+            results.append([out.detach(), h.grad] + [p.grad.clone() for p in layer.parameters()])
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        assert torch.all(results[0][0][~mask] == 0)

@@ -213,7 +213,17 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         if output_attentions:
             context, probs = self.dense_reference(hidden_states, attention_mask, plan, output_attentions=True)
             return AttentionOutput(context, probs)
+        if not is_tracing() and self.dense_is_cheaper(ceil_div(length, self.block_size)):
+            return AttentionOutput(self._dense_pattern(hidden_states, attention_mask, plan))
         return AttentionOutput(self._block_sparse(hidden_states, attention_mask, plan))
+
+    def dense_is_cheaper(self, num_blocks: int) -> bool:
+        """Whether full attention under the pattern mask computes no more block products than the blocked path.
+        Dense: ``nb`` key blocks for each of ``nb`` query blocks. Blocked: ``5 + r`` for each of the ``nb - 1``
+        middle query blocks, and ``nb`` for each of the 2 global ones (up to 9 blocks at ``r = 3``: 576 tokens at
+        the default block size). Both give the same result; the dense call also skips the gathers, which copy
+        ``5 + r`` key and value blocks per query block."""
+        return num_blocks * num_blocks <= (num_blocks - 1) * (5 + self.num_random_blocks) + 2 * num_blocks
 
     def _project(self, hidden_states: torch.Tensor, padded_length: int) -> tuple[torch.Tensor, ...]:
         """Q, K, V of the input padded to ``padded_length`` rows: each ``(batch, heads, padded_length, dim)``."""
@@ -221,9 +231,23 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         padded = F.pad(hidden_states, (0, 0, 0, padded_length - hidden_states.shape[1]))
         return tuple(split_heads(t, self.num_heads) for t in self.fused_qkv(padded))
 
+    def _dense_pattern(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
+        """Short inputs: one fused SDPA call over all keys with :meth:`pattern_mask` as an additive mask. Without
+        padding every example has the same pattern (the same last block, hence the same random rows), so one
+        ``(1, heads, L, L)`` mask is broadcast over the batch; otherwise each example gets its own."""
+        length = hidden_states.shape[1]
+        q, k, v = (split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
+        if bool(attention_mask.all()):
+            plan = BlockPlan(*(t[:1] for t in plan))
+        allowed = self.pattern_mask(plan, length)
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        context = merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
+        return context.masked_fill(~attention_mask[..., None], 0.0)
+
     def _block_sparse(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
-        """The fast path. Shapes inside: ``nb`` blocks of ``b`` tokens, ``m = nb - 1`` middle query blocks (all but
-        block 0, which is global in every example), ``s = 5 + r`` key blocks per query block."""
+        """The fast path. Shapes inside: ``nb`` blocks of ``b`` tokens, ``m = nb - 2`` middle query blocks and ``s = 5 +
+        r`` key blocks per query block. Block 0 is global in every example, and block ``nb - 1`` is either an
+        example's global last block or pure padding, so only blocks ``1 .. nb - 2`` can need the sparse pattern."""
         batch, length, hidden = hidden_states.shape
         heads, dim, b = self.num_heads, self.head_dim, self.block_size
         nb = plan.key_mask.shape[1] // b
@@ -236,12 +260,11 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         global_out = F.scaled_dot_product_attention(
             global_q, k, v, attn_mask=plan.key_mask[:, None, None, :]
         )
-        # A copy: block `last` is written into `out` below, and SDPA keeps its output for the backward pass.
-        out = global_out[:, :, None, :b].clone()  # (batch, heads, 1, b, dim)
+        parts = [global_out[:, :, None, :b]]  # block 0: (batch, heads, 1, b, dim)
 
-        if nb > 1:
-            m, r = nb - 1, self.num_random_blocks
-            middle = torch.arange(1, nb, device=q.device)
+        if nb > 2:
+            m, r = nb - 2, self.num_random_blocks
+            middle = torch.arange(1, nb - 1, device=q.device)
             last = plan.last_block[:, None, None, None]
             # Key blocks of every middle query block: [0, last, i - 1, i, i + 1, random...], (batch, heads, m, s).
             window = middle[:, None] + torch.arange(-1, 2, device=q.device)
@@ -249,8 +272,8 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
                 [
                     torch.zeros(batch, heads, m, 1, dtype=torch.long, device=q.device),
                     last.expand(batch, heads, m, 1),
-                    window.clamp(max=nb - 1).expand(batch, heads, m, 3),
-                    plan.random[:, :, 1:],
+                    window.expand(batch, heads, m, 3),
+                    plan.random[:, :, 1:-1],
                 ],
                 dim=-1,
             )
@@ -261,7 +284,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
                     torch.ones(batch, 1, m, 1, dtype=torch.bool, device=q.device),
                     (last > 0).expand(batch, 1, m, 1),
                     (window > 0) & (window < last),
-                    plan.random_valid[:, None, 1:],
+                    plan.random_valid[:, None, 1:-1],
                 ],
                 dim=-1,
             )
@@ -284,9 +307,12 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
             key_ok = plan.key_mask.view(batch, nb, b)[batch_idx, blocks] & valid[..., None]  # (batch, heads, m, s, b)
             neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
             bias = torch.where(key_ok, 0.0, neg_inf).view(batch * heads, m, 1, (5 + r) * b)
-            middle_q = qb[:, :, 1:].reshape(batch * heads, m, b, dim)
+            middle_q = qb[:, :, 1:-1].reshape(batch * heads, m, b, dim)
             middle_out = F.scaled_dot_product_attention(middle_q, kb, vb, attn_mask=bias)
-            out = torch.cat([out, middle_out.view(batch, heads, m, b, dim)], dim=2)
+            parts.append(middle_out.view(batch, heads, m, b, dim))
+        if nb > 1:
+            parts.append(global_out[:, :, None, b:])  # block nb - 1: global, or padding (zeroed below)
+        out = torch.cat(parts, dim=2)
         # Block `last` (possibly 0 again) takes its global result.
         out[rows, :, plan.last_block] = global_out[:, :, b:]
         context = merge_heads(unblock(out, length, dim=2))
