@@ -325,11 +325,11 @@ def test_dense_pattern_path_equals_block_sparse(num_random_blocks, length, train
     x = torch.randn(4, length, TINY["hidden_size"], generator=torch.Generator().manual_seed(length))
     for mask in (padded_masks(4, length), torch.ones(4, length, dtype=torch.bool)):
         results = []
-        for fn in (lambda h: layer(h, mask).context, lambda h: layer._block_sparse(h, mask, layer.plan(mask))):
+        for dispatch in (True, False):
             h = x.clone().requires_grad_(True)
             layer.zero_grad()
             torch.manual_seed(3)  # training draws random blocks from the global RNG: the same draws for both paths
-            out = fn(h)
+            out = layer(h, mask).context if dispatch else layer._block_sparse(h, mask, layer.plan(mask))
             out.pow(2).sum().backward()
             results.append([out.detach(), h.grad] + [p.grad.clone() for p in layer.parameters()])
         for a, b in zip(*results):
