@@ -16,9 +16,12 @@ blocks of ``b = config.block_size`` tokens. For one example let ``last`` be the 
 Short inputs: when a row has fewer than ``r`` blocks left to draw from, it takes all of them, so once ``last <= r +
 3`` the pattern covers every key and the result IS full attention. Inputs of at most ``r + 4`` blocks therefore go
 through one full-attention SDPA call (padding queries zeroed), which is the same result at the speed of full
-attention; the blocked path computes the same thing more slowly, and is what traced graphs and
-``output_attentions`` use. (transformers switches to full attention below ``(5 + 2r) * b`` tokens, where its
-pattern is *not* yet complete, so its outputs change at that length; ours do not.)
+attention. A little longer (up to 9 blocks at ``r = 3``, see ``dense_is_cheaper``) the pattern is sparse, but
+full attention under the pattern as a mask costs no more block products than the blocked path and needs no
+gathers: one SDPA call with an additive mask, the same result. The blocked path computes both more slowly, and is
+what traced graphs use; ``output_attentions`` uses the dense oracle. (transformers switches to full attention
+below ``(5 + 2r) * b`` tokens, where its pattern is *not* yet complete, so its outputs change at that length; ours
+do not.)
 Defining ``last`` per example (not from the padded batch length) makes outputs independent of how much
 padding the batch adds. Lengths need not be a multiple of ``b``: the layer pads internally and cuts back.
 
@@ -237,12 +240,13 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         ``(1, heads, L, L)`` mask is broadcast over the batch; otherwise each example gets its own."""
         length = hidden_states.shape[1]
         q, k, v = (split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
-        if bool(attention_mask.all()):
+        unpadded = bool(attention_mask.all())
+        if unpadded:
             plan = BlockPlan(*(t[:1] for t in plan))
         allowed = self.pattern_mask(plan, length)
         bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
         context = merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
-        return context.masked_fill(~attention_mask[..., None], 0.0)
+        return context if unpadded else context.masked_fill(~attention_mask[..., None], 0.0)
 
     def _block_sparse(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
         """The fast path. Shapes inside: ``nb`` blocks of ``b`` tokens, ``m = nb - 2`` middle query blocks and ``s = 5 +
