@@ -16,7 +16,7 @@ blocks of ``b = config.block_size`` tokens. For one example let ``last`` be the 
 Short inputs: when a row has fewer than ``r`` blocks left to draw from, it takes all of them, so once ``last <= r +
 3`` the pattern covers every key and the result IS full attention. Inputs of at most ``r + 4`` blocks therefore go
 through one full-attention SDPA call (padding queries zeroed), which is the same result at the speed of full
-attention. A little longer (up to 9 blocks at ``r = 3``, see ``dense_is_cheaper``) the pattern is sparse, but
+attention. A little longer (up to 8 blocks at ``r = 3``, see ``dense_is_cheaper``) the pattern is sparse, but
 full attention under the pattern as a mask costs no more block products than the blocked path and needs no
 gathers: one SDPA call with an additive mask, the same result. The blocked path computes both more slowly, and is
 what traced graphs use; ``output_attentions`` uses the dense oracle. (transformers switches to full attention
@@ -222,11 +222,11 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
 
     def dense_is_cheaper(self, num_blocks: int) -> bool:
         """Whether full attention under the pattern mask computes no more block products than the blocked path.
-        Dense: ``nb`` key blocks for each of ``nb`` query blocks. Blocked: ``5 + r`` for each of the ``nb - 1``
-        middle query blocks, and ``nb`` for each of the 2 global ones (up to 9 blocks at ``r = 3``: 576 tokens at
+        Dense: ``nb`` key blocks for each of ``nb`` query blocks. Blocked: ``5 + r`` for each of the ``nb - 2``
+        middle query blocks, and ``nb`` for each of the 2 global ones (up to 8 blocks at ``r = 3``: 512 tokens at
         the default block size). Both give the same result; the dense call also skips the gathers, which copy
         ``5 + r`` key and value blocks per query block."""
-        return num_blocks * num_blocks <= (num_blocks - 1) * (5 + self.num_random_blocks) + 2 * num_blocks
+        return num_blocks * num_blocks <= (num_blocks - 2) * (5 + self.num_random_blocks) + 2 * num_blocks
 
     def _project(self, hidden_states: torch.Tensor, padded_length: int) -> tuple[torch.Tensor, ...]:
         """Q, K, V of the input padded to ``padded_length`` rows: each ``(batch, heads, padded_length, dim)``."""
