@@ -44,6 +44,7 @@ from torch import nn
 
 from ..layers.input_checks import is_tracing
 from .base import AttentionOutput, QKVProjection, merge_heads, split_heads
+from .kernels import attention
 
 SHARING_MODES = ("none", "headwise", "kv", "layerwise")
 
@@ -222,7 +223,8 @@ class HfxLowRankSelfAttention(QKVProjection):
         mask = self._support_mask(padding, key_weight, value_weight, length)
         dropout = self.dropout_p if self.training else 0.0
         if not output_attentions:
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            # SDPA itself without dropout; with dropout our kernel instead of SDPA's CPU math path (kernels.py).
+            context = attention(q, k, v, mask, dropout)
             return AttentionOutput(merge_heads(context))
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
         if mask is not None:
