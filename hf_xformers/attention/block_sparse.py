@@ -251,7 +251,9 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
     def _block_sparse(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
         """The fast path. Shapes inside: ``nb`` blocks of ``b`` tokens, ``m = nb - 2`` middle query blocks and ``s = 5 +
         r`` key blocks per query block. Block 0 is global in every example, and block ``nb - 1`` is either an
-        example's global last block or pure padding, so only blocks ``1 .. nb - 2`` can need the sparse pattern."""
+        example's global last block or pure padding, so only blocks ``1 .. nb - 2`` can need the sparse pattern.
+        Traced graphs take ``m = nb - 1`` (block ``nb - 1`` too, overwritten below): at three blocks ``nb - 2`` is 1,
+        a size that dynamic-shape tracing specializes on, which would cut the exported length range."""
         batch, length, hidden = hidden_states.shape
         heads, dim, b = self.num_heads, self.head_dim, self.block_size
         nb = plan.key_mask.shape[1] // b
@@ -266,9 +268,11 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         )
         parts = [global_out[:, :, None, :b]]  # block 0: (batch, heads, 1, b, dim)
 
-        if nb > 2:
-            m, r = nb - 2, self.num_random_blocks
-            middle = torch.arange(1, nb - 1, device=q.device)
+        traced = is_tracing()
+        m = nb - 1 if traced else max(nb - 2, 0)
+        if m > 0:
+            r = self.num_random_blocks
+            middle = torch.arange(1, m + 1, device=q.device)
             last = plan.last_block[:, None, None, None]
             # Key blocks of every middle query block: [0, last, i - 1, i, i + 1, random...], (batch, heads, m, s).
             window = middle[:, None] + torch.arange(-1, 2, device=q.device)
@@ -276,8 +280,8 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
                 [
                     torch.zeros(batch, heads, m, 1, dtype=torch.long, device=q.device),
                     last.expand(batch, heads, m, 1),
-                    window.expand(batch, heads, m, 3),
-                    plan.random[:, :, 1:-1],
+                    window.clamp(max=nb - 1).expand(batch, heads, m, 3),  # (row nb - 1 of traced graphs)
+                    plan.random[:, :, 1 : m + 1],
                 ],
                 dim=-1,
             )
@@ -288,7 +292,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
                     torch.ones(batch, 1, m, 1, dtype=torch.bool, device=q.device),
                     (last > 0).expand(batch, 1, m, 1),
                     (window > 0) & (window < last),
-                    plan.random_valid[:, None, 1:-1],
+                    plan.random_valid[:, None, 1 : m + 1],
                 ],
                 dim=-1,
             )
@@ -297,7 +301,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
             # One gather each (a copy, as every block-sparse kernel needs): (batch * heads, m, s * b, dim). Keys and
             # values are first made contiguous per head, so that every block is one contiguous (b, dim) slab and
             # index_select copies whole slabs (about 30% faster than advanced indexing into the strided view).
-            if is_tracing():
+            if traced:
                 # Advanced indexing gives the (batch, heads, m, s, b, dim) blocks directly: splitting the flat rows of
                 # index_select by the symbolic block count is a view the tracer cannot prove (see `unblock`).
                 kb, vb = (
@@ -311,10 +315,10 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
             key_ok = plan.key_mask.view(batch, nb, b)[batch_idx, blocks] & valid[..., None]  # (batch, heads, m, s, b)
             neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
             bias = torch.where(key_ok, 0.0, neg_inf).view(batch * heads, m, 1, (5 + r) * b)
-            middle_q = qb[:, :, 1:-1].reshape(batch * heads, m, b, dim)
+            middle_q = qb[:, :, 1 : m + 1].reshape(batch * heads, m, b, dim)
             middle_out = F.scaled_dot_product_attention(middle_q, kb, vb, attn_mask=bias)
             parts.append(middle_out.view(batch, heads, m, b, dim))
-        if nb > 1:
+        if not traced and nb > 1:
             parts.append(global_out[:, :, None, b:])  # block nb - 1: global, or padding (zeroed below)
         out = torch.cat(parts, dim=2)
         # Block `last` (possibly 0 again) takes its global result.
