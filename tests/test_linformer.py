@@ -278,3 +278,29 @@ def test_all_padding_example_has_finite_outputs_and_gradients(sharing):
     out.loss.backward()
     assert torch.isfinite(out.logits).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_attention_dropout_runs_through_the_dropout_kernel(monkeypatch):
+    """Training with attention dropout uses kernels.attention (not SDPA's CPU math path) with the configured rate,
+    eval passes 0; the dropped attention is unbiased: its mean over many draws is the eval output."""
+    import hf_xformers.attention.low_rank as low_rank
+
+    rates = []
+    real = low_rank.attention
+    monkeypatch.setattr(low_rank, "attention", lambda q, k, v, mask, p: rates.append(p) or real(q, k, v, mask, p))
+    torch.manual_seed(0)
+    config = HfxLinformerConfig(**{**TINY, "attention_probs_dropout_prob": 0.5}, linformer_k=8)
+    attention = HfxLinformerModel(config).encoder.layer[0].attention.self
+    hidden = torch.randn(2, 29, 32, requires_grad=True)
+    mask = torch.ones(2, 29, dtype=torch.bool)
+    mask[1, 17:] = False
+    with torch.no_grad():
+        expected = attention.eval()(hidden, mask).context
+    assert rates == [0.0]
+    attention.train()
+    draws = torch.stack([attention(hidden, mask).context.detach() for _ in range(400)])
+    assert rates[1:] == [0.5] * 400
+    assert (draws[0] - expected)[mask].abs().max() > 0.05  # dropout is applied ...
+    torch.testing.assert_close(draws.mean(0)[mask], expected[mask], atol=0.03, rtol=0)  # ... and unbiased
+    attention(hidden, mask).context.pow(2).sum().backward()
+    assert torch.isfinite(hidden.grad).all() and hidden.grad.abs().sum() > 0
