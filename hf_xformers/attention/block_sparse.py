@@ -230,16 +230,18 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
 
     def _project(self, hidden_states: torch.Tensor, padded_length: int) -> tuple[torch.Tensor, ...]:
         """Q, K, V of the input padded to ``padded_length`` rows: each ``(batch, heads, padded_length, dim)``."""
-        # Padding the input (not q, k and v) costs one pad instead of three.
-        padded = F.pad(hidden_states, (0, 0, 0, padded_length - hidden_states.shape[1]))
-        return tuple(split_heads(t, self.num_heads) for t in self.fused_qkv(padded))
+        # Padding the input (not q, k and v) costs one pad instead of three; none when nothing is padded (eager: a
+        # traced graph keeps the pad, so that it need not guard on the length being a multiple of the block size).
+        if is_tracing() or padded_length != hidden_states.shape[1]:
+            hidden_states = F.pad(hidden_states, (0, 0, 0, padded_length - hidden_states.shape[1]))
+        return tuple(split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
 
     def _dense_pattern(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
         """Short inputs: one fused SDPA call over all keys with :meth:`pattern_mask` as an additive mask. Without
         padding every example has the same pattern (the same last block, hence the same random rows), so one
         ``(1, heads, L, L)`` mask is broadcast over the batch; otherwise each example gets its own."""
         length = hidden_states.shape[1]
-        q, k, v = (split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
+        q, k, v = self._project(hidden_states, length)
         unpadded = bool(attention_mask.all())
         if unpadded:
             plan = BlockPlan(*(t[:1] for t in plan))
