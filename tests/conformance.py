@@ -10,6 +10,13 @@ Use it by subclassing :class:`TextModelConformance` in a ``test_<arch>.py`` file
 
 Sequence lengths used here are chosen longer than the tiny windows/blocks, so the efficient path is
 exercised, not only its short-input fallback.
+
+Every test runs on the device given to pytest (``pytest --device cuda``; the CPU by default), with
+device-appropriate tolerances (``tests/conftest.py``). Mixed precision: every head trains under ``torch.autocast`` in
+bfloat16 and float16 with dropout on (``dropout_config``) and runs with half-precision weights, within
+``MIXED_PRECISION_TOLERANCE`` of float32. Hooks an architecture may override: ``dropout_config`` (the config fields
+that turn dropout on), ``depth_config(n)`` (a model of ``n`` layers) and ``full_attention_config()`` (a config and
+input length at which the model's SDPA calls need no mask, or None where it computes without SDPA).
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, Trainer, TrainingArguments
 
 SEQ_LEN = 24
@@ -41,6 +50,45 @@ _TINY = dict(
 )
 
 
+# Largest deviation from float32 allowed for an output, relative to its scale (see `deviation`): a few rounding steps of
+# the dtype (bfloat16 keeps 8 significant bits, float16 11) through two layers and a head.
+MIXED_PRECISION_TOLERANCE = {torch.bfloat16: 6e-2, torch.float16: 8e-3}
+HALF_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+# fp16 training scales the loss (what GradScaler does) so that small gradients do not flush to zero.
+FP16_LOSS_SCALE = 1024.0
+
+# Ops that read a device value back to the host (a synchronisation on a GPU): `bool(t)`, `int(t)`, `.item()` all end
+# in `_local_scalar_dense`; ops whose output size depends on values must do the same. (`.tolist()` does not dispatch
+# an op on the CPU, so this counter cannot see it.)
+HOST_READ_OPS = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten._unique2.default,
+    torch.ops.aten.unique_consecutive.default,
+}
+
+
+class HostReadCounter(TorchDispatchMode):
+    """Counts the ops of :data:`HOST_READ_OPS` run inside the ``with`` block (``.count``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READ_OPS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def deviation(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |out - ref|`` over the scale of ``ref`` (its largest magnitude, at least 1): a relative error that does
+    not blow up on outputs near zero (small logits)."""
+    ref = ref.float()
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
+
+
 def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     # Ids 0-4 are the special tokens of our tiny vocabularies (<s>, <pad>, </s>, <unk>, <mask>).
@@ -58,6 +106,27 @@ class TextModelConformance:
     pad_token_id: int = 1
     # Parameter-name fragment of the first encoder layer (the Trainer test checks that it trained).
     first_layer_key: str = "encoder.layer.0"
+    # Config fields that turn dropout on, for the mixed-precision training step.
+    dropout_config: dict = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    # Whether padded inputs reach SDPA as a mask (Linformer zeroes padding before projecting instead).
+    padding_needs_sdpa_mask: bool = True
+    device: torch.device = torch.device("cpu")
+    atol: float = ATOL
+
+    @pytest.fixture(autouse=True)
+    def _on_device(self, device, device_atol):
+        """Every test runs on the ``--device`` of the pytest run, with that device's tolerance."""
+        self.device, self.atol = device, device_atol
+
+    # ----- hooks ---------------------------------------------------------------------------------
+    def depth_config(self, num_layers: int) -> dict:
+        """Config overrides for a model of ``num_layers`` layers."""
+        return {"num_hidden_layers": num_layers}
+
+    def full_attention_config(self) -> dict | None:
+        """Config overrides under which an unpadded ``SEQ_LEN``-token input needs no attention mask at all (every
+        query sees every key), or None if the architecture makes no SDPA call."""
+        return None
 
     # ----- helpers -------------------------------------------------------------------------------
     def make_config(self, **overrides):
@@ -65,9 +134,13 @@ class TextModelConformance:
 
     def make_model(self, auto_name: str, **overrides):
         torch.manual_seed(0)
-        return self.heads[auto_name](self.make_config(**overrides)).eval()
+        return self.heads[auto_name](self.make_config(**overrides)).eval().to(self.device)
 
     def inputs_for(self, auto_name: str, batch: int = 2, length: int = SEQ_LEN) -> dict:
+        """Inputs (and labels) for one head, on the test's device."""
+        return {k: v.to(self.device) for k, v in self._cpu_inputs_for(auto_name, batch, length).items()}
+
+    def _cpu_inputs_for(self, auto_name: str, batch: int, length: int) -> dict:
         ids = _ids(batch, length)
         mask = torch.ones_like(ids)
         if auto_name == "AutoModelForMultipleChoice":
@@ -140,7 +213,7 @@ class TextModelConformance:
                 assert torch.all(att >= 0)
             # Attentions must not change the result.
             plain = model(**inputs)
-            torch.testing.assert_close(self.main_output(auto_name, out), self.main_output(auto_name, plain), atol=ATOL, rtol=0)
+            torch.testing.assert_close(self.main_output(auto_name, out), self.main_output(auto_name, plain), atol=self.atol, rtol=0)
 
     def test_classification_problem_types(self):
         inputs = self.inputs_for("AutoModel")
@@ -149,18 +222,19 @@ class TextModelConformance:
             pytest.skip("no sequence classification head")
         head = self.heads["AutoModelForSequenceClassification"]
         torch.manual_seed(0)
-        reg = head(self.make_config(num_labels=1))
-        out = reg(**inputs, labels=torch.tensor([0.5, -1.0]))
+        reg = head(self.make_config(num_labels=1)).to(self.device)
+        targets = torch.tensor([0.5, -1.0], device=self.device)
+        out = reg(**inputs, labels=targets)
         assert reg.config.problem_type == "regression" and out.logits.shape == (2, 1)
-        torch.testing.assert_close(out.loss, torch.nn.functional.mse_loss(out.logits.squeeze(-1), torch.tensor([0.5, -1.0])))
-        multi = head(self.make_config())
-        labels = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+        torch.testing.assert_close(out.loss, torch.nn.functional.mse_loss(out.logits.squeeze(-1), targets))
+        multi = head(self.make_config()).to(self.device)
+        labels = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]], device=self.device)
         out = multi(**inputs, labels=labels)
         assert multi.config.problem_type == "multi_label_classification"
         torch.testing.assert_close(out.loss, torch.nn.functional.binary_cross_entropy_with_logits(out.logits, labels))
-        single = head(self.make_config())
+        single = head(self.make_config()).to(self.device)
         with pytest.raises(ValueError, match="num_labels"):
-            single(**inputs, labels=torch.tensor([0, NUM_LABELS]))
+            single(**inputs, labels=torch.tensor([0, NUM_LABELS], device=self.device))
 
     # ----- Auto classes and serialisation ----------------------------------------------------------
     def test_auto_resolution(self):
@@ -180,7 +254,7 @@ class TextModelConformance:
                 before = self.main_output(auto_name, model(**inputs))
             path = tmp_path / auto_name
             model.save_pretrained(path)
-            loaded = getattr(transformers, auto_name).from_pretrained(path).eval()
+            loaded = getattr(transformers, auto_name).from_pretrained(path).eval().to(self.device)
             assert type(loaded) is cls
             with torch.no_grad():
                 after = self.main_output(auto_name, loaded(**inputs))
@@ -203,9 +277,9 @@ class TextModelConformance:
             if auto_name not in self.heads:
                 continue
             model = self.make_model(auto_name)
-            short = _ids(1, SEQ_LEN - 7, seed=5)
-            long = _ids(1, SEQ_LEN, seed=6)
-            padded = torch.full((2, SEQ_LEN + 5), self.pad_token_id)
+            short = _ids(1, SEQ_LEN - 7, seed=5).to(self.device)
+            long = _ids(1, SEQ_LEN, seed=6).to(self.device)
+            padded = torch.full((2, SEQ_LEN + 5), self.pad_token_id, device=self.device)
             padded[0, : short.shape[1]] = short[0]
             padded[1, :SEQ_LEN] = long[0]
             mask = (padded != self.pad_token_id).long()
@@ -213,8 +287,8 @@ class TextModelConformance:
                 batch_out = self.main_output(auto_name, model(input_ids=padded, attention_mask=mask))
                 alone_short = self.main_output(auto_name, model(input_ids=short))
                 alone_long = self.main_output(auto_name, model(input_ids=long))
-            torch.testing.assert_close(batch_out[0, : short.shape[1]], alone_short[0], atol=ATOL, rtol=0)
-            torch.testing.assert_close(batch_out[1, :SEQ_LEN], alone_long[0], atol=ATOL, rtol=0)
+            torch.testing.assert_close(batch_out[0, : short.shape[1]], alone_short[0], atol=self.atol, rtol=0)
+            torch.testing.assert_close(batch_out[1, :SEQ_LEN], alone_long[0], atol=self.atol, rtol=0)
 
     def test_batch_invariance(self):
         """An example's output does not depend on its batch-mates."""
@@ -226,8 +300,8 @@ class TextModelConformance:
                 both = self.main_output(auto_name, model(**inputs))
                 first = self.main_output(auto_name, model(**{k: v[:1] for k, v in inputs.items()}))
                 second = self.main_output(auto_name, model(**{k: v[1:] for k, v in inputs.items()}))
-            torch.testing.assert_close(both[:1], first, atol=ATOL, rtol=0)
-            torch.testing.assert_close(both[1:], second, atol=ATOL, rtol=0)
+            torch.testing.assert_close(both[:1], first, atol=self.atol, rtol=0)
+            torch.testing.assert_close(both[1:], second, atol=self.atol, rtol=0)
 
     # ----- training ----------------------------------------------------------------------------------
     def test_gradient_checkpointing_same_gradients(self):
@@ -246,36 +320,134 @@ class TextModelConformance:
         plain, checkpointed = grads(False), grads(True)
         assert plain.keys() == checkpointed.keys() and plain
         for name in plain:
-            torch.testing.assert_close(plain[name], checkpointed[name], atol=1e-6, rtol=1e-5, msg=name)
+            torch.testing.assert_close(plain[name], checkpointed[name], atol=self.atol / 10, rtol=1e-5, msg=name)
 
     def test_trainer_step(self, tmp_path):
         head = self.heads["AutoModelForSequenceClassification"]
         torch.manual_seed(0)
         model = head(self.make_config())
-        ids = _ids(8, SEQ_LEN, seed=7)
+        ids = _ids(8, SEQ_LEN, seed=7)  # Trainer moves the model and the batches to the device
         rows = [{"input_ids": ids[i], "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": i % NUM_LABELS} for i in range(8)]
         before = copy.deepcopy(model.state_dict())
         args = TrainingArguments(
             output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
-            use_cpu=True, report_to="none", save_strategy="no", eval_strategy="no", disable_tqdm=True,
+            use_cpu=self.device.type == "cpu", report_to="none", save_strategy="no", eval_strategy="no",
+            disable_tqdm=True,
         )  # fmt: skip
         result = Trainer(model=model, args=args, train_dataset=rows).train()
         assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
-        changed = [n for n, p in model.state_dict().items() if not torch.equal(p, before[n])]
+        changed = [n for n, p in model.state_dict().items() if not torch.equal(p.cpu(), before[n].cpu())]
         assert any("classifier" in n for n in changed) and any(self.first_layer_key in n for n in changed)
+
+    # ----- mixed precision, half-precision weights ----------------------------------------------------
+    def _scored_output(self, auto_name: str, out) -> torch.Tensor:
+        """The loss (heads) or a scalar of the hidden states (base model), in float32, to differentiate."""
+        return out.loss.float() if auto_name != "AutoModel" else self.main_output(auto_name, out).float().pow(2).mean()
+
+    @pytest.mark.parametrize("dtype", HALF_DTYPES)
+    def test_autocast_training_step(self, dtype):
+        """Every head trains under autocast with dropout on: finite loss and gradients (float16 with a scaled loss,
+        as GradScaler does), dropout really on, and eval outputs under autocast close to float32."""
+        tolerance = MIXED_PRECISION_TOLERANCE[dtype]
+        scale = FP16_LOSS_SCALE if dtype is torch.float16 else 1.0
+        for auto_name in self.heads:
+            model = self.make_model(auto_name, **self.dropout_config).train()
+            inputs = self.inputs_for(auto_name)
+            with torch.autocast(self.device.type, dtype=dtype):
+                out = model(**inputs)
+                again = model(**inputs)
+            loss = self._scored_output(auto_name, out)
+            assert torch.isfinite(loss), auto_name
+            assert not torch.equal(self.main_output(auto_name, out), self.main_output(auto_name, again)), (
+                f"{auto_name}: two training-mode forwards agree; dropout_config does not turn dropout on"
+            )
+            (loss * scale).backward()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            assert grads and any(g.abs().sum() > 0 for g in grads.values()), auto_name
+            bad = [n for n, g in grads.items() if not torch.isfinite(g).all()]
+            assert not bad, f"{auto_name}: non-finite gradients in {bad[:5]}"
+            model.eval()
+            with torch.no_grad():
+                ref = self.main_output(auto_name, model(**inputs))
+                with torch.autocast(self.device.type, dtype=dtype):
+                    low = self.main_output(auto_name, model(**inputs))
+            assert torch.isfinite(low).all(), auto_name
+            assert deviation(low, ref) <= tolerance, f"{auto_name}: {deviation(low, ref):.2e} from float32"
+
+    @pytest.mark.parametrize("dtype", HALF_DTYPES)
+    def test_half_precision_weights(self, dtype):
+        """``model.to(bfloat16 / float16)`` evaluates finitely, close to float32, with outputs in that dtype."""
+        tolerance = MIXED_PRECISION_TOLERANCE[dtype]
+        for auto_name in self.heads:
+            model = self.make_model(auto_name)
+            inputs = self.inputs_for(auto_name)
+            with torch.no_grad():
+                ref = self.main_output(auto_name, model(**inputs))
+                low = self.main_output(auto_name, model.to(dtype)(**inputs))
+            assert low.dtype == dtype or auto_name != "AutoModel", (auto_name, low.dtype)
+            assert torch.isfinite(low).all(), auto_name
+            assert deviation(low, ref) <= 2 * tolerance, f"{auto_name}: {deviation(low, ref):.2e} from float32"
+
+    # ----- device synchronisation and fused kernels ---------------------------------------------------
+    def test_host_syncs_do_not_grow_with_depth(self):
+        """Anything decided from tensor values ("is anything padded / global") is decided once per forward, not in
+        every layer: on a GPU each such read waits for the device. Eval and training mode, with and without padding."""
+        counts = {}
+        for depth in (1, 3):
+            torch.manual_seed(0)
+            model = self.heads["AutoModel"](self.make_config(**self.depth_config(depth), **self.dropout_config))
+            model = model.to(self.device)
+            ids = _ids(2, SEQ_LEN).to(self.device)
+            padded = torch.ones_like(ids)
+            padded[0, SEQ_LEN - 5 :] = 0
+            for training in (False, True):
+                model.train(training)
+                for name, mask in (("unpadded", torch.ones_like(ids)), ("padded", padded)):
+                    with torch.no_grad(), HostReadCounter() as counter:
+                        model(input_ids=ids, attention_mask=mask)
+                    counts[depth, training, name] = counter.count
+        for training in (False, True):
+            for name in ("unpadded", "padded"):
+                one, three = counts[1, training, name], counts[3, training, name]
+                assert one == three, f"training={training}, {name}: {one} host reads with 1 layer, {three} with 3"
+
+    def test_sdpa_gets_no_mask_without_padding(self, monkeypatch):
+        """Where every query sees every key and nothing is padded, SDPA is called without a mask (a mask keeps it
+        off its flash kernel); with padding it still gets one (where the architecture masks padding in SDPA)."""
+        overrides = self.full_attention_config()
+        if overrides is None:
+            pytest.skip("this architecture makes no SDPA call")
+        masks = []
+        sdpa = F.scaled_dot_product_attention
+
+        def recording_sdpa(*args, **kwargs):
+            masks.append(kwargs.get("attn_mask", args[3] if len(args) > 3 else None))
+            return sdpa(*args, **kwargs)
+
+        monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+        model = self.make_model("AutoModel", **overrides)
+        ids = _ids(2, SEQ_LEN).to(self.device)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+            assert masks and all(m is None for m in masks), [None if m is None else tuple(m.shape) for m in masks]
+            masks.clear()
+            padded = torch.ones_like(ids)
+            padded[0, SEQ_LEN - 5 :] = 0
+            model(input_ids=ids, attention_mask=padded)
+        assert any(m is not None for m in masks) == self.padding_needs_sdpa_mask
 
     # ----- bad inputs ----------------------------------------------------------------------------------
     def test_too_long_input_raises(self):
         model = self.make_model("AutoModel")
         limit = model.config.max_position_embeddings
         with pytest.raises(ValueError, match="max_position_embeddings"):
-            model(input_ids=_ids(1, limit + 1))
+            model(input_ids=_ids(1, limit + 1).to(self.device))
 
     def test_wrong_mask_shape_raises(self):
         model = self.make_model("AutoModel")
-        ids = _ids(2, SEQ_LEN)
+        ids = _ids(2, SEQ_LEN).to(self.device)
         with pytest.raises(ValueError, match="attention_mask"):
-            model(input_ids=ids, attention_mask=torch.ones(2, SEQ_LEN - 1))
+            model(input_ids=ids, attention_mask=torch.ones(2, SEQ_LEN - 1, device=self.device))
         with pytest.raises(ValueError, match="input_ids"):
             model(input_ids=ids[0])
         with pytest.raises(ValueError, match="exactly one"):
@@ -286,7 +458,7 @@ class TextModelConformance:
     def test_degenerate_ids_raise(self):
         """Negative or float ids, empty sequences and empty batches get a ValueError that names the fix."""
         model = self.make_model("AutoModel")
-        ids = _ids(2, SEQ_LEN)
+        ids = _ids(2, SEQ_LEN).to(self.device)
         negative = ids.clone()
         negative[1, 3] = -100
         with pytest.raises(ValueError, match="negative id -100"):
@@ -307,7 +479,7 @@ class TextModelConformance:
             model = self.make_model(auto_name)
             inputs = self.inputs_for(auto_name)
             if auto_name == "AutoModelForQuestionAnswering":  # answers outside the input are ignored
-                inputs["start_positions"] = inputs["end_positions"] = torch.full((2,), SEQ_LEN + 3)
+                inputs["start_positions"] = inputs["end_positions"] = torch.full((2,), SEQ_LEN + 3, device=self.device)
             else:
                 inputs["labels"] = torch.full_like(inputs["labels"], -100)
             out = model(**inputs)
@@ -324,7 +496,7 @@ class TextModelConformance:
             pytest.skip("no multiple choice head")
         model = self.make_model("AutoModelForMultipleChoice")
         with pytest.raises(ValueError, match="num_choices"):
-            model(input_ids=_ids(2, SEQ_LEN))
+            model(input_ids=_ids(2, SEQ_LEN).to(self.device))
 
     def test_invalid_config_values_raise(self):
         assert self.bad_configs, "list at least one invalid config value"

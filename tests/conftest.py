@@ -12,6 +12,37 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="torch device for the conformance suites and the parity tests that take the `device` fixture "
+        "(cpu, cuda, cuda:1, ...); CPU is the default and what CI runs",
+    )
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    """The ``--device`` of this run, checked to exist."""
+    device = torch.device(request.config.getoption("--device"))
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("--device cuda: torch.cuda.is_available() is False on this machine")
+        # Compare float32 against float32: no TF32 in matmuls or convolutions (cuDNN allows it by default).
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    elif device.type != "cpu" and not hasattr(torch, device.type):
+        raise pytest.UsageError(f"--device {device}: torch has no {device.type} backend")
+    return device
+
+
+@pytest.fixture(scope="session")
+def device_atol(device) -> float:
+    """Absolute tolerance of float32 comparisons on ``device``: 1e-5 on the CPU; accelerators reorder reductions and
+    pick other kernels (flash / memory-efficient attention), so 1e-4 there."""
+    return 1e-5 if device.type == "cpu" else 1e-4
+
+
 @pytest.fixture(scope="module")
 def longformer_dir(tmp_path_factory):
     """A tiny hfx-longformer base model (128 tokens, window 8, no dropout) and its byte-level BPE tokenizer: the model

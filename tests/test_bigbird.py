@@ -44,6 +44,18 @@ class TestBigBirdConformance(TextModelConformance):
         (dict(pad_token_id=500), "pad_token_id"),
     ]
 
+    def full_attention_config(self):
+        return {"block_size": 8}  # 3 blocks <= r + 4: the pattern covers every key
+
+
+class TestBigBirdOriginalFullConformance(TestBigBirdConformance):
+    """The same suite with ``attention_type="original_full"`` (plain softmax attention, with attention dropout)."""
+
+    base_config = {**TestBigBirdConformance.base_config, "attention_type": "original_full"}
+
+    def full_attention_config(self):
+        return {}
+
 
 TINY = dict(
     vocab_size=120,

@@ -137,3 +137,71 @@ def test_dropout_mask_rate_and_seeding(p):
         assert abs(pairs.mean().item() - p * p) < 5 * (p * p * (1 - p * p) / (n // 2)) ** 0.5
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         dropout_mask((3,), 1.5)
+
+
+# ----- per-device kernels and precision ------------------------------------------------------------------------------
+
+
+def test_dropout_attention_under_autocast_computes_in_the_autocast_dtype():
+    """Under CPU autocast the kernel takes the dtype SDPA would (bf16), also for inputs of mixed dtypes (a float32
+    key next to bfloat16 queries raised "Expected out tensor to have dtype float" from its `bmm(out=...)`), and its
+    gradients come back in each input's own dtype."""
+    from hf_xformers.attention.kernels import attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 7, 8, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 3, 9, 8, requires_grad=True) for _ in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention(q, k, v, None, 0.25)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and k.grad.dtype == torch.float32
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    # The numbers: with a single allowed key, every output is that key's value, dropped (0) or scaled by 1 / (1 - p).
+    allowed = torch.zeros(1, 1, 7, 9, dtype=torch.bool)
+    allowed[..., 0] = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        single = attention(q.detach(), k.detach(), v.detach(), allowed, 0.5)
+    value = v.detach()[:, :, :1].to(torch.bfloat16).expand_as(single)
+    assert torch.all((single == 0) | torch.isclose(single.float(), 2 * value.float(), rtol=1e-2, atol=1e-2))
+
+
+def test_off_cpu_attention_and_dropout_take_the_fused_torch_ops(monkeypatch):
+    """On any device but the CPU, attention with dropout is SDPA (its fused kernels) and hidden dropout is F.dropout;
+    the hand-written CPU kernels never run there. Tensors on the `meta` device stand in for an accelerator's."""
+    import torch.nn.functional as F
+
+    from hf_xformers.attention.kernels import attention
+    from hf_xformers.layers.fast_dropout import fast_dropout
+
+    calls = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **kw: calls.append(("sdpa", kw)) or q)
+    monkeypatch.setattr(F, "dropout", lambda x, *a, **kw: calls.append(("dropout", a)) or x)
+    q = torch.empty(2, 3, 7, 8, device="meta")
+    attention(q, q, q, None, 0.1)
+    fast_dropout(torch.empty(4, 5, device="meta"), 0.1, training=True)
+    assert [name for name, _ in calls] == ["sdpa", "dropout"]
+    assert calls[0][1]["dropout_p"] == 0.1
+    calls.clear()
+    attention(torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8), None, 0.1)
+    fast_dropout(torch.randn(4, 5), 0.1, training=True)
+    assert calls == []  # the CPU keeps our kernels
+
+
+def test_mask_value_fits_every_dtype():
+    from hf_xformers.layers.precision import mask_value
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        scores = torch.zeros(3, dtype=dtype).masked_fill(torch.tensor([True, False, False]), mask_value(dtype))
+        probs = torch.softmax(scores.float(), -1)
+        assert torch.isfinite(scores).all() and probs[0] == 0 and torch.allclose(probs[1:], torch.tensor(0.5))
+
+
+def test_unpadded_to_none():
+    from hf_xformers.layers.input_checks import unpadded_to_none
+
+    full = torch.ones(2, 5, dtype=torch.bool)
+    assert unpadded_to_none(full) is None and unpadded_to_none(None) is None
+    padded = full.clone()
+    padded[0, -1] = False
+    assert unpadded_to_none(padded) is padded

@@ -39,6 +39,10 @@ class TestLinformerConformance(TextModelConformance):
         (dict(linformer_sharing="per-layer"), "linformer_sharing"),
         (dict(max_position_embeddings=2), "max_position_embeddings"),
     ]
+    padding_needs_sdpa_mask = False  # padding is zeroed before the projection along the sequence
+
+    def full_attention_config(self):
+        return {}  # every projected position draws on the input: nothing to mask
 
 
 class TestLinformerLayerwiseConformance(TestLinformerConformance):

@@ -16,7 +16,7 @@ from hf_xformers import (
     HfxLongformerModel,
 )
 
-from .conformance import TextModelConformance
+from .conformance import SEQ_LEN, TextModelConformance
 
 
 class TestLongformerConformance(TextModelConformance):
@@ -36,6 +36,12 @@ class TestLongformerConformance(TextModelConformance):
         (dict(attention_window=0), "positive even"),
         (dict(max_position_embeddings=2), "max_position_embeddings"),
     ]
+
+    def depth_config(self, num_layers):
+        return {"num_hidden_layers": num_layers, "attention_window": 4}
+
+    def full_attention_config(self):
+        return {"attention_window": 2 * SEQ_LEN}  # every window covers the whole input
 
 
 TINY = dict(

@@ -148,8 +148,8 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         return torch.arange(self.num_random_blocks, device=last_block.device) < count[..., None]
 
     def _drawn_blocks(self, last_block: torch.Tensor, num_blocks) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fresh random blocks from torch's global RNG for every example at once (traced training graphs): the
-        distribution of :meth:`random_blocks` (unseeded), not its stream of numbers."""
+        """Fresh random blocks from the global RNG of ``last_block``'s device for every example at once (training):
+        the distribution of :meth:`random_blocks` (unseeded), not its stream of numbers."""
         batch, r, device = last_block.shape[0], self.num_random_blocks, last_block.device
         i = torch.arange(num_blocks, device=device)[None, :, None]
         j = torch.arange(num_blocks, device=device)[None, None, :]
@@ -177,21 +177,23 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         last_block = torch.where(key_mask, positions, -1).amax(-1) // b
         key_mask = F.pad(key_mask, (0, num_blocks * b - length), value=False)
         seeded = not self.training or self.fixed_random_blocks
-        if r and seeded and (is_tracing() or num_blocks <= self.max_blocks):
+        if r and seeded and not is_tracing() and num_blocks > self.max_blocks:
+            raise ValueError(
+                f"{length} tokens make {num_blocks} blocks of {b}, but the seeded random-block table covers "
+                f"{self.max_blocks} (config.max_position_embeddings={self.max_blocks * b} tokens at most); raise "
+                "max_position_embeddings or truncate the input."
+            )
+        if r and seeded:
             # Row `last + 1` of the table is each example's pattern; its block rows past `num_blocks` are zeros.
             random = self.random_block_table.to(device).long()[last_block]  # (batch, heads, max_blocks, r)
             random = cut_to_length(random, 2, num_blocks)
             return BlockPlan(key_mask, last_block, random, self._valid_slots(last_block, num_blocks))
-        if r and is_tracing():
+        if r:
+            # Training: fresh blocks for every example at once, drawn on the input's device (nothing read back to the
+            # host, which on a GPU would synchronise every layer of every step).
             return BlockPlan(key_mask, last_block, *self._drawn_blocks(last_block, num_blocks))
-        random = torch.zeros(batch, self.num_heads, num_blocks, r, dtype=torch.long, device=device)
-        random_valid = torch.zeros(batch, num_blocks, r, dtype=torch.bool, device=device)
-        for count in sorted(set((last_block + 1).tolist())):
-            chosen, valid = self.random_blocks(count)
-            rows = last_block + 1 == count
-            random[rows, :, :count] = chosen.to(device)
-            random_valid[rows, :count] = valid.to(device)
-        return BlockPlan(key_mask, last_block, random, random_valid)
+        random = torch.zeros(batch, self.num_heads, num_blocks, 0, dtype=torch.long, device=device)
+        return BlockPlan(key_mask, last_block, random, torch.zeros(batch, num_blocks, 0, dtype=torch.bool, device=device))
 
     # ----- forward ----------------------------------------------------------------------------------------
     def forward(
@@ -205,20 +207,25 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         if self.attention_type == "original_full":
             return super().forward(hidden_states, attention_mask, None, output_attentions)
         batch, length, _ = hidden_states.shape
-        if attention_mask is None:
-            attention_mask = torch.ones(batch, length, dtype=torch.bool, device=hidden_states.device)
         if not output_attentions and not is_tracing() and ceil_div(length, self.block_size) <= self.num_random_blocks + 4:
             # Every example's last block is <= r + 3, so the pattern covers every key (module docstring): the result
-            # is full attention, computed at full-attention speed by one SDPA call instead of the blocked path.
+            # is full attention, computed at full-attention speed by one SDPA call instead of the blocked path (with
+            # no mask at all when nothing is padded).
             context = self.attend(hidden_states, attention_mask, False, 0.0).context
+            if attention_mask is None:
+                return AttentionOutput(context)
             return AttentionOutput(context.masked_fill(~attention_mask[..., None], 0.0))
+        # None means no padding (decided once per forward by the model); the plan needs the mask as a tensor.
+        padded = attention_mask is not None
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, length, dtype=torch.bool, device=hidden_states.device)
         plan = self.plan(attention_mask)
         if output_attentions:
             context, probs = self.dense_reference(hidden_states, attention_mask, plan, output_attentions=True)
             return AttentionOutput(context, probs)
         if not is_tracing() and self.dense_is_cheaper(ceil_div(length, self.block_size)):
-            return AttentionOutput(self._dense_pattern(hidden_states, attention_mask, plan))
-        return AttentionOutput(self._block_sparse(hidden_states, attention_mask, plan))
+            return AttentionOutput(self._dense_pattern(hidden_states, attention_mask, plan, padded))
+        return AttentionOutput(self._block_sparse(hidden_states, attention_mask, plan, padded))
 
     def dense_is_cheaper(self, num_blocks: int) -> bool:
         """Whether full attention under the pattern mask computes no more block products than the blocked path.
@@ -236,13 +243,15 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
             hidden_states = F.pad(hidden_states, (0, 0, 0, padded_length - hidden_states.shape[1]))
         return tuple(split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
 
-    def _dense_pattern(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
+    def _dense_pattern(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan, padded: bool
+    ) -> torch.Tensor:
         """Short inputs: one fused SDPA call over all keys with :meth:`pattern_mask` as an additive mask. Without
-        padding every example has the same pattern (the same last block, hence the same random rows), so one
-        ``(1, heads, L, L)`` mask is broadcast over the batch; otherwise each example gets its own."""
+        padding (``padded`` False) every example has the same pattern (the same last block, hence the same random
+        rows), so one ``(1, heads, L, L)`` mask is broadcast over the batch; otherwise each example gets its own."""
         length = hidden_states.shape[1]
         q, k, v = self._project(hidden_states, length)
-        unpadded = bool(attention_mask.all())
+        unpadded = not padded
         if unpadded:
             plan = BlockPlan(*(t[:1] for t in plan))
         allowed = self.pattern_mask(plan, length)
@@ -250,7 +259,9 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         context = merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
         return context if unpadded else context.masked_fill(~attention_mask[..., None], 0.0)
 
-    def _block_sparse(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
+    def _block_sparse(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan, padded: bool = True
+    ) -> torch.Tensor:
         """The fast path. Shapes inside: ``nb`` blocks of ``b`` tokens, ``m = nb - 2`` middle query blocks and ``s = 5 +
         r`` key blocks per query block. Block 0 is global in every example, and block ``nb - 1`` is either an
         example's global last block or pure padding, so only blocks ``1 .. nb - 2`` can need the sparse pattern.
@@ -265,12 +276,12 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
 
         # Global query blocks 0 and `last` of every example: dense attention over all real keys.
         global_q = torch.cat([qb[:, :, 0], qb[rows, :, plan.last_block]], dim=2)  # (batch, heads, 2b, dim)
-        global_out = F.scaled_dot_product_attention(
-            global_q, k, v, attn_mask=plan.key_mask[:, None, None, :]
-        )
+        traced = is_tracing()
+        # Every key is real when nothing is padded, not even to a whole block: no mask (SDPA's fastest kernels).
+        key_mask = None if not (padded or traced or nb * b != length) else plan.key_mask[:, None, None, :]
+        global_out = F.scaled_dot_product_attention(global_q, k, v, attn_mask=key_mask)
         parts = [global_out[:, :, None, :b]]  # block 0: (batch, heads, 1, b, dim)
 
-        traced = is_tracing()
         m = nb - 1 if traced else max(nb - 2, 0)
         if m > 0:
             r = self.num_random_blocks
@@ -326,7 +337,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         # Block `last` (possibly 0 again) takes its global result.
         out[rows, :, plan.last_block] = global_out[:, :, b:]
         context = merge_heads(unblock(out, length, dim=2))
-        return context.masked_fill(~attention_mask[..., None], 0.0)
+        return context.masked_fill(~attention_mask[..., None], 0.0) if padded else context
 
     # ----- the oracle -------------------------------------------------------------------------------------
     def pattern_mask(self, plan: BlockPlan, length: int) -> torch.Tensor:

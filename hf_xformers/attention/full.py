@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..layers.input_checks import is_tracing
 from .base import AttentionOutput, QKVProjection, merge_heads, split_heads
 from .kernels import attention
 
@@ -42,8 +41,10 @@ class HfxFullSelfAttention(QKVProjection):
         """Full attention with ``dropout`` on the probabilities (0 for none)."""
         q, k, v = (split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
         mask = None
-        if attention_mask is not None and (is_tracing() or not bool(attention_mask.all())):
-            # A row of pure padding would have no key at all (NaN); let it see everything, it is ignored anyway.
+        if attention_mask is not None:
+            # None means "nothing padded" (the model decides that once per forward): SDPA then gets no mask, the
+            # condition for its flash kernel. A row of pure padding would have no key at all (NaN); let it see
+            # everything, it is ignored anyway.
             mask = (attention_mask | ~attention_mask.any(-1, keepdim=True))[:, None, None, :]
         if not output_attentions:
             context = attention(q, k, v, mask, dropout)

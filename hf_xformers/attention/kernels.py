@@ -20,6 +20,13 @@ tensors kept for the backward pass (probabilities, noise, dropped probabilities:
 The distribution is ``nn.Dropout``'s (to ``2**-17`` in ``p``); the random stream is not, so training-mode outputs
 differ from a run with SDPA's dropout (eval mode is unaffected). Traced graphs (``torch.compile`` /
 ``torch.export``) keep SDPA.
+
+The kernel is for the CPU only. On any other device SDPA's fused kernels (flash, memory-efficient) fuse the dropout
+and never build the score matrix, which no hand-written per-head ``bmm`` can beat: there :func:`attention` is SDPA.
+
+Precision: scores, probabilities and products run in one compute dtype, the autocast dtype inside an autocast region
+(what SDPA would compute in) and otherwise the inputs' common dtype; the softmax itself is taken in float32 and its
+probabilities rounded to the compute dtype, as SDPA's math path does.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ class _DropoutAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, p):  # noqa: D102 (documented on `attention`)
+    def forward(ctx, q, k, v, mask, p):  # noqa: D102 (documented on `attention`; q, k, v share one dtype)
         qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))
         scores = _per_head_bmm(qh * q.shape[-1] ** -0.5, kh.transpose(-1, -2))
         if mask is not None:
@@ -61,7 +68,8 @@ class _DropoutAttention(torch.autograd.Function):
                 scores.masked_fill_(~mask, float("-inf"))
             else:
                 scores += mask
-        probs = torch.softmax(scores, dim=-1)
+        # Softmax statistics in at least float32 (half-precision scores), probabilities kept in the compute dtype.
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(scores.dtype)
         del scores
         dropped = dropout_mask(probs.shape, p, probs.device)
         out = _per_head_bmm(torch.where(dropped, 0.0, probs), vh).mul_(1.0 / (1.0 - p))
@@ -104,14 +112,22 @@ def attention(
     Returns:
         ``(batch, heads, Lq, d)`` (with dropout: a head-major buffer seen through a transpose).
 
-    Without dropout (or while tracing) this is SDPA itself (its fused kernels); with dropout the masked scores
-    are computed explicitly with a cheaper mask draw and smaller saved state (module docstring).
+    Without dropout, while tracing, or on a device other than the CPU this is SDPA itself (its fused kernels); with
+    dropout on the CPU the masked scores are computed explicitly with a cheaper mask draw and smaller saved state
+    (module docstring).
     """
-    if dropout_p == 0.0 or is_tracing():
+    if dropout_p == 0.0 or is_tracing() or q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     if mask is not None and mask.requires_grad:
         raise ValueError("attention(): the mask must not require a gradient; detach it or pass dropout_p=0.")
-    return _DropoutAttention.apply(q, k, v, mask, dropout_p)
+    if torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")
+    else:
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    # The kernel writes into preallocated buffers (`bmm(out=...)`), which autocast does not cast: it runs with autocast
+    # off on inputs already in the dtype autocast would have chosen (the backward pass sees no autocast either).
+    with torch.autocast("cpu", enabled=False):
+        return _DropoutAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), mask, dropout_p)
 
 
 __all__ = ["attention"]

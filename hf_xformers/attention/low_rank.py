@@ -91,6 +91,7 @@ class HfxLowRankSelfAttention(QKVProjection):
 
     def __init__(self, config, layer_idx: int = 0, shared_projection: HfxSequenceProjection | None = None) -> None:
         super().__init__(config.hidden_size, config.num_attention_heads)
+        self.layer_idx = layer_idx
         self.max_length = linformer_max_length(config)
         self.projected_length = config.linformer_k
         self.sharing = config.linformer_sharing
@@ -144,23 +145,25 @@ class HfxLowRankSelfAttention(QKVProjection):
         if linear.bias is not None:
             # The bias reaches a projected position once per real token it pools: the column sums of E over them.
             weights = matrix.sum(0) if padding is None else torch.matmul(padding.to(matrix.dtype), matrix)
-            out = out + weights[..., None] * linear.bias
+            # In the product's dtype: under autocast `out` is half precision, and a float32 term would promote the
+            # keys (and values) to float32 while the queries stay half.
+            out = out + (weights[..., None] * linear.bias).to(out.dtype)
         return split_heads(out, self.num_heads)
 
     def _project(self, x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
         """``(batch, L, hidden)`` -> ``(batch, heads, k, head_dim)`` through one matrix per head, ``(heads, L, k)``."""
         return torch.matmul(matrix.transpose(1, 2), split_heads(x, self.num_heads))
 
-    def _support_mask(
-        self, padding: torch.Tensor | None, key_weight: torch.Tensor, value_weight: torch.Tensor, length: int
-    ) -> torch.Tensor | None:
+    def support_mask(self, padding: torch.Tensor | None, length: int) -> torch.Tensor:
         """``(batch or 1, count, 1, k)`` bool: True where a projected position draws on some real token (its column
-        of ``E`` or of ``F`` is non-zero there); None if every position does.
+        of ``E`` or of ``F`` is non-zero there). An example without any real token would have no key at all (NaN):
+        its row is all True instead (it is ignored anyway). Reads no value back to the host.
 
         Args:
             padding: ``(batch, L)`` bool mask of real tokens, or None when there is no padding.
-            key_weight, value_weight: the full ``(count, n, k)`` ``E`` and ``F``; their first ``length`` rows are used.
+            length: ``L``; the first ``L`` rows of ``E`` and ``F`` are used.
         """
+        key_weight, value_weight = self.projections()
 
         def nonzero() -> torch.Tensor:  # (count, L, k)
             return (key_weight.detach()[:, :length] != 0) | (value_weight.detach()[:, :length] != 0)
@@ -181,10 +184,6 @@ class HfxLowRankSelfAttention(QKVProjection):
         else:
             real = padding[:, None, None, :].to(key_weight.dtype)
             support = torch.matmul(real, nonzero().to(key_weight.dtype)[None]) > 0
-        # Traced graphs always apply the mask (all True gives the same result): no branch on tensor values.
-        if not is_tracing() and bool(support.all()):
-            return None
-        # An example without any real token would have no key at all (NaN); let it see everything, it is ignored.
         return support | ~support.any(-1, keepdim=True)
 
     def forward(
@@ -193,7 +192,13 @@ class HfxLowRankSelfAttention(QKVProjection):
         attention_mask: torch.Tensor | None = None,
         global_attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
+        projection_support: tuple[torch.Tensor | None, ...] | None = None,
     ) -> AttentionOutput:
+        """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, hidden)``.
+
+        ``attention_mask`` None means no padding. ``projection_support``: every layer's :meth:`support_mask`, or None
+        where every projected position is supported, as the model works it out once per forward (None: here).
+        """
         batch, length, _ = hidden_states.shape
         if length > self.max_length:
             raise ValueError(
@@ -201,8 +206,8 @@ class HfxLowRankSelfAttention(QKVProjection):
                 "Raise config.max_position_embeddings (the projections E, F have max_position_embeddings - "
                 "pad_token_id - 1 rows) or truncate the input."
             )
-        # Padding is zeroed before the projection; traced graphs apply any mask given (no branch on its values).
-        padding = attention_mask if attention_mask is not None and (is_tracing() or not bool(attention_mask.all())) else None
+        # None means no padding (the model decides that once per forward). Padding is zeroed before the projection.
+        padding = attention_mask
         key_weight, value_weight = self.projections()
         if key_weight.shape[0] == 1:  # one E (and F) for all heads: compress the input, then apply W_k, W_v
             q = split_heads(self.query(hidden_states), self.num_heads)
@@ -220,7 +225,11 @@ class HfxLowRankSelfAttention(QKVProjection):
                 key, value = key.masked_fill(pad, 0.0), value.masked_fill(pad, 0.0)
             k = self._project(key, key_weight[:, :length])
             v = self._project(value, value_weight[:, :length])
-        mask = self._support_mask(padding, key_weight, value_weight, length)
+        if projection_support is not None:
+            mask = projection_support[self.layer_idx]
+        else:  # called on its own, not through the model: decide here (a host read in eager mode)
+            mask = self.support_mask(padding, length)
+            mask = None if not is_tracing() and bool(mask.all()) else mask
         dropout = self.dropout_p if self.training else 0.0
         if not output_attentions:
             # SDPA itself without dropout; with dropout our kernel instead of SDPA's CPU math path (kernels.py).

@@ -40,6 +40,22 @@ def _neighbourhoods(x: torch.Tensor, span: int, step: int) -> torch.Tensor:
     return x.unfold(1, span, step).movedim(-1, 2)
 
 
+def global_slots_of(is_global: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the global tokens are: ``is_global`` ``(batch, seq_len)`` bool -> ``(batch, G)`` positions (each
+    example's global positions first, in order) and ``(batch, G)`` bool validity, ``G`` = most globals of any example.
+
+    A traced graph cannot size a tensor by a value, so there ``G`` is the sequence length (every position a slot, the
+    unused ones invalid): the same result, at a cost quadratic in the length for inputs with global tokens. In eager
+    mode reading ``G`` is a device-to-host synchronisation: the model calls this once per forward for all layers.
+    """
+    counts = is_global.sum(-1)
+    num_global = is_global.shape[1] if is_tracing() else int(counts.max())
+    # A stable sort puts each example's global positions first, in order.
+    global_idx = torch.argsort((~is_global).to(torch.int8), dim=-1, stable=True)[:, :num_global]
+    global_valid = torch.arange(num_global, device=is_global.device)[None, :] < counts[:, None]
+    return global_idx, global_valid
+
+
 class HfxSlidingWindowSelfAttention(QKVProjection):
     """Sliding-window + global self-attention of one Longformer layer.
 
@@ -73,26 +89,23 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         attention_mask: torch.Tensor | None = None,
         global_attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
+        global_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> AttentionOutput:
+        """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, hidden)``.
+
+        ``attention_mask`` None means no padding, ``global_attention_mask`` None no global token. ``global_slots``
+        is :func:`global_slots_of` the global tokens, which the model computes once for all layers (None: computed here).
+        """
         batch, length, hidden = hidden_states.shape
-        if attention_mask is None:
-            attention_mask = torch.ones(batch, length, dtype=torch.bool, device=hidden_states.device)
         is_global = None
         if global_attention_mask is not None:
-            is_global = global_attention_mask & attention_mask
-            if not is_tracing() and not bool(is_global.any()):
-                is_global = None
-
-        # Global keys/values seen by every query: gathered into G slots per example (G = most globals). A traced
-        # graph cannot size a tensor by a value, so there G is the sequence length (every position a slot, the
-        # unused ones masked): the same result, at a cost quadratic in the length for inputs with global tokens.
-        global_idx = global_valid = None
-        if is_global is not None:
-            counts = is_global.sum(-1)
-            num_global = length if is_tracing() else int(counts.max())
-            # A stable sort puts each example's global positions first, in order.
-            global_idx = torch.argsort((~is_global).to(torch.int8), dim=-1, stable=True)[:, :num_global]
-            global_valid = torch.arange(num_global, device=hidden_states.device)[None, :] < counts[:, None]
+            is_global = global_attention_mask if attention_mask is None else global_attention_mask & attention_mask
+            if global_slots is None:  # called on its own, not through the model
+                if not is_tracing() and not bool(is_global.any()):
+                    is_global = None
+                else:
+                    global_slots = global_slots_of(is_global)
+        global_idx, global_valid = global_slots if is_global is not None else (None, None)
 
         # Up to one block's key span (b + 2w) the blocked computation does no less work than one dense call over
         # all keys, so short inputs take the dense call with the band as a mask: the same result at the speed
@@ -104,8 +117,9 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             context, probs = self._banded_attention(
                 hidden_states, attention_mask, is_global, global_idx, global_valid, output_attentions
             )
-        # Padding queries give zeros, as in the reference implementation.
-        context = context.masked_fill(~attention_mask[..., None], 0.0)
+        if attention_mask is not None:
+            # Padding queries give zeros, as in the reference implementation.
+            context = context.masked_fill(~attention_mask[..., None], 0.0)
 
         global_probs = None
         if is_global is not None:
@@ -131,16 +145,14 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         """
         heads, length, w = self.num_heads, hidden_states.shape[1], self.one_sided_window
         q, k, v = (split_heads(t, heads) for t in self.fused_qkv(hidden_states))
-        if length <= w + 1 and bool(attention_mask.all()):
-            mask = None  # nothing to mask: SDPA's unmasked kernel is the fastest (this path never runs traced)
-        else:
-            mask = attention_mask[:, None, None, :]
-            if length > w + 1:
-                position = torch.arange(length, device=hidden_states.device)
-                band = (position[None, :] - position[:, None]).abs() <= w
-                mask = mask & band
-                if is_global is not None:
-                    mask = mask | is_global[:, None, None, :]
+        mask = None  # nothing to mask: SDPA's unmasked kernel is the fastest (this path never runs traced)
+        if length > w + 1:
+            position = torch.arange(length, device=hidden_states.device)
+            mask = ((position[None, :] - position[:, None]).abs() <= w)[None, None]
+            if is_global is not None:
+                mask = mask | is_global[:, None, None, :]
+        if attention_mask is not None:
+            mask = attention_mask[:, None, None, :] if mask is None else mask & attention_mask[:, None, None, :]
             # A query left with no key (padding far from any real token) sees everything; its output is zeroed later.
             mask = mask | ~mask.any(-1, keepdim=True)
         dropout = self.dropout_p if self.training else 0.0
@@ -173,7 +185,8 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         # block-local query row r sits at offset c - w - r) and real, non-global local keys (global keys come
         # in through the global slots instead). Built in two broadcast adds: it is rebuilt in every layer and
         # is as large as the score matrix, so every extra pass over it shows in the timings.
-        local_key = attention_mask if is_global is None else attention_mask & ~is_global
+        real = attention_mask if attention_mask is not None else torch.ones_like(hidden_states[..., 0], dtype=torch.bool)
+        local_key = real if is_global is None else real & ~is_global
         local_key = F.pad(local_key, (w, w + nb * b - length), value=False)
         neg_inf = torch.tensor(float("-inf"), dtype=qb.dtype, device=qb.device)
         key_bias = torch.where(_neighbourhoods(local_key, span, b), 0.0, neg_inf).reshape(batch * nb, 1, 1, span)
@@ -181,8 +194,8 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         bias = key_bias + torch.where(offset.abs() <= w, 0.0, neg_inf)
         # A padding query can be left with no key at all (NaN); let it see its whole neighbourhood instead,
         # its output is zeroed later.
-        query_pad = ~F.pad(attention_mask, (0, nb * b - length), value=False).view(batch * nb, 1, b, 1)
-        if is_tracing() or bool(query_pad.any()):
+        query_pad = ~F.pad(real, (0, nb * b - length), value=False).view(batch * nb, 1, b, 1)
+        if attention_mask is not None or is_tracing() or nb * b != length:
             bias.masked_fill_(query_pad, 0.0)
 
         num_global = 0
@@ -238,13 +251,17 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         q = split_heads(self.query_global(picked), self.num_heads)
         k = split_heads(self.key_global(hidden_states), self.num_heads)
         v = split_heads(self.value_global(hidden_states), self.num_heads)
-        # Empty slots (examples with fewer globals) may look at everything; their output is dropped.
-        mask = (attention_mask[:, None, :] | ~global_valid[:, :, None])[:, None]
+        mask = None  # no padding: every slot sees every key
+        if attention_mask is not None:
+            # Empty slots (examples with fewer globals) may look at everything; their output is dropped.
+            mask = (attention_mask[:, None, :] | ~global_valid[:, :, None])[:, None]
         dropout = self.dropout_p if self.training else 0.0
         if not output_attentions:
             return merge_heads(attention(q, k, v, mask, dropout)), None
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         probs = probs.masked_fill(~global_valid[:, None, :, None], 0.0)
         out = torch.matmul(F.dropout(probs, dropout, self.training), v)
         return merge_heads(out), probs

@@ -48,8 +48,10 @@ class HfxAttentionBlock(nn.Module):
         self.self = attention
         self.output = HfxDenseResidual(config.hidden_size, config)
 
-    def forward(self, hidden_states, attention_mask=None, global_attention_mask=None, output_attentions=False):
-        out = self.self(hidden_states, attention_mask, global_attention_mask, output_attentions)
+    def forward(
+        self, hidden_states, attention_mask=None, global_attention_mask=None, output_attentions=False, **attention_kwargs
+    ):
+        out = self.self(hidden_states, attention_mask, global_attention_mask, output_attentions, **attention_kwargs)
         return self.output(out.context, hidden_states), out
 
 
@@ -96,9 +98,16 @@ class HfxEncoderLayer(GradientCheckpointingLayer):
         self.intermediate = HfxIntermediate(config)
         self.output = HfxDenseResidual(config.intermediate_size, config)
 
-    def forward(self, hidden_states, attention_mask=None, global_attention_mask=None, output_attentions=False):
-        """``hidden_states`` ``(batch, seq_len, hidden)`` -> (same shape, :class:`AttentionOutput`)."""
-        attended, attention_out = self.attention(hidden_states, attention_mask, global_attention_mask, output_attentions)
+    def forward(
+        self, hidden_states, attention_mask=None, global_attention_mask=None, output_attentions=False, **attention_kwargs
+    ):
+        """``hidden_states`` ``(batch, seq_len, hidden)`` -> (same shape, :class:`AttentionOutput`).
+
+        ``attention_kwargs`` go to the attention variant (what its model prepared once per forward, see
+        ``HfxTextModel.prepare_attention_inputs``)."""
+        attended, attention_out = self.attention(
+            hidden_states, attention_mask, global_attention_mask, output_attentions, **attention_kwargs
+        )
         return self.output(self.intermediate(attended), attended), attention_out
 
 
@@ -118,12 +127,17 @@ class HfxEncoder(nn.Module):
         global_attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        attention_kwargs: dict | None = None,
     ) -> HfxModelOutput:
+        """``attention_kwargs``: extra keyword arguments for every layer's attention (None: none)."""
+        attention_kwargs = attention_kwargs or {}
         all_hidden = (hidden_states,) if output_hidden_states else None
         all_attn = () if output_attentions else None
         all_global = () if output_attentions else None
         for layer in self.layer:
-            hidden_states, attn = layer(hidden_states, attention_mask, global_attention_mask, output_attentions)
+            hidden_states, attn = layer(
+                hidden_states, attention_mask, global_attention_mask, output_attentions, **attention_kwargs
+            )
             if output_hidden_states:
                 all_hidden += (hidden_states,)
             if output_attentions:

@@ -9,7 +9,8 @@ does not get faster with more threads), and autograd keeps a 1-byte mask. An ele
 dropout rate measured on any tensor a model sees.
 
 The random stream differs from ``nn.Dropout``'s, so training-mode outputs differ from a model that uses it (eval is
-unaffected). While ``torch.compile`` / ``torch.export`` trace, ``F.dropout`` is used (one op a tracer knows).
+unaffected). While ``torch.compile`` / ``torch.export`` trace, ``F.dropout`` is used (one op a tracer knows), and so
+it is on every device other than the CPU: there ``F.dropout`` is one fused pass and the mask trick buys nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def fast_dropout(x: torch.Tensor, p: float, training: bool, inplace: bool = Fals
     """
     if not training or p == 0.0:
         return x
-    if is_tracing():
+    if is_tracing() or x.device.type != "cpu":
         return F.dropout(x, p, True, inplace)
     if p >= 1.0:
         return x.mul(0.0) if not inplace else x.zero_()

@@ -14,6 +14,18 @@ def is_tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+def unpadded_to_none(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """``mask`` ``(batch, seq_len)`` bool (True = real token), or None when nothing is padded.
+
+    Models call this once per forward, so that their layers can read ``attention_mask is None`` as "no padding"
+    instead of checking every layer (each ``bool(mask.all())`` is a device-to-host synchronisation on a GPU). While
+    tracing the mask is kept as it is (no branch on its values): layers then apply it, with the same result.
+    """
+    if mask is None or is_tracing():
+        return mask
+    return None if bool(mask.all()) else mask
+
+
 def check_token_ids(
     ids: torch.Tensor | None, vocab_size: int, name: str = "input_ids", hint: str = "use the tokenizer that belongs to "
     "this checkpoint"
@@ -71,4 +83,4 @@ def check_type_ids(token_type_ids: torch.Tensor | None, type_vocab_size: int, sh
         )
 
 
-__all__ = ["check_not_empty", "check_token_ids", "check_type_ids", "is_tracing"]
+__all__ = ["check_not_empty", "check_token_ids", "check_type_ids", "is_tracing", "unpadded_to_none"]

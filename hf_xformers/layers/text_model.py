@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from .embeddings import HfxTextEmbeddings
 from .encoder import HfxEncoder, HfxModelOutput, HfxPooler
 from .heads import HfxLMHead
-from .input_checks import check_not_empty, check_token_ids, check_type_ids
+from .input_checks import check_not_empty, check_token_ids, check_type_ids, is_tracing, unpadded_to_none
 
 
 class HfxPreTrainedModel(PreTrainedModel):
@@ -73,6 +73,30 @@ class HfxTextModel:
         module on the base model here and bind it to the attention class with ``functools.partial``.
         """
         return self.attention_class
+
+    def prepare_attention_inputs(
+        self, attention_mask: torch.Tensor | None, global_attention_mask: torch.Tensor | None, length: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+        """What every layer's attention gets, decided once per forward instead of once per layer.
+
+        On a GPU every "is anything padded / global" test of a tensor is a device-to-host synchronisation; made here,
+        each costs one per forward. In eager mode an all-True ``attention_mask`` becomes None (no padding) and a
+        ``global_attention_mask`` without a global token becomes None; traced graphs keep both as given (no branch on
+        values), and padding is never global. Architectures add what their layers would otherwise each work out from the masks (returned as the
+        dict of keyword arguments passed to every layer's attention).
+
+        Args:
+            attention_mask, global_attention_mask: ``(batch, seq_len)`` bool, or None.
+            length: ``seq_len``.
+        Returns:
+            ``(attention_mask, global_attention_mask, attention_kwargs)``.
+        """
+        if global_attention_mask is not None and attention_mask is not None:
+            global_attention_mask = global_attention_mask & attention_mask  # padding is never global
+        attention_mask = unpadded_to_none(attention_mask)
+        if global_attention_mask is not None and not is_tracing() and not bool(global_attention_mask.any()):
+            global_attention_mask = None
+        return attention_mask, global_attention_mask, {}
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
@@ -144,7 +168,12 @@ class HfxTextModel:
             attention_mask = attention_mask.bool()
         if global_attention_mask is not None:
             global_attention_mask = global_attention_mask.bool()
-        out = self.encoder(hidden, attention_mask, global_attention_mask, output_attentions, output_hidden_states)
+        attention_mask, global_attention_mask, attention_kwargs = self.prepare_attention_inputs(
+            attention_mask, global_attention_mask, hidden.shape[1]
+        )
+        out = self.encoder(
+            hidden, attention_mask, global_attention_mask, output_attentions, output_hidden_states, attention_kwargs
+        )
         out = HfxModelOutput(
             last_hidden_state=out.last_hidden_state,
             pooler_output=self.pooler(out.last_hidden_state) if self.pooler is not None else None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from transformers import initialization as init
 
@@ -21,6 +22,7 @@ from ...layers.heads import (
     HfxSequenceClassificationHeadMixin,
     HfxTokenClassificationHeadMixin,
 )
+from ...layers.input_checks import is_tracing
 from ...layers.text_model import HfxPreTrainedModel, HfxTextModel
 from .configuration_linformer import HfxLinformerConfig
 
@@ -44,6 +46,20 @@ class HfxLinformerModel(HfxTextModel, HfxLinformerPreTrainedModel):
     """
 
     attention_class = HfxLowRankSelfAttention
+
+    def prepare_attention_inputs(self, attention_mask, global_attention_mask, length):
+        """As :meth:`HfxTextModel.prepare_attention_inputs`, plus each layer's mask of supported projected positions
+        (``projection_support``, None for a layer where all are): deciding whether a layer needs one reads a value
+        back to the host, so it is done here for all layers at once."""
+        attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
+            attention_mask, global_attention_mask, length
+        )
+        supports = [layer.attention.self.support_mask(attention_mask, length) for layer in self.encoder.layer]
+        if not is_tracing():
+            complete = torch.stack([s.all() for s in supports]).tolist()  # one host read for every layer
+            supports = [None if full else s for s, full in zip(supports, complete)]
+        kwargs["projection_support"] = tuple(supports)
+        return attention_mask, global_attention_mask, kwargs
 
     def attention_factory(self, config) -> Callable[..., nn.Module]:
         if config.linformer_sharing != "layerwise":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ...attention.sliding_window import HfxSlidingWindowSelfAttention
+from ...attention.sliding_window import HfxSlidingWindowSelfAttention, global_slots_of
 from ...layers.heads import (
     HfxMaskedLMHeadMixin,
     HfxMultipleChoiceHeadMixin,
@@ -63,6 +63,16 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
     """
 
     attention_class = HfxSlidingWindowSelfAttention
+
+    def prepare_attention_inputs(self, attention_mask, global_attention_mask, length):
+        """As :meth:`HfxTextModel.prepare_attention_inputs`, plus where the global tokens are (``global_slots``): the
+        same for every layer, and finding out how many there are is a device-to-host read."""
+        attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
+            attention_mask, global_attention_mask, length
+        )
+        if global_attention_mask is not None:
+            kwargs["global_slots"] = global_slots_of(global_attention_mask)
+        return attention_mask, global_attention_mask, kwargs
 
 
 class HfxLongformerForMaskedLM(HfxMaskedLMHeadMixin, HfxLongformerPreTrainedModel):

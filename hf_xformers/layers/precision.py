@@ -1,0 +1,32 @@
+"""Numerics shared by every architecture under mixed precision (autocast) and half-precision weights.
+
+* :func:`mask_value`: a "masked" logit that exists in the scores' dtype. ``-1e9`` does not fit float16 (its largest
+  magnitude is 65504): ``masked_fill`` refuses it, and a sum of such values overflows to ``-inf``.
+* :func:`float32_autocast_off`: a region where autocast is off, for the parts the papers and references compute in
+  float32 whatever the rest of the model does (random-feature maps and prefix sums, hashing, halting sums, the
+  adaptive softmax). Cast the region's inputs with ``.float()`` inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def mask_value(dtype: torch.dtype) -> float:
+    """The most negative finite value of ``dtype``: a logit that softmax turns into an exact 0 next to any real one,
+    and that (unlike ``-inf``) keeps a fully masked row finite."""
+    return torch.finfo(dtype).min
+
+
+def float32_autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """``torch.autocast(device_type, enabled=False)``: ops inside run in their inputs' dtype (cast them to float32).
+
+    Args:
+        device_type: ``tensor.device.type`` of the inputs (``"cpu"``, ``"cuda"``, ...).
+    """
+    return torch.autocast(device_type, enabled=False)
+
+
+__all__ = ["float32_autocast_off", "mask_value"]
