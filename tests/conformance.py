@@ -82,6 +82,23 @@ class HostReadCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class DefaultDeviceRecorder(TorchDispatchMode):
+    """Use inside ``with torch.device("meta")`` around a forward on real tensors: a tensor that some op makes on the
+    *default* device (a factory call without ``device=``, which on a GPU run would be a CPU tensor) comes out on
+    ``meta``; the names of the ops that made one are collected in ``.ops``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in results):
+            self.ops.append(str(func))
+        return out
+
+
 def deviation(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``max |out - ref|`` over the scale of ``ref`` (its largest magnitude, at least 1): a relative error that does
     not blow up on outputs near zero (small logits)."""
@@ -410,6 +427,23 @@ class TextModelConformance:
             for name in ("unpadded", "padded"):
                 one, three = counts[1, training, name], counts[3, training, name]
                 assert one == three, f"training={training}, {name}: {one} host reads with 1 layer, {three} with 3"
+
+    def test_forward_creates_no_tensor_on_the_default_device(self):
+        """Every tensor a forward makes is made on its inputs' device: with the default device set to `meta`, a
+        factory call without ``device=`` would show up as a meta tensor (on a GPU run: a CPU tensor, an error or a
+        copy). Every head, eval and training mode (dropout on), padded input."""
+        for auto_name in self.heads:
+            model = self.make_model(auto_name, **self.dropout_config)
+            inputs = self.inputs_for(auto_name)
+            mask = inputs["attention_mask"].clone()
+            mask[..., SEQ_LEN - 3 :] = 0
+            inputs["attention_mask"] = mask
+            for training in (False, True):
+                model.train(training)
+                with torch.device("meta"), DefaultDeviceRecorder() as recorder:
+                    out = model(**inputs)
+                    loss = self._scored_output(auto_name, out)
+                assert not loss.is_meta and not recorder.ops, (auto_name, training, recorder.ops[:5])
 
     def test_sdpa_gets_no_mask_without_padding(self, monkeypatch):
         """Where every query sees every key and nothing is padded, SDPA is called without a mask (a mask keeps it
