@@ -97,35 +97,36 @@ def mlm_pair(request):
 
 
 @pytest.mark.parametrize("use_globals", [False, True])
-def test_masked_lm_matches_transformers(mlm_pair, use_globals):
-    ref, ours = mlm_pair
+def test_masked_lm_matches_transformers(mlm_pair, use_globals, device, device_atol):
+    ref, ours = (model.to(device) for model in mlm_pair)
     ids, mask, glob = padded_batch_with_globals(length=53 if ours.config.attention_window[0] < 100 else 301)
-    glob = glob if use_globals else None
+    ids, mask, glob = ids.to(device), mask.to(device), glob.to(device) if use_globals else None
     with torch.no_grad():
         expected = ref(ids, attention_mask=mask, global_attention_mask=glob).logits
         got = ours(ids, attention_mask=mask, global_attention_mask=glob).logits
-    assert (expected - got).abs().max() <= 1e-5
+    assert (expected - got).abs().max() <= device_atol
 
 
-def test_base_model_and_attentions_match_transformers():
+def test_base_model_and_attentions_match_transformers(device, device_atol):
     torch.manual_seed(1)
     kw = dict(TINY, attention_window=6)
     ref = LongformerModel(LongformerConfig(**kw)).eval()
     ours = HfxLongformerModel(HfxLongformerConfig(**kw)).eval()
     ours.load_state_dict(hf_to_hfx_state_dict(ref.state_dict()))
-    ids, mask, glob = padded_batch_with_globals(length=40)
+    ref, ours = ref.to(device), ours.to(device)
+    ids, mask, glob = (t.to(device) for t in padded_batch_with_globals(length=40))
     with torch.no_grad():
         a = ref(ids, attention_mask=mask, global_attention_mask=glob, output_attentions=True)
         b = ours(ids, attention_mask=mask, global_attention_mask=glob, output_attentions=True)
     real = mask.bool()
-    assert (a.last_hidden_state - b.last_hidden_state).abs()[real].max() <= 1e-5
-    assert (a.pooler_output - b.pooler_output).abs().max() <= 1e-5
+    assert (a.last_hidden_state - b.last_hidden_state).abs()[real].max() <= device_atol
+    assert (a.pooler_output - b.pooler_output).abs().max() <= device_atol
     for ra, oa, rg, og in zip(a.attentions, b.attentions, a.global_attentions, b.global_attentions):
         assert ra.shape == oa.shape  # (batch, heads, seq, globals + window + 1)
-        assert (ra - oa).abs().max() <= 1e-5
+        assert (ra - oa).abs().max() <= device_atol
         # transformers lays global attentions out as (batch, heads, padded seq, globals).
-        valid = torch.arange(og.shape[2])[None, :] < glob.sum(-1, keepdim=True)  # examples have 3, 1, 3 globals
-        assert (rg[:, :, : ids.shape[1]].transpose(-1, -2) - og).abs().permute(0, 2, 1, 3)[valid].max() <= 1e-5
+        valid = torch.arange(og.shape[2], device=device)[None, :] < glob.sum(-1, keepdim=True)  # 3, 1, 3 globals
+        assert (rg[:, :, : ids.shape[1]].transpose(-1, -2) - og).abs().permute(0, 2, 1, 3)[valid].max() <= device_atol
         assert torch.all(og.permute(0, 2, 1, 3)[~valid] == 0)
 
 
