@@ -17,6 +17,13 @@ Heads are keyed by the Auto class that must resolve to them: ``AutoModel`` (``la
 ``pooler_output``), ``AutoModelForImageClassification`` (``logits``, ``labels``),
 ``AutoModelForMaskedImageModeling`` (``reconstruction``, ``bool_masked_pos``) and ``AutoBackbone``
 (``feature_maps``). ``odd_sizes`` are input sizes that the architecture must accept although they need padding.
+
+Every test runs on the device given to pytest (``pytest --device cuda``; the CPU by default: the ``device`` fixture of
+``tests/conftest.py``), with that device's tolerance (``device_atol``). Mixed precision: every head trains under
+``torch.autocast`` in bfloat16 and float16 with dropout on (``dropout_config``), and runs with half-precision weights,
+within ``MIXED_PRECISION_TOLERANCE`` of float32. Hooks an architecture may override besides the shape hooks:
+``dropout_config`` (the config fields that turn dropout / stochastic depth on) and ``depth_config(n)`` (config
+overrides for a model ``n`` blocks deep, for the host-synchronisation count).
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ import transformers
 from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, Trainer, TrainingArguments, pipeline
 
+from .device_checks import FP16_LOSS_SCALE, HALF_DTYPES, MIXED_PRECISION_TOLERANCE, HostReadCounter, deviation
+
 IMAGE_SIZE = 32
 NUM_LABELS = 3
 ATOL = 1e-5
-
 
 def pixel_values(batch: int, height: int = IMAGE_SIZE, width: int | None = None, channels: int = 3, seed: int = 0):
     """Normalised-looking random images ``(batch, channels, height, width)``."""
@@ -58,6 +66,15 @@ class VisionModelConformance:
     bad_configs: list[tuple[dict, str]] = []
     image_size: int = IMAGE_SIZE
     odd_sizes: list[tuple[int, int]] = [(29, 45)]
+    # Config fields that turn dropout on, for the mixed-precision training step.
+    dropout_config: dict = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    device: torch.device = torch.device("cpu")
+    atol: float = ATOL
+
+    @pytest.fixture(autouse=True)
+    def _on_device(self, device, device_atol):
+        """Every test runs on the ``--device`` of the pytest run, with that device's tolerance."""
+        self.device, self.atol = device, device_atol
 
     # ----- hooks an architecture fills in ---------------------------------------------------------
     def expected_last_hidden_state_shape(self, config, batch: int, height: int, width: int) -> tuple:
@@ -73,6 +90,10 @@ class VisionModelConformance:
         """Shapes of the backbone's ``feature_maps`` (only needed with an ``AutoBackbone`` head)."""
         raise NotImplementedError
 
+    def depth_config(self, depth: int) -> dict:
+        """Config overrides for a model ``depth`` blocks deep (per stage, for hierarchical models)."""
+        return {"num_hidden_layers": depth}
+
     # ----- helpers -------------------------------------------------------------------------------
     def make_config(self, **overrides):
         return self.config_class(**{"num_labels": NUM_LABELS, **self.base_config, **overrides})
@@ -85,13 +106,17 @@ class VisionModelConformance:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.02)
-        return model
+        return model.to(self.device)
 
     def num_patches(self, config, height: int, width: int) -> int:
         patch = config.patch_size if isinstance(config.patch_size, int) else config.patch_size[0]
         return -(-height // patch) * -(-width // patch)
 
     def inputs_for(self, auto_name: str, batch: int = 2, height: int | None = None, width: int | None = None) -> dict:
+        """Inputs (and labels / masked positions) for one head, on the test's device."""
+        return {k: v.to(self.device) for k, v in self._cpu_inputs_for(auto_name, batch, height, width).items()}
+
+    def _cpu_inputs_for(self, auto_name: str, batch: int, height: int | None, width: int | None) -> dict:
         height = height or self.image_size
         width = width or height
         config = self.make_config()
@@ -185,10 +210,10 @@ class VisionModelConformance:
             assert len(out.attentions) == self.expected_num_attentions(config), auto_name
             for att in out.attentions:
                 assert torch.all(att >= 0)
-                torch.testing.assert_close(att.sum(-1), torch.ones(att.shape[:-1]), atol=1e-5, rtol=0)
+                torch.testing.assert_close(att.sum(-1), torch.ones_like(att[..., 0]), atol=self.atol, rtol=0)
             # Asking for attentions and hidden states must not change the result.
             torch.testing.assert_close(
-                self.main_output(auto_name, out), self.main_output(auto_name, plain), atol=ATOL, rtol=0
+                self.main_output(auto_name, out), self.main_output(auto_name, plain), atol=self.atol, rtol=0
             )
 
     def test_eager_and_sdpa_agree(self):
@@ -199,7 +224,7 @@ class VisionModelConformance:
                 fast = self.main_output(auto_name, model(**inputs))
                 model.set_attn_implementation("eager")
                 eager = self.main_output(auto_name, model(**inputs))
-            torch.testing.assert_close(fast, eager, atol=ATOL, rtol=0)
+            torch.testing.assert_close(fast, eager, atol=self.atol, rtol=0)
 
     def test_classification_problem_types(self):
         if "AutoModelForImageClassification" not in self.heads:
@@ -207,20 +232,19 @@ class VisionModelConformance:
         head = self.heads["AutoModelForImageClassification"]
         images = self.inputs_for("AutoModel")["pixel_values"]
         torch.manual_seed(0)
-        reg = head(self.make_config(num_labels=1))
-        out = reg(pixel_values=images, labels=torch.tensor([0.5, -1.0]))
+        reg = head(self.make_config(num_labels=1)).to(self.device)
+        targets = torch.tensor([0.5, -1.0], device=self.device)
+        out = reg(pixel_values=images, labels=targets)
         assert reg.config.problem_type == "regression" and out.logits.shape == (2, 1)
-        torch.testing.assert_close(
-            out.loss, torch.nn.functional.mse_loss(out.logits.squeeze(-1), torch.tensor([0.5, -1.0]))
-        )
-        multi = head(self.make_config())
-        labels = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+        torch.testing.assert_close(out.loss, torch.nn.functional.mse_loss(out.logits.squeeze(-1), targets))
+        multi = head(self.make_config()).to(self.device)
+        labels = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]], device=self.device)
         out = multi(pixel_values=images, labels=labels)
         assert multi.config.problem_type == "multi_label_classification"
         torch.testing.assert_close(out.loss, torch.nn.functional.binary_cross_entropy_with_logits(out.logits, labels))
-        single = head(self.make_config())
+        single = head(self.make_config()).to(self.device)
         with pytest.raises(ValueError, match="num_labels"):
-            single(pixel_values=images, labels=torch.tensor([0, NUM_LABELS]))
+            single(pixel_values=images, labels=torch.tensor([0, NUM_LABELS], device=self.device))
 
     # ----- Auto classes and serialisation ----------------------------------------------------------
     def test_auto_resolution(self, tmp_path):
@@ -250,7 +274,7 @@ class VisionModelConformance:
             # transformers 5.23's AutoBackbone.from_pretrained cannot read local folders (it asks the Hub whether
             # the path is a repo: HFValidationError, for its own SwinBackbone too); load through the class.
             loader = cls if auto_name == "AutoBackbone" else getattr(transformers, auto_name)
-            loaded = loader.from_pretrained(path).eval()
+            loaded = loader.from_pretrained(path).eval().to(self.device)
             assert type(loaded) is cls
             with torch.no_grad():
                 after = self.main_output(auto_name, loaded(**inputs))
@@ -268,7 +292,7 @@ class VisionModelConformance:
             with torch.no_grad():
                 both = self.main_output(auto_name, model(pixel_values=images))
                 alone = [self.main_output(auto_name, model(pixel_values=images[i : i + 1])) for i in range(3)]
-            torch.testing.assert_close(both, torch.cat(alone), atol=ATOL, rtol=0)
+            torch.testing.assert_close(both, torch.cat(alone), atol=self.atol, rtol=0)
 
     # ----- training ----------------------------------------------------------------------------------
     def test_gradient_checkpointing_same_gradients(self):
@@ -289,18 +313,19 @@ class VisionModelConformance:
         plain, checkpointed = grads(False), grads(True)
         assert plain.keys() == checkpointed.keys() and plain
         for name in plain:
-            torch.testing.assert_close(plain[name], checkpointed[name], atol=1e-6, rtol=1e-5, msg=name)
+            torch.testing.assert_close(plain[name], checkpointed[name], atol=self.atol / 10, rtol=1e-5, msg=name)
 
     def test_trainer_step(self, tmp_path):
         head = self.heads["AutoModelForImageClassification"]
         torch.manual_seed(0)
         model = head(self.make_config())
-        images = pixel_values(8, self.image_size, seed=7)
+        images = pixel_values(8, self.image_size, seed=7)  # Trainer moves the model and the batches to the device
         rows = [{"pixel_values": images[i], "labels": i % NUM_LABELS} for i in range(8)]
         before = copy.deepcopy(model.state_dict())
         args = TrainingArguments(
             output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
-            use_cpu=True, report_to="none", save_strategy="no", eval_strategy="no", disable_tqdm=True,
+            use_cpu=self.device.type == "cpu", report_to="none", save_strategy="no", eval_strategy="no",
+            disable_tqdm=True,
         )  # fmt: skip
         result = Trainer(model=model, args=args, train_dataset=rows).train()
         assert result.global_step == 2 and np.isfinite(result.training_loss)
@@ -313,17 +338,24 @@ class VisionModelConformance:
         model = self.make_model("AutoModel")
         channels = model.config.num_channels
         with pytest.raises(ValueError, match="num_channels"):
-            model(pixel_values=pixel_values(1, channels=channels + 1))
+            model(pixel_values=pixel_values(1, channels=channels + 1).to(self.device))
         with pytest.raises(ValueError, match="unsqueeze"):
-            model(pixel_values=pixel_values(1, channels=channels)[0])
+            model(pixel_values=pixel_values(1, channels=channels)[0].to(self.device))
         with pytest.raises(ValueError, match="pixel_values"):
             model()
         with pytest.raises(ValueError, match="floating point"):
-            model(pixel_values=torch.zeros(1, channels, self.image_size, self.image_size, dtype=torch.uint8))
+            model(
+                pixel_values=torch.zeros(
+                    1, channels, self.image_size, self.image_size, dtype=torch.uint8, device=self.device
+                )
+            )
         if "AutoModelForMaskedImageModeling" in self.heads:
             mim = self.make_model("AutoModelForMaskedImageModeling")
             with pytest.raises(ValueError, match="bool_masked_pos"):
-                mim(pixel_values=pixel_values(1), bool_masked_pos=torch.zeros(1, 3, dtype=torch.bool))
+                mim(
+                    pixel_values=pixel_values(1).to(self.device),
+                    bool_masked_pos=torch.zeros(1, 3, dtype=torch.bool, device=self.device),
+                )
 
     def test_invalid_config_values_raise(self):
         assert self.bad_configs, "list at least one invalid config value"
@@ -340,7 +372,7 @@ class VisionModelConformance:
             model = self.make_model("AutoBackbone", out_features=out_features)
             assert model.out_features == out_features
             with torch.no_grad():
-                out = model(pixel_values=pixel_values(2))
+                out = model(pixel_values=pixel_values(2).to(self.device))
             assert len(out.feature_maps) == len(out_features)
             assert [f.shape[1] for f in out.feature_maps] == model.channels
         with pytest.raises(ValueError, match="out_features"):
@@ -368,11 +400,84 @@ class VisionModelConformance:
         assert type(reloaded) is self.image_processor_class
         assert torch.equal(reloaded(images, return_tensors="pt")["pixel_values"], batch["pixel_values"])
 
-        classifier = pipeline("image-classification", model=str(tmp_path), device="cpu")
+        classifier = pipeline("image-classification", model=str(tmp_path), device=self.device)
         predictions = classifier(images[0], top_k=3)
         assert {p["label"] for p in predictions} == set(labels.values())
         with torch.no_grad():
-            probs = model(**batch).logits[0].softmax(-1)
+            probs = model(pixel_values=batch["pixel_values"].to(self.device)).logits[0].softmax(-1)
         best = max(predictions, key=lambda p: p["score"])
         assert best["label"] == labels[int(probs.argmax())]
         assert abs(best["score"] - float(probs.max())) < 1e-5
+
+    # ----- mixed precision and any device ----------------------------------------------------------------
+    def training_loss(self, auto_name: str, out) -> torch.Tensor:
+        """The head's own loss, or for heads without one (base model, backbone) the mean square of the output."""
+        loss = getattr(out, "loss", None)
+        return loss if loss is not None else self.main_output(auto_name, out).float().pow(2).mean()
+
+    @pytest.mark.parametrize("dtype", HALF_DTYPES)
+    def test_autocast_training_step(self, dtype):
+        """Every head: a training step under autocast with dropout on (fp16 with a GradScaler-style scaled loss) gives
+        a finite loss and finite gradients; in eval mode the autocast output is within tolerance of float32, with and
+        without autograd recording (architectures may take another kernel path when parameters need gradients)."""
+        scale = FP16_LOSS_SCALE if dtype == torch.float16 else 1.0
+        tolerance = MIXED_PRECISION_TOLERANCE[dtype]
+        for auto_name in self.heads:
+            model = self.make_model(auto_name, **self.dropout_config).train()
+            inputs = self.inputs_for(auto_name)
+            with torch.autocast(self.device.type, dtype=dtype):
+                loss = self.training_loss(auto_name, model(**inputs))
+            assert loss.dim() == 0 and torch.isfinite(loss), (auto_name, loss)
+            (loss * scale).backward()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            assert grads, auto_name
+            bad = [n for n, g in grads.items() if not torch.isfinite(g).all()]
+            assert not bad, f"{auto_name}: non-finite gradients in {bad[:5]}"
+            assert any(g.abs().sum() > 0 for g in grads.values()), f"{auto_name}: every gradient is zero"
+
+            model = self.make_model(auto_name)
+            inputs = {k: v for k, v in inputs.items() if k != "labels"}
+            with torch.no_grad():
+                reference = self.main_output(auto_name, model(**inputs))
+                with torch.autocast(self.device.type, dtype=dtype):
+                    no_grad = self.main_output(auto_name, model(**inputs))
+            with torch.autocast(self.device.type, dtype=dtype):
+                recorded = self.main_output(auto_name, model(**inputs)).detach()
+            for mode, out in (("no_grad", no_grad), ("grad", recorded)):
+                assert torch.isfinite(out).all(), (auto_name, mode)
+                error = deviation(out, reference)
+                assert error <= tolerance, f"{auto_name} ({mode}): deviation {error:.2e} from float32 > {tolerance}"
+
+    @pytest.mark.parametrize("dtype", HALF_DTYPES)
+    def test_half_precision_weights(self, dtype):
+        """``model.to(dtype)`` in eval mode: finite outputs within tolerance of the float32 model."""
+        for auto_name in self.heads:
+            model = self.make_model(auto_name)
+            inputs = {k: v for k, v in self.inputs_for(auto_name).items() if k != "labels"}
+            half_inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+            with torch.no_grad():
+                reference = self.main_output(auto_name, model(**inputs))
+                out = self.main_output(auto_name, model.to(dtype)(**half_inputs))
+            assert out.dtype == dtype, (auto_name, out.dtype)
+            assert torch.isfinite(out).all(), auto_name
+            error = deviation(out, reference)
+            tolerance = MIXED_PRECISION_TOLERANCE[dtype]
+            assert error <= tolerance, f"{auto_name}: deviation {error:.2e} from float32 > {tolerance}"
+
+    def test_host_syncs_do_not_grow_with_depth(self):
+        """Device-to-host reads (``bool(t)``, ``.item()``, data-dependent shapes) in one forward of every head, eval
+        and train, at a size that needs no padding and one that does: a model three blocks deep makes as many as one
+        a block deep, so none happens per block."""
+        for auto_name in self.heads:
+            for size in [(self.image_size, self.image_size), self.odd_sizes[0]]:
+                inputs = self.inputs_for(auto_name, height=size[0], width=size[1])
+                for train in (False, True):
+                    counts = []
+                    for depth in (1, 3):
+                        model = self.make_model(auto_name, **self.depth_config(depth), **self.dropout_config)
+                        model.train(train)
+                        # Training records autograd (the path a training step takes); evaluation does not.
+                        with torch.set_grad_enabled(train), HostReadCounter() as counter:
+                            model(**inputs)
+                        counts.append(counter.count)
+                    assert counts[0] == counts[1], f"{auto_name} {size} train={train}: host reads {counts} (1 vs 3)"

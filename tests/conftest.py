@@ -21,19 +21,25 @@ def pytest_addoption(parser):
     )
 
 
-@pytest.fixture(scope="session")
-def device(request) -> torch.device:
-    """The ``--device`` of this run, checked to exist."""
-    device = torch.device(request.config.getoption("--device"))
+def pytest_configure(config):
+    """Check ``--device`` once, before anything runs."""
+    device = torch.device(config.getoption("--device"))
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise pytest.UsageError("--device cuda: torch.cuda.is_available() is False on this machine")
         # Compare float32 against float32: no TF32 in matmuls or convolutions (cuDNN allows it by default).
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    elif device.type != "cpu" and not hasattr(torch, device.type):
-        raise pytest.UsageError(f"--device {device}: torch has no {device.type} backend")
-    return device
+    elif device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        if module is None or not getattr(module, "is_available", lambda: False)():
+            raise pytest.UsageError(f"--device {device}: no available {device.type} backend in this torch build")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    """The ``--device`` of this run (``cpu`` by default)."""
+    return torch.device(request.config.getoption("--device"))
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import (
     AutoImageProcessor,
     AutoModelForImageClassification,
@@ -34,7 +36,7 @@ from hf_xformers import (
 from hf_xformers.attention.shifted_window import HfxShiftedWindowSelfAttention
 from hf_xformers.models.swin.modeling_swin import stage_grids
 
-from .conformance_vision import VisionModelConformance, pixel_values, random_images
+from .conformance_vision import HostReadCounter, VisionModelConformance, pixel_values, random_images
 
 # Patch 2 on 32 px: stage 1 is 16 x 16 (shifted windows of 4), stage 2 is 8 x 8 (still shifted).
 TINY = dict(
@@ -60,6 +62,7 @@ class TestSwinConformance(VisionModelConformance):
     base_config = TINY
     heads = HEADS
     image_processor_class = HfxSwinImageProcessor
+    dropout_config = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, drop_path_rate=0.1)
     # (29, 45): padding everywhere; (10, 6): maps smaller than the window (transformers fails there).
     odd_sizes = [(29, 45), (10, 6)]
     bad_configs = [
@@ -79,6 +82,9 @@ class TestSwinConformance(VisionModelConformance):
     def expected_last_hidden_state_shape(self, config, batch, height, width):
         rows, cols = stage_grids(config, height, width)[-1]
         return (batch, rows * cols, config.hidden_size)
+
+    def depth_config(self, depth):
+        return {"depths": [depth] * len(TINY["depths"])}
 
     def expected_num_hidden_states(self, config):
         return len(config.depths) + 1
@@ -149,7 +155,9 @@ def dense_window_attention(attn: HfxShiftedWindowSelfAttention, x, height, width
         (9, 6, 0, False, 4),
     ],
 )
-def test_window_attention_matches_dense_oracle(height, width, shift, always_partition, expected_window):
+def test_window_attention_matches_dense_oracle(
+    height, width, shift, always_partition, expected_window, device, device_atol
+):
     torch.manual_seed(0)
     attn = HfxShiftedWindowSelfAttention(16, 2, window_size=4, shift_size=shift).eval()
     with torch.no_grad():
@@ -158,10 +166,11 @@ def test_window_attention_matches_dense_oracle(height, width, shift, always_part
     eff_shift = shift if (always_partition or min(height, width) > 4) else 0
     with torch.no_grad():
         expected = dense_window_attention(attn, x, height, width, expected_window, eff_shift)
-        fast = attn(x, (height, width), always_partition=always_partition).context
+        attn, x = attn.to(device), x.to(device)
+        fast = attn(x, (height, width), always_partition=always_partition).context.cpu()
         eager = attn(x, (height, width), always_partition=always_partition, output_attentions=True)
-    torch.testing.assert_close(fast, expected, atol=1e-5, rtol=0)
-    torch.testing.assert_close(eager.context, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast, expected, atol=device_atol, rtol=0)
+    torch.testing.assert_close(eager.context.cpu(), expected, atol=device_atol, rtol=0)
     assert eager.attentions.shape[-1] == expected_window**2
 
 
@@ -379,3 +388,95 @@ def test_convert_from_transformers_other_heads(tmp_path, ref_class, our_class, e
         ref_class.__name__, "feature_maps"
     )
     assert max_diff(a[key], b[key]) < 1e-5
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Mixed precision and any device
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_window_attention_adds_the_bias_in_float32_under_autocast(device):
+    """With a trained-size bias table (entries of several units), the explicit path (training: the table needs a
+    gradient) adds the bias to the 16-bit scores in float32. Measured relative deviation from float32 under bf16 CPU
+    autocast: 5.0e-3 (2.3e-2 when the bias was rounded to bf16 first)."""
+    torch.manual_seed(0)
+    attn = HfxShiftedWindowSelfAttention(32, 2, window_size=7, shift_size=3).eval()
+    with torch.no_grad():
+        attn.relative_position_bias_table.normal_(0, 5.0)
+    attn, x = attn.to(device), torch.randn(2, 14 * 14, 32).to(device)
+    reference = attn(x, (14, 14)).context.detach()
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out = attn(x, (14, 14))
+    assert out.context.requires_grad  # the explicit path, not SDPA
+    error = ((out.context.float() - reference).abs().max() / reference.abs().max().clamp(min=1)).item()
+    assert error < 1e-2, error
+
+
+def test_masked_image_modeling_loss_does_not_overflow_in_float16(device):
+    """131,072 masked pixels: more than float16 can count (65,504). The loss stays the float32 model's under fp16
+    autocast and with fp16 weights (it was 0: the pixel count overflowed to inf)."""
+    model = perturb_(HfxSwinForMaskedImageModeling(HfxSwinConfig(**TINY))).to(device)
+    x = pixel_values(8, 128, seed=9).to(device)
+    masked = torch.ones(8, 64 * 64, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        reference = model(x, bool_masked_pos=masked).loss
+        with torch.autocast(device.type, dtype=torch.float16):
+            autocast = model(x, bool_masked_pos=masked).loss
+        half = model.half()(x.half(), bool_masked_pos=masked).loss
+    assert reference > 0.1
+    for loss in (autocast, half):
+        assert loss.dtype == torch.float32
+        torch.testing.assert_close(loss, reference, rtol=1e-2, atol=0)
+
+
+def _clear_swin_caches():
+    from hf_xformers.attention import shifted_window
+
+    for cached in (
+        shifted_window.window_token_indices,
+        shifted_window.relative_position_index,
+        shifted_window.shifted_window_mask,
+    ):
+        cached.cache_clear()
+
+
+def test_cold_caches_read_nothing_back_from_the_device(device):
+    """The per-size index caches are filled without reading values back (the former window index used boolean
+    indexing, a synchronisation on a GPU whenever a new image size arrives); padded size, shifted windows."""
+    model = perturb_(HfxSwinModel(HfxSwinConfig(**TINY))).to(device)
+    x = pixel_values(1, 29, 45).to(device)
+    _clear_swin_caches()
+    with torch.no_grad(), HostReadCounter() as counter:
+        model(x)
+    assert counter.count == 0
+
+
+class _CpuTensorsMade(TorchDispatchMode):
+    """Records the ops that produce a CPU tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tree_flatten(out)[0]):
+            self.ops.add(str(func))
+        return out
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_forward_creates_no_cpu_tensor_for_inputs_elsewhere(train):
+    """Every head on the meta device, cold caches, training with dropout and stochastic depth: no op in the forward
+    makes a CPU tensor (index tables, masks and random draws are made on the inputs' device). Classification runs
+    without labels: the label-range check reads the labels back once per forward (``layers/heads.py``)."""
+    config = {**TINY, "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "drop_path_rate": 0.1}
+    for name, cls in HEADS.items():
+        model = cls(HfxSwinConfig(**config)).to("meta").train(train)
+        inputs = {"pixel_values": pixel_values(2, 29, 45).to("meta")}
+        if name == "AutoModelForMaskedImageModeling":
+            inputs["bool_masked_pos"] = torch.zeros(2, 15 * 23, dtype=torch.bool, device="meta")
+        _clear_swin_caches()
+        with torch.set_grad_enabled(train), _CpuTensorsMade() as made:
+            model(**inputs)
+        assert not made.ops, f"{name}: {sorted(made.ops)}"

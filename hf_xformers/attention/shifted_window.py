@@ -24,7 +24,14 @@ their inverse another), instead of three or four copies (``torch.roll`` over two
 copies on CPU). All windows of all images then go through one batched ``scaled_dot_product_attention`` call with
 the bias and the shift mask as one additive float mask. When the bias table needs a gradient (training), an
 explicit matmul-softmax-matmul path is used instead (SDPA would fall back to its slower unfused path there), and
-so it is for ``output_attentions``, which returns the probabilities.
+so it is for ``output_attentions``, which returns the probabilities. Index tables and masks are made on the inputs'
+device with index arithmetic (nothing on the CPU, no value read back), once per map size in eager mode.
+
+Precision (autocast, half-precision weights): the projections and both products run in the autocast dtype. On the
+explicit path the bias and shift mask stay in the bias table's dtype (float32 under autocast), so the scores they are
+added to become float32, and softmax computes in float32 whatever its input; the probabilities are cast back to the
+dtype of the queries for the second product. SDPA takes its mask in the queries' dtype, so there the bias is rounded
+to 16 bits (bfloat16 keeps ~3 significant digits). Masking is additive with ``-100``, which every dtype represents.
 
 This module is the ``attention.self`` of a Swin block; its constructor and ``forward`` differ from the text
 attention interface (``ARCHITECTURE.md``) because a Swin stage has its own width, heads and 2-D token grid.
@@ -51,43 +58,28 @@ def window_and_shift(height: int, width: int, window: int, shift: int, always_pa
     return min(height, width), 0
 
 
-def window_partition(x: torch.Tensor, window: int) -> torch.Tensor:
-    """``(batch, H, W, C)`` with ``H, W`` multiples of ``window`` -> ``(batch * num_windows, window**2, C)``,
-    windows in row-major order per image."""
-    batch, height, width, channels = x.shape
-    x = x.view(batch, height // window, window, width // window, window, channels)
-    return x.permute(0, 1, 3, 2, 4, 5).reshape(-1, window * window, channels)
-
-
 @lru_cache(maxsize=64)
 def window_token_indices(
     height: int, width: int, window: int, shift: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad + roll + window partition of an ``height x width`` token map, and its inverse, as two gathers.
+    """Pad + roll + window partition of an ``height x width`` token map, and its inverse, as two gathers (eager
+    mode's cache of :func:`traced_window_token_indices`, built once per map size).
 
     Returns:
         ``gather`` ``(num_windows * window**2,)``: for every slot of the windows (windows in row-major order, tokens
         row-major inside each), the token it holds; padding slots hold ``height * width``, the index of a zero
-        token appended to the input. ``scatter`` ``(height * width,)``: the slot of every real token.
+        token appended to the input. ``scatter`` ``(height * width,)``: the slot of every real token. Both long,
+        on ``device``.
     """
-    # Built once per map size: torch.roll over two dims is slow on CPU (over 10x a copy of the tensor in torch 2.13).
+    # Index arithmetic on the target device: no CPU tensor to copy over, and no boolean indexing (whose output size
+    # a GPU would have to report back to the host) even when the cache is cold.
     with torch.inference_mode(False):
-        tokens = height * width
-        padded_h, padded_w = height + -height % window, width + -width % window
-        grid = torch.full((padded_h, padded_w), tokens, dtype=torch.long)
-        grid[:height, :width] = torch.arange(tokens).view(height, width)
-        if shift:
-            grid = torch.roll(grid, shifts=(-shift, -shift), dims=(0, 1))
-        gather = window_partition(grid[None, :, :, None], window).flatten()
-        real = gather < tokens
-        scatter = torch.empty(tokens, dtype=torch.long)
-        scatter[gather[real]] = torch.arange(gather.numel())[real]
-        return gather.to(device), scatter.to(device)
+        return traced_window_token_indices(height, width, window, shift, device)
 
 
 def traced_window_token_indices(height, width, window: int, shift: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`window_token_indices` from index arithmetic alone, for symbolic ``height`` / ``width`` (torch.compile /
-    torch.export trace this; no cache keyed by the size, no in-place writes). The same indices.
+    """The indices of :func:`window_token_indices` from index arithmetic alone, so that symbolic ``height`` /
+    ``width`` trace (torch.compile / torch.export call this directly: no cache keyed by the size, no in-place writes).
 
     Slot ``(window row a, window col c, row i, col j)`` of the rolled, padded ``P_h x P_w`` map holds the token at
     ``((a m + i + s) mod P_h, (c m + j + s) mod P_w)`` (``torch.roll`` by ``-s``), or the appended zero token when that
@@ -128,9 +120,10 @@ def relative_position_index_uncached(window: int, table_window: int, device: tor
     Returns:
         ``(window**2 * window**2,)`` long, flattened ``(query, key)``.
     """
-    coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+    side = torch.arange(window, device=device)
+    coords = torch.stack(torch.meshgrid(side, side, indexing="ij")).flatten(1)
     offsets = coords[:, :, None] - coords[:, None, :] + (table_window - 1)  # (2, N, N), in [0, 2T - 2]
-    return (offsets[0] * (2 * table_window - 1) + offsets[1]).flatten().to(device)
+    return (offsets[0] * (2 * table_window - 1) + offsets[1]).flatten()
 
 
 @lru_cache(maxsize=64)
@@ -248,12 +241,13 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
             t.view(-1, n, self.num_heads, self.head_dim).transpose(1, 2) for t in self.fused_qkv(windows)
         )  # each (batch * num_windows, heads, N, head_dim)
 
-        # One additive mask: bias (1, heads, N, N) [+ shift mask (windows, 1, N, N) -> (windows, heads, N, N)].
-        mask = self.relative_position_bias(window).to(q.dtype).unsqueeze(0)
+        # One additive mask: bias (1, heads, N, N) [+ shift mask (windows, 1, N, N) -> (windows, heads, N, N)], in
+        # the bias table's dtype (float32 unless the weights are half precision).
+        mask = self.relative_position_bias(window).unsqueeze(0)
         num_windows = (padded_h // window) * (padded_w // window)
         if shift:
             make_mask = shifted_window_mask_uncached if tracing else shifted_window_mask
-            shift_mask = make_mask(padded_h, padded_w, window, shift, q.device).to(q.dtype)
+            shift_mask = make_mask(padded_h, padded_w, window, shift, q.device).to(mask.dtype)
             mask = mask + shift_mask.unsqueeze(1)
         dropout = self.dropout_p if self.training else 0.0
 
@@ -262,6 +256,10 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
         if output_attentions or not use_sdpa or (mask.requires_grad and torch.is_grad_enabled()):
             # Scores as (batch, windows, heads, N, N): the mask broadcasts over images instead of being copied.
             q, k, v = (t.view(batch, num_windows, self.num_heads, n, self.head_dim) for t in (q, k, v))
+            # Under autocast q and k are 16-bit and so is their product; adding the float32 mask promotes the scores
+            # to float32 (as in the original and transformers), so the bias is not rounded to 16 bits. Softmax
+            # computes in float32 and its probabilities come back in q's dtype, so the second product runs in the
+            # same dtype as the first (on CUDA autocast would cast them there anyway).
             scores = torch.matmul(q * self.scale, k.transpose(-1, -2)) + mask
             # The returned (batch * windows, heads, N, N) probabilities are the tensor the context is computed from
             # (through a view), so they are part of the autograd graph: `retain_grad()` on them gets a gradient.
@@ -269,6 +267,8 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
             weights = probs.view(batch, num_windows, self.num_heads, n, n)
             context = torch.matmul(F.dropout(weights, dropout, True) if dropout else weights, v)
         else:
+            # SDPA takes a float mask in the query's dtype only (16-bit under autocast: the bias is rounded there).
+            mask = mask.to(q.dtype)
             if shift:  # SDPA needs a mask broadcastable to its 4-D (batch * windows, heads, N, N) problem
                 mask = mask.expand(batch, -1, -1, -1, -1).reshape(batch * num_windows, self.num_heads, n, n)
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale)

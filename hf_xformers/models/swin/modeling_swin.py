@@ -88,7 +88,7 @@ class HfxSwinImageClassifierOutput(ModelOutput):
 
 @dataclass
 class HfxSwinMaskedImageModelingOutput(ModelOutput):
-    """``loss`` (with ``bool_masked_pos``: mean L1 over masked pixels and channels), ``reconstruction``
+    """``loss`` (with ``bool_masked_pos``: mean L1 over masked pixels and channels, float32), ``reconstruction``
     ``(batch, num_channels, height, width)`` and the base model's optional outputs."""
 
     loss: torch.Tensor | None = None
@@ -633,7 +633,8 @@ class HfxSwinForMaskedImageModeling(HfxSwinPreTrainedModel):
             bool_masked_pos: ``(batch, num_patches)``, True for masked patches (``num_patches`` =
                 ``ceil(H / patch) * ceil(W / patch)``).
         Returns:
-            ``reconstruction`` ``(batch, num_channels, H, W)`` and, with ``bool_masked_pos``, the loss.
+            ``reconstruction`` ``(batch, num_channels, H, W)`` and, with ``bool_masked_pos``, the loss (computed
+            in float32 under autocast and with half-precision weights alike).
         """
         out = self.swin(
             pixel_values,
@@ -651,9 +652,11 @@ class HfxSwinForMaskedImageModeling(HfxSwinPreTrainedModel):
         loss = None
         if bool_masked_pos is not None:
             patch = _pair(self.config.patch_size)[0]
-            mask = bool_masked_pos.reshape(-1, 1, *grids[0]).to(reconstruction.dtype)
+            # In float32 whatever the model's dtype: a count of masked pixels passes float16's largest value
+            # (65504) at a few 224-pixel images, and the loss would silently become 0.
+            mask = bool_masked_pos.reshape(-1, 1, *grids[0]).float()
             mask = mask.repeat_interleave(patch, 2).repeat_interleave(patch, 3)[:, :, :height, :width]
-            error = F.l1_loss(pixel_values, reconstruction, reduction="none")
+            error = F.l1_loss(pixel_values.float(), reconstruction.float(), reduction="none")
             loss = (error * mask).sum() / (mask.sum() + 1e-5) / self.config.num_channels
 
         result = HfxSwinMaskedImageModelingOutput(
