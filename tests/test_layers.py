@@ -205,3 +205,15 @@ def test_unpadded_to_none():
     padded = full.clone()
     padded[0, -1] = False
     assert unpadded_to_none(padded) is padded
+
+
+def test_float32_autocast_off_turns_autocast_off_where_it_exists():
+    from hf_xformers.layers.precision import float32_autocast_off
+
+    a = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (a @ a).dtype == torch.bfloat16
+        with float32_autocast_off("cpu"):
+            assert (a @ a).dtype == torch.float32
+        with float32_autocast_off("meta"):  # no autocast on meta: a no-op, not an error
+            assert torch.empty(2, 2, device="meta").sum().is_meta

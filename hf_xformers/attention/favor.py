@@ -25,9 +25,17 @@ Numerics, and why each choice:
   positive (at least one key feature is 1 after stabilising) while the key stabiliser still cancels exactly.
 * Constant factors (``m^-1/2``; for a query row ``exp(-|q_hat|^2 / 2)``) cancel the same way and are not computed.
 * Padding: padded keys get features of exactly zero (their logits are set to ``-inf`` before the exponential
-  and before the key stabiliser is taken), so they contribute nothing and do not move the stabiliser.
-* Features and the attention sums are computed in float32 whatever the input dtype, the causal prefix sums
-  included; the result is cast back.
+  and before the key stabiliser is taken), so they contribute nothing and do not move the stabiliser. ``-inf`` is
+  safe here because those logits are always float32 (next point) and an example with no real key is handled
+  explicitly; ``key_mask=None`` means nothing is padded (the model turns an all-True mask into None once per
+  forward, so no layer reads the mask back to the host to find out).
+* Precision. :func:`favor_attention` casts queries, keys, values and the projection to float32 and turns autocast
+  off for everything after the q/k/v projections: the projection onto the random features, the exponentials and
+  their stabilisers, the key-value sums (the causal prefix sums included) and the normaliser all compute in float32
+  under ``torch.autocast`` and with half-precision weights (under autocast a matmul would otherwise run in half
+  precision, and the ratio of two such sums loses about 1 % to 2 % of accuracy in bfloat16). Only the context is
+  cast back, to the dtype of the values. With half-precision weights the projection buffer itself holds values
+  rounded to that dtype, which are then used in float32.
 
 The generalized kernel option (``kernel="relu"``) uses ``phi(x) = relu(W x_hat) + 1e-3`` instead: a different
 (not softmax) attention kernel from the same paper, cheaper and without exponentials.
@@ -45,6 +53,7 @@ import math
 import torch
 
 from ..layers.input_checks import is_tracing
+from ..layers.precision import float32_autocast_off
 from .base import AttentionOutput, QKVProjection, ceil_div, merge_heads, split_heads, unblock
 
 KERNELS = ("softmax", "relu")
@@ -75,18 +84,19 @@ def draw_random_features(
             so each row on its own is still a Gaussian vector). False: plain i.i.d. ``N(0, 1)`` rows.
 
     Returns:
-        ``(num_features, head_dim)`` float32 tensor on CPU.
+        ``(num_features, head_dim)`` float32 tensor on CPU (whatever the default device: the draw is the generator's,
+        the same numbers wherever the model then runs).
     """
     if not orthogonal:
-        return torch.randn(num_features, head_dim, generator=generator)
+        return torch.randn(num_features, head_dim, generator=generator, device="cpu")
     blocks = []
     for _ in range(-(-num_features // head_dim)):
-        q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator))
+        q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator, device="cpu"))
         # QR alone is not uniformly distributed over rotations; fixing the signs by diag(R) makes it so.
         q = q * torch.sign(torch.diagonal(r))
         blocks.append(q.T)
     rows = torch.cat(blocks)[:num_features]
-    norms = torch.randn(num_features, head_dim, generator=generator).norm(dim=1)
+    norms = torch.randn(num_features, head_dim, generator=generator, device="cpu").norm(dim=1)
     return rows * norms[:, None]
 
 
@@ -110,10 +120,10 @@ def softmax_kernel_features(
         x: ``(batch, heads, seq, d)`` queries or keys (float32).
         projection: ``(m, d)`` random rows.
         is_query: which of the two stabilisers to use.
-        key_mask: ``(batch, seq)`` bool, True for real tokens (keys only).
+        key_mask: ``(batch, seq)`` bool, True for real tokens (keys only), or None when nothing is padded.
 
     Returns:
-        ``(batch, heads, seq, m)``.
+        ``(batch, heads, seq, m)``, in ``x``'s dtype (float32 as :func:`favor_attention` calls it).
     """
     head_dim = x.shape[-1]
     logits = torch.matmul(x, projection.T * head_dim**-0.25)  # w_r . x_hat
@@ -121,7 +131,7 @@ def softmax_kernel_features(
         # Detached: the stabiliser cancels in the normalisation, so it carries no gradient either way.
         return logits.sub_(logits.detach().amax(-1, keepdim=True)).exp_()
     logits.sub_((0.5 * head_dim**-0.5) * x.pow(2).sum(-1, keepdim=True))  # - |k_hat|^2 / 2
-    if key_mask is not None and (is_tracing() or not bool(key_mask.all())):
+    if key_mask is not None:
         # -inf before the max and the exponential: padded keys neither move the stabiliser nor count.
         logits.masked_fill_(~key_mask[:, None, :, None], float("-inf"))
     stabiliser = logits.detach().amax(dim=(-2, -1), keepdim=True)
@@ -201,18 +211,16 @@ def blocked_softmax_attention(
     the one a single global max would give. Then queries are taken block by block against the finished state.
 
     Args:
-        query, key: ``(batch, heads, seq, d)`` float32; value: ``(batch, heads, seq, e)`` float32.
+        query, key: ``(batch, heads, seq, d)``; value: ``(batch, heads, seq, e)`` (float32 from :func:`favor_attention`).
         projection: ``(m, d)``.
-        key_mask: ``(batch, seq)`` bool, True for real tokens, or None.
+        key_mask: ``(batch, seq)`` bool, True for real tokens, or None when nothing is padded.
         query_eps: added to every query feature.
         block_size: tokens per block.
 
     Returns:
-        ``(batch, heads, seq, e)``.
+        ``(batch, heads, seq, e)``, in the inputs' dtype (float32 as :func:`favor_attention` calls it).
     """
     head_dim, length = query.shape[-1], query.shape[2]
-    if key_mask is not None and bool(key_mask.all()):
-        key_mask = None
     weights = projection.T * head_dim**-0.25  # x . weights = w_r . x_hat
     value = _with_ones(value)
     state = stabiliser = None
@@ -252,7 +260,9 @@ def causal_linear_attention(
     ones. Memory: ``(seq / c) * m * (e + 1)`` per (batch, head) for the states.
 
     Args:
-        query_features, key_features: ``(batch, heads, seq, m)`` float32; value: ``(batch, heads, seq, e)`` float32.
+        query_features, key_features: ``(batch, heads, seq, m)``; value: ``(batch, heads, seq, e)`` (float32 from
+            :func:`favor_attention`, which is what keeps the prefix sums, where long sequences accumulate rounding
+            error fastest, in float32).
         chunk_size: ``c``.
         query_eps: added to every query feature.
 
@@ -278,7 +288,7 @@ def causal_linear_attention(
         scores = scores + query_eps * k.sum(-1).unsqueeze(-2)
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     within = torch.matmul(scores.masked_fill(~causal, 0.0), v)
-    states = torch.matmul(k.transpose(-1, -2), v).cumsum(dim=2)  # (b, h, chunks, m, e + 1), inclusive, float32
+    states = torch.matmul(k.transpose(-1, -2), v).cumsum(dim=2)  # (b, h, chunks, m, e + 1), inclusive
     before = torch.cat([torch.zeros_like(states[:, :, :1]), states[:, :, :-1]], dim=2)  # exclusive prefix sum
     across = torch.matmul(q, before)
     if query_eps:
@@ -320,25 +330,48 @@ def favor_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FAVOR+ attention of split heads.
 
+    Everything here computes in float32 with autocast off, whatever the inputs' dtype and the autocast state: the
+    feature maps (projection, exponentials, stabilisers), the key-value sums and causal prefix sums, the normaliser
+    and the implied attention matrix. Only the results are cast back.
+
     Args:
-        query, key, value: ``(batch, heads, seq, d)``.
-        projection: ``(m, d)`` random feature rows.
-        attention_mask: ``(batch, seq)`` bool, True for real tokens, or None.
+        query, key, value: ``(batch, heads, seq, d)``, any float dtype.
+        projection: ``(m, d)`` random feature rows, any float dtype (used as its float32 values).
+        attention_mask: ``(batch, seq)`` bool, True for real tokens, or None when nothing is padded.
         causal: query ``i`` sees keys ``j <= i`` only.
         kernel: ``"softmax"`` (FAVOR+ positive features) or ``"relu"`` (generalized kernel).
         output_attentions: also return the implied ``(batch, heads, seq, seq)`` attention matrix (quadratic).
 
     Returns:
-        ``(context, probs)``: context ``(batch, heads, seq, d)`` in ``value``'s dtype; probs or None.
+        ``(context, probs)``: context ``(batch, heads, seq, d)`` in ``value``'s dtype; probs (same dtype) or None.
     """
     if kernel not in KERNELS:
         raise ValueError(f"Unknown FAVOR kernel {kernel!r}; use one of {KERNELS} (config.favor_kernel).")
     dtype = value.dtype
-    query, key, value, projection = (t.float() for t in (query, key, value, projection))
+    with float32_autocast_off(value.device.type):
+        query, key, value, projection = (t.float() for t in (query, key, value, projection))
+        context, probs = _favor_attention_float32(
+            query, key, value, projection, attention_mask, causal, kernel, output_attentions, chunk_size
+        )
+    return context.to(dtype), None if probs is None else probs.to(dtype)
+
+
+def _favor_attention_float32(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    projection: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    kernel: str,
+    output_attentions: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`favor_attention` on float32 inputs, in their dtype (the caller has turned autocast off)."""
     # The block loop's trip count depends on the length, so traced graphs (torch.compile / torch.export) take the
     # one-shot form below: the same result to rounding, with every key feature in memory at once.
     if kernel == "softmax" and not causal and not output_attentions and not is_tracing():
-        return blocked_softmax_attention(query, key, value, projection, attention_mask).to(dtype), None
+        return blocked_softmax_attention(query, key, value, projection, attention_mask), None
     if kernel == "softmax":
         query_features = softmax_kernel_features(query, projection, is_query=True)
         key_features = softmax_kernel_features(key, projection, is_query=False, key_mask=attention_mask)
@@ -350,13 +383,10 @@ def favor_attention(
     if output_attentions:
         # The context comes from the returned (implied) attention matrix, the same numbers to rounding as the linear
         # form, so that the matrix is part of the autograd graph (`retain_grad()` on it gets a gradient).
-        context, probs = dense_kernel_attention(query_features, key_features, value, causal, eps)
-        return context.to(dtype), probs.to(dtype)
+        return dense_kernel_attention(query_features, key_features, value, causal, eps)
     if causal:
-        context = causal_linear_attention(query_features, key_features, value, chunk_size, eps)
-    else:
-        context = linear_attention(query_features, key_features, value, eps)
-    return context.to(dtype), None
+        return causal_linear_attention(query_features, key_features, value, chunk_size, eps), None
+    return linear_attention(query_features, key_features, value, eps), None
 
 
 def _draw_seed(seed: int, layer_idx: int, draw: int) -> int:
@@ -376,7 +406,9 @@ class HfxFavorSelfAttention(QKVProjection):
 
     Buffers (saved with the checkpoint): ``projection_matrix`` ``(m, head_dim)``, and ``num_redraws``, the index of
     the current draw. Draw ``t`` of layer ``l`` is seeded by ``(random_feature_seed, l, t)``: a fresh model from the
-    same config has the same features, and :meth:`redraw_projection` is the only thing that changes them.
+    same config has the same features, and :meth:`redraw_projection` is the only thing that changes them. Draws are
+    made on the CPU (float32) and the buffer moves with the model, so the features are the same numbers on every
+    device; ``model.to(half dtype)`` rounds them to that dtype (the attention still computes in float32).
 
     ``attentions`` (with ``output_attentions=True``): the implied attention matrix ``(batch, heads, seq_len, seq_len)``
     (formed explicitly, quadratic in memory); the context is the linear-time one either way.
@@ -397,15 +429,27 @@ class HfxFavorSelfAttention(QKVProjection):
 
     def draw_projection_matrix(self, draw: int) -> torch.Tensor:
         """Draw number ``draw`` of this layer's ``(num_features, head_dim)`` projection (float32, CPU)."""
-        generator = torch.Generator().manual_seed(_draw_seed(self.seed, self.layer_idx, draw))
+        generator = torch.Generator(device="cpu").manual_seed(_draw_seed(self.seed, self.layer_idx, draw))
         return draw_random_features(self.num_features, self.head_dim, generator, self.orthogonal)
 
     @torch.no_grad()
-    def redraw_projection(self) -> None:
-        """Replace the projection by the next draw of this layer's sequence (in place, same device and dtype)."""
-        self.num_redraws += 1
-        fresh = self.draw_projection_matrix(int(self.num_redraws))
-        self.projection_matrix.copy_(fresh.to(self.projection_matrix))
+    def redraw_projection(self, draw: int | None = None, fresh: torch.Tensor | None = None) -> None:
+        """Replace the projection by draw number ``draw`` of this layer's sequence (in place, same device and dtype).
+
+        The draw is made on the CPU from its seed (so it is the same numbers on every device) and copied to the
+        buffer's device once.
+
+        Args:
+            draw: the draw's number; None: the next one (``num_redraws + 1``, read back from the buffer: a host
+                synchronisation when the buffer is on an accelerator, which the model avoids by passing it).
+            fresh: that draw's ``(num_features, head_dim)`` rows, already made (on any device), or None to make it.
+        """
+        if draw is None:
+            draw = int(self.num_redraws) + 1
+        if fresh is None:
+            fresh = self.draw_projection_matrix(draw)
+        self.num_redraws.fill_(draw)
+        self.projection_matrix.copy_(fresh)
 
     def forward(
         self,

@@ -24,8 +24,11 @@ def float32_autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """``torch.autocast(device_type, enabled=False)``: ops inside run in their inputs' dtype (cast them to float32).
 
     Args:
-        device_type: ``tensor.device.type`` of the inputs (``"cpu"``, ``"cuda"``, ...).
+        device_type: ``tensor.device.type`` of the inputs (``"cpu"``, ``"cuda"``, ...). A device type without autocast
+            (``"meta"``) gets a no-op context: there is nothing to turn off.
     """
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
     return torch.autocast(device_type, enabled=False)
 
 

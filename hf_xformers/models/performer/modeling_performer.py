@@ -45,10 +45,20 @@ class HfxPerformerPreTrainedModel(HfxPreTrainedModel):
         """Draw new random features in every layer (the next draw of each layer's seeded sequence).
 
         The only way, besides ``config.feature_redraw_interval`` in training mode, that the projections change.
+        Draws are made on the CPU from their seeds (the same numbers on every device). For the layers on one device,
+        the draw counters are read back in one transfer and the new projections are copied over in one transfer,
+        rather than one synchronisation and one copy per layer.
         """
+        groups: dict[tuple, list[HfxFavorSelfAttention]] = {}
         for module in self.modules():
             if isinstance(module, HfxFavorSelfAttention):
-                module.redraw_projection()
+                key = (module.projection_matrix.device, module.projection_matrix.dtype, module.projection_matrix.shape)
+                groups.setdefault(key, []).append(module)
+        for (device, dtype, _), modules in groups.items():
+            draws = [count + 1 for count in torch.stack([m.num_redraws for m in modules]).tolist()]
+            fresh = torch.stack([m.draw_projection_matrix(d) for m, d in zip(modules, draws)]).to(device, dtype)
+            for module, draw, rows in zip(modules, draws, fresh):
+                module.redraw_projection(draw, rows)
 
 
 class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
@@ -56,7 +66,9 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
 
     With ``config.feature_redraw_interval = N``, forward calls in training mode number 0, 1, 2, ... and the
     projections are redrawn before calls N, 2N, ... (here, not inside the layers, so that gradient checkpointing,
-    which reruns layer forwards, never sees a different projection in its recomputation).
+    which reruns layer forwards, never sees a different projection in its recomputation). A redraw is the one thing
+    in a forward that works on the CPU whatever the model's device: the new projections are drawn there from their
+    seeds (reproducible, the same on every device) and copied to the model's device in one transfer per device.
     """
 
     attention_class = HfxFavorSelfAttention
