@@ -7,6 +7,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 
 import pytest  # noqa: E402
@@ -23,9 +24,17 @@ from hf_xformers import (  # noqa: E402
     HfxReformerForSequenceClassification,
     HfxReformerModel,
 )
-from hf_xformers.attention.lsh import draw_rotations, hash_buckets  # noqa: E402
+from hf_xformers.attention.lsh import (  # noqa: E402
+    SELF_MASK_VALUE,
+    HfxLSHSelfAttention,
+    draw_rotations,
+    hash_buckets,
+    self_mask_value,
+)
+from hf_xformers.layers import reversible as reversible_module  # noqa: E402
 from hf_xformers.layers.fast_dropout import fast_dropout  # noqa: E402
-from tests.conformance import VOCAB, TextModelConformance, _ids  # noqa: E402
+from hf_xformers.layers.precision import mask_value  # noqa: E402
+from tests.conformance import VOCAB, HostReadCounter, TextModelConformance, _ids  # noqa: E402
 
 ATOL = 1e-5
 # Tiny Reformer: local chunks of 4 and LSH chunks of 8 (inputs of SEQ_LEN=24 use several chunks of both).
@@ -72,6 +81,13 @@ class TestReformerConformance(TextModelConformance):
         "AutoModelForQuestionAnswering": HfxReformerForQuestionAnswering,
     }
     first_layer_key = "encoder.layers.0"
+    dropout_config = dict(
+        hidden_dropout_prob=0.1, local_attention_probs_dropout_prob=0.1, lsh_attention_probs_dropout_prob=0.1
+    )
+
+    def depth_config(self, num_layers: int) -> dict:
+        return {"attn_layers": (["local", "lsh"] * num_layers)[:num_layers]}
+
     bad_configs = [
         (dict(attn_layers=["local", "full"]), "attn_layers"),
         (dict(attn_layers=[]), "attn_layers"),
@@ -368,6 +384,55 @@ def test_reversible_gradients_equal_stored_activation_gradients(stack):
         torch.testing.assert_close(grads_rev[name], grad, atol=ATOL, rtol=0, msg=name)
 
 
+def _reversible_vs_stored_gradients(device, dtype, stack="mixed"):
+    """Worst gradient difference (relative to the gradient's largest entry) between reversible and stored-activation
+    training under ``dtype`` autocast, with dropout and fresh rotations: the same random state for both."""
+    _, config = configs(attn_layers=LAYER_STACKS[stack], num_hashes=2, hash_seed=None, hidden_dropout_prob=0.2,
+                        local_attention_probs_dropout_prob=0.2, lsh_attention_probs_dropout_prob=0.2)  # fmt: skip
+    torch.manual_seed(0)
+    reversible = HfxReformerForMaskedLM(config).to(device).train()
+    stored = copy.deepcopy(reversible)
+    stored.config.reversible = False
+    ids = _ids(2, 27, seed=5).to(device)
+
+    def gradients(model):
+        torch.manual_seed(123)
+        with torch.autocast(device.type, dtype=dtype):
+            loss = model(input_ids=ids, labels=ids).loss
+        (loss * 1024).backward()  # scaled, as GradScaler does in float16
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    grads_rev, grads_std = gradients(reversible), gradients(stored)
+    return max(((grads_rev[n] - g).abs().max() / g.abs().max()).item() for n, g in grads_std.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_reversible_gradients_under_autocast_equal_stored_activation_gradients(device, dtype, monkeypatch):
+    """The backward recomputation replays the forward's autocast state: it differentiates the 16-bit function the
+    forward computed and rebuilds the inputs from outputs it produced itself. Measured on the CPU: ~1e-7 of each
+    gradient's scale with the replay; without it (the recomputation in float32) 0.8-32 % in bfloat16, 0.11-0.13 % in
+    float16."""
+    # About a quarter of the dtype's rounding step (2**-8, 2**-11): far above the replay's ~1e-7.
+    tolerance = {torch.bfloat16: 1e-3, torch.float16: 1e-4}[dtype]
+    assert _reversible_vs_stored_gradients(device, dtype) <= tolerance
+    # The same comparison without the replay fails it: the test sees the autocast state.
+    monkeypatch.setattr(reversible_module, "_replayed_autocast", lambda state: contextlib.nullcontext())
+    assert _reversible_vs_stored_gradients(device, dtype) > 3 * tolerance
+
+
+def test_reversible_replays_the_autocast_state_it_ran_under():
+    """Recorded per device type: the forward's (enabled, dtype) for the inputs' device and the CPU."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        state = reversible_module._autocast_state(torch.device("cpu"))
+    assert state == (("cpu", True, torch.float16),)
+    with reversible_module._replayed_autocast(state):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+    assert not torch.is_autocast_enabled("cpu")
+    off = reversible_module._autocast_state(torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16), reversible_module._replayed_autocast(off):
+        assert not torch.is_autocast_enabled("cpu")  # off in the forward: off in the recomputation, too
+
+
 def test_reversible_gradient_reaches_inputs_embeds():
     _, config = configs()
     model = HfxReformerModel(config).train()
@@ -499,3 +564,206 @@ def test_import_of_a_byte_level_checkpoint_writes_the_byte_tokenizer(tmp_path):
         ids = tok(text)["input_ids"]
         assert ids == [b + 2 for b in text.encode()]
         assert tok.decode(ids) == text
+
+
+# ----- mixed precision, devices, host reads ------------------------------------------------------------------------
+
+
+def test_mask_values_fit_every_dtype():
+    """Masked keys < the query's own position < any real logit, every value finite in its dtype; float32 keeps
+    transformers' -1e5 for the own position (parity)."""
+    assert self_mask_value(torch.float32) == SELF_MASK_VALUE == -1e5
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        masked, own = mask_value(dtype), self_mask_value(dtype)
+        values = torch.tensor([masked, own], dtype=dtype)
+        assert torch.isfinite(values).all() and values[0] < values[1] < -1e3, dtype
+        # Softmax of [masked, own]: all weight on the own position; of [own, real]: all on the real key.
+        assert torch.softmax(values.float(), -1).tolist() == [0.0, 1.0]
+        assert torch.softmax(torch.tensor([own, -50.0], dtype=dtype).float(), -1).tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("mode", ["autocast", "weights"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("is_decoder", [False, True], ids=["encoder", "decoder"])
+def test_half_precision_padded_batch_is_finite_and_close(device, dtype, mode, is_decoder):
+    """A padded batch of a length the model pads inside (the masked fills of padding and window repeats, rows whose
+    only key is the query itself), two hashing rounds: finite in 16 bits and close to float32 at real positions."""
+    _, config = configs(attn_layers=["lsh", "local", "lsh"], num_hashes=2, is_decoder=is_decoder,
+                        local_num_chunks_after=0 if is_decoder else 1)  # fmt: skip
+    torch.manual_seed(0)
+    model = HfxReformerModel(config).to(device).eval()
+    ids = _ids(3, 21, seed=2).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, 13:] = 0
+    mask[2, 5:] = 0
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).last_hidden_state
+        if mode == "autocast":
+            with torch.autocast(device.type, dtype=dtype):
+                low = model(ids, attention_mask=mask).last_hidden_state
+        else:
+            low = model.to(dtype)(ids, attention_mask=mask).last_hidden_state
+    assert torch.isfinite(low).all()
+    real = mask.bool()
+    scale = ref[real].abs().max()
+    tolerance = {torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+    assert (low[real].float() - ref[real]).abs().max() / scale < tolerance
+
+
+def test_hashing_computes_in_float32():
+    """Rotations and argmax in float32 under autocast and for 16-bit query-keys: the float32 buckets of the same
+    inputs (in bfloat16 the rotated coordinates of near-ties round together or swap, and buckets flip)."""
+    torch.manual_seed(0)
+    qk = torch.randn(2, 4, 512, 32)
+    rotations = draw_rotations(4, 32, 4, [8, 8], seed=1)
+    expected = hash_buckets(qk, rotations, [8, 8])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(hash_buckets(qk, rotations, [8, 8]), expected)
+    rounded = qk.bfloat16()
+    assert torch.equal(hash_buckets(rounded, rotations, [8, 8]), hash_buckets(rounded.float(), rotations, [8, 8]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_lsh_under_autocast_hashes_into_the_float32_buckets(dtype):
+    """In eval (fixed rotations) the query-keys are hashed from a float32 projection under autocast: the buckets are
+    the float32 model's. (Hashing the 16-bit projection flips ~0.4 % of them, which moves 11-24 % of the context.)"""
+    _, config = configs(attn_layers=["lsh"], num_hashes=4, num_buckets=8, lsh_attn_chunk_length=16)
+    torch.manual_seed(0)
+    attention = HfxLSHSelfAttention(config, 0).eval()
+    with torch.no_grad():
+        for p in attention.parameters():
+            p.normal_(0, 0.3)
+    hidden = torch.nn.functional.layer_norm(torch.randn(4, 256, 32), (32,))
+    with torch.no_grad():
+        ref = attention(hidden)
+        with torch.autocast("cpu", dtype=dtype):
+            low = attention(hidden)
+    assert torch.equal(low.global_attentions, ref.global_attentions)
+    scale = ref.context.abs().max()
+    assert (low.context.float() - ref.context).abs().max() / scale < {torch.bfloat16: 6e-2, torch.float16: 8e-3}[dtype]
+
+
+def test_round_statistics_compute_in_float32(monkeypatch):
+    """The rounds' log-normalisers (and so their weights) come from float32 scores under autocast, in the forward
+    and in cached decoding."""
+    seen = []
+    logsumexp = torch.logsumexp
+
+    def recording(x, *args, **kwargs):
+        seen.append(x.dtype)
+        return logsumexp(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "logsumexp", recording)
+    _, model = pair(transformers.ReformerModelWithLMHead, HfxReformerForCausalLM, is_decoder=True, num_hashes=2)
+    ids = _ids(1, 17, seed=3)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = model(ids[:, :16], use_cache=True).past_buckets_states
+        model(ids[:, 16:], past_buckets_states=cache, use_cache=True)  # decode_step with cached buckets
+    assert len(seen) >= 2 and set(seen) == {torch.float32}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cast_model_keeps_float32_rotations(dtype):
+    """`.to(dtype)` leaves the fixed rotations float32 and exact (a rounded copy would hash into other buckets), and
+    the eval forward uses the buffer itself, without a copy per call."""
+    _, config = configs(attn_layers=["lsh", "lsh"])
+    model = HfxReformerModel(config)
+    exact = [layer.attention.self_attention.rotations.clone() for layer in model.encoder.layers]
+    model.to(dtype).eval()
+    for layer, rotations in zip(model.encoder.layers, exact):
+        attention = layer.attention.self_attention
+        assert attention.rotations.dtype == torch.float32 and torch.equal(attention.rotations, rotations)
+        like = torch.empty(1, dtype=dtype)
+        assert attention.rotations_for(attention.num_hashes, like) is attention.rotations
+    model.float()
+    for layer, rotations in zip(model.encoder.layers, exact):
+        assert torch.equal(layer.attention.self_attention.rotations, rotations)
+
+
+def test_training_rotations_are_drawn_on_the_input_device():
+    """Fresh rotations (training without hash_seed) come from the input's device: no CPU tensor is created for an
+    input elsewhere (here the meta device), in float32 whatever the input's dtype."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CpuOutputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            leaves = torch.utils._pytree.tree_leaves(out)
+            if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in leaves):
+                self.ops.append(func)
+            return out
+
+    _, config = configs(attn_layers=["lsh"], hash_seed=None)
+    attention = HfxLSHSelfAttention(config, 0).train()
+    like = torch.empty(2, 2, 8, 8, device="meta", dtype=torch.bfloat16)
+    with CpuOutputs() as mode:
+        rotations = attention.rotations_for(3, like)
+    assert rotations.device.type == "meta" and rotations.dtype == torch.float32
+    assert rotations.shape == (2, 8, 3, 2)
+    assert not mode.ops, mode.ops
+
+
+def test_seeded_rotations_are_the_same_on_every_device(device):
+    """With a hash_seed (and in eval) the rotations are drawn once on the CPU: the model moved to `device` hashes with
+    exactly those numbers, and evaluates as on the CPU."""
+    _, config = configs(attn_layers=["lsh", "lsh"], hash_seed=5, num_hashes=2)
+    torch.manual_seed(0)
+    model = HfxReformerModel(config).eval()
+    ids = _ids(2, 40, seed=1)
+    with torch.no_grad():
+        on_cpu = model(ids).last_hidden_state
+        model.to(device)
+        moved = model(ids.to(device)).last_hidden_state.cpu()
+    for layer in model.encoder.layers:
+        attention = layer.attention.self_attention
+        assert attention.rotations.device.type == device.type
+        assert torch.equal(attention.rotations.cpu(), draw_rotations(2, 8, 2, 4, seed=5))
+    torch.testing.assert_close(moved, on_cpu, atol=1e-4 if device.type != "cpu" else 0, rtol=0)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_host_reads_do_not_grow_with_reformer_depth(device, training):
+    """Device-to-host reads (`bool(t)`, `.item()`, data-dependent shapes) in one forward (and, in training, the
+    reversible backward) are the same for 2 and 4 layers, for a padded input of a length padded inside."""
+    counts = []
+    for depth in (2, 4):
+        _, config = configs(attn_layers=(["local", "lsh"] * depth)[:depth], num_hashes=2, hash_seed=None,
+                            hidden_dropout_prob=0.1, lsh_attention_probs_dropout_prob=0.1,
+                            local_attention_probs_dropout_prob=0.1)  # fmt: skip
+        torch.manual_seed(0)
+        model = HfxReformerForMaskedLM(config).to(device).train(training)
+        ids = _ids(2, 21, seed=1).to(device)
+        mask = torch.ones_like(ids)
+        mask[1, 15:] = 0
+        with HostReadCounter() as counter, torch.set_grad_enabled(training):
+            out = model(input_ids=ids, attention_mask=mask, labels=ids)
+            if training:
+                out.loss.backward()
+        counts.append(counter.count)
+    assert counts[0] == counts[1], counts
+
+
+def test_axial_position_embeddings_are_initialised():
+    """transformers skips custom-code modules without parameters of their own when it initialises weights: the axial
+    tables (held by a parameter list) get their normal(0, axial_norm_std) init all the same, as in transformers."""
+    _, config = configs(axial_norm_std=0.5)
+    torch.manual_seed(0)
+    model = HfxReformerModel(config)
+    for weight in model.embeddings.position_embeddings.weights:
+        assert not torch.all(weight == 1) and 0.3 < weight.std().item() < 0.7
+    ref_config, _ = configs(axial_norm_std=0.5)
+    torch.manual_seed(0)
+    ref = transformers.ReformerModel(ref_config)
+    for ours, theirs in zip(model.embeddings.position_embeddings.weights, ref.embeddings.position_embeddings.weights):
+        assert torch.equal(ours, theirs)
+
+
+def test_num_hidden_layers_follows_attn_layers():
+    """`num_hidden_layers` is derived from `attn_layers`; a value passed along (a shared base config, an old
+    config.json) does not override it."""
+    _, config = configs(attn_layers=["local", "lsh", "lsh"], num_hidden_layers=2)
+    assert config.num_hidden_layers == 3 and len(HfxReformerModel(config).encoder.layers) == 3

@@ -20,10 +20,12 @@ import torch
 from torch import nn
 
 from ..layers.fast_dropout import HfxDropout
+from ..layers.precision import mask_value
 from .base import AttentionOutput, merge_heads, split_heads, unblock
 
-# Logits of masked keys (as transformers: finite, so a row with every key masked stays finite).
-MASK_VALUE = -1e9
+# Masked keys get `mask_value(scores.dtype)`, the most negative finite value of the scores' dtype: finite (as
+# transformers' -1e9 in float32 and -1e4 in float16), so a row with every key masked stays finite, and representable
+# in float16 (where -1e9 overflows). Next to a real key it gives an exact 0, as -1e9 does: float32 results are the same.
 
 
 def neighbour_chunks(
@@ -124,6 +126,8 @@ class HfxLocalSelfAttention(nn.Module):
     Called as in ``attention/base.py``; ``padded_lengths`` ``(batch,)`` is given by the Reformer model (see the
     module docstring). ``output_attentions`` returns dense probabilities ``(batch, heads, seq_len, seq_len)``.
     Inputs no longer than a chunk attend to the whole input (transformers' "standard" path, the same numbers).
+    Scores, softmax and context compute in the projections' dtype (autocast's or the weights'), with masked keys at
+    ``mask_value`` of that dtype.
     """
 
     supports_global_attention = False
@@ -193,7 +197,8 @@ class HfxLocalSelfAttention(nn.Module):
             mask = mask & key_real[:, :, :, None, :]
         if self.is_decoder:
             mask = mask & (positions[..., :, None] >= key_pos[..., None, :])
-        scores = torch.matmul(q, k.transpose(-1, -2)).masked_fill_(~mask, MASK_VALUE)  # fresh: no copy needed
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores.masked_fill_(~mask, mask_value(scores.dtype))  # fresh: no copy needed
         probs = torch.softmax(scores, dim=-1)
         if output_attentions:
             # The context comes from the returned dense probabilities (the same numbers to rounding), so that they

@@ -5,8 +5,13 @@ Per head, one projection gives shared query-keys ``qk``; keys are ``qk`` normali
 ``argmax([xR, -xR])`` as the bucket (angular LSH; a pair of bucket factors hashes twice and combines). Positions are
 sorted by (round, bucket, position), cut into chunks of ``lsh_attn_chunk_length``, and each chunk attends to itself and
 ``lsh_num_chunks_before/after`` neighbouring chunks (circularly). A query never attends to its own position
-(logit -1e5) unless nothing else is allowed; masked keys get -1e9. The rounds are combined by the softmax of their
-log-normalisers, which equals one attention over the union of the rounds' windows.
+(logit :func:`self_mask_value`) unless nothing else is allowed; masked keys get ``mask_value(dtype)``. The rounds are
+combined by the softmax of their log-normalisers, which equals one attention over the union of the rounds' windows.
+
+Precision: hashing (rotations and argmax) and the rounds' log-normalisers and weights compute in float32 whatever the
+model's dtype or autocast state, so that a bfloat16 / float16 model puts positions in the buckets of the float32 model
+(a bucket flip moves a position to other keys entirely); the rotations stay float32 when the module is cast. Scores,
+softmax and the weighted values compute in the dtype of the projections (autocast's or the weights').
 
 Padding: within an example's own extent (``padded_lengths``, see ``chunked_local.py``) padded positions take an extra
 last bucket in every round, exactly as transformers does; positions beyond it are sorted after every round, so the
@@ -22,9 +27,9 @@ import torch
 from torch import nn
 
 from ..layers.fast_dropout import HfxDropout
+from ..layers.precision import float32_autocast_off, mask_value
 from .base import AttentionOutput, merge_heads, split_heads
 from .chunked_local import (
-    MASK_VALUE,
     corner_on_graph,
     dense_probabilities,
     expand_keep,
@@ -33,8 +38,23 @@ from .chunked_local import (
     real_chunk_count,
 )
 
-# Logit of a query's own position: below any real key, above masked ones (used only when nothing else is allowed).
+# Logit of a query's own position in float32 and float64: transformers' value (parity).
 SELF_MASK_VALUE = -1e5
+
+
+def self_mask_value(dtype: torch.dtype) -> float:
+    """Logit of a query's own position in scores of ``dtype``: below any real key, above masked keys
+    (``mask_value(dtype)``), so a query attends to itself only when nothing else is allowed.
+
+    float32 / float64: -1e5, transformers' value. 16-bit dtypes: half of ``mask_value(dtype)`` (-32752 in float16,
+    about -1.7e38 in bfloat16), half-way between the masked logit and 0 in the dtype's own range. (transformers uses
+    -1e3 in float16, which a real logit of a large query, ``|qk| > 1e3``, could pass; in bfloat16 it keeps -1e5,
+    which bfloat16 rounds to -99840.) Both choices give the same probabilities wherever a real key exists: exp of the
+    difference is 0 in either.
+    """
+    if torch.finfo(dtype).bits >= 32:
+        return SELF_MASK_VALUE
+    return mask_value(dtype) / 2
 
 
 def bucket_factors(num_buckets: int | list[int]) -> list[int]:
@@ -53,8 +73,12 @@ def draw_rotations(
 
 def hash_buckets(qk: torch.Tensor, rotations: torch.Tensor, num_buckets: int | list[int]) -> torch.Tensor:
     """Bucket of every position in every round: ``qk`` ``(batch, heads, seq, head_dim)`` -> ``(batch, heads, rounds,
-    seq)`` long, in ``[0, prod(factors))``."""
-    rotated = torch.einsum("bhtd,hdnr->bhntr", qk.detach(), rotations.to(qk.dtype))
+    seq)`` long, in ``[0, prod(factors))``.
+
+    Computes in float32 (``qk`` and ``rotations`` are cast, autocast is off): in 16 bits the rotated coordinates of
+    nearby directions round to ties or swap, and positions land in other buckets than the float32 model's."""
+    with float32_autocast_off(qk.device.type):
+        rotated = torch.einsum("bhtd,hdnr->bhntr", qk.detach().float(), rotations.float())
     buckets, start, scale = None, 0, 1
     for factor in bucket_factors(num_buckets):
         part = rotated[..., start : start + factor // 2]
@@ -97,7 +121,19 @@ class HfxLSHSelfAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, inner, bias=False)
         self.dropout = HfxDropout(config.lsh_attention_probs_dropout_prob)
         # Fixed rotations (hash_seed, or the layer index when there is none): eval, and training with a hash_seed.
+        # Drawn once on the CPU from the seed, so every device hashes with the same numbers; a buffer, so the model's
+        # `.to(device)` keeps a copy on its device (float32 always: see `_apply`).
         self.register_buffer("rotations", self.fixed_rotations(self.num_hashes), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # `.half()` / `.to(torch.bfloat16)` would round the rotations, and the cast model would hash into other buckets
+        # than the float32 one: keep them float32 on whatever device `fn` moved them to.
+        exact = self.rotations
+        result = super()._apply(fn, recurse)
+        moved = self.rotations
+        if moved.dtype != torch.float32:
+            self.rotations = (moved if exact.is_meta else exact).to(device=moved.device, dtype=torch.float32)
+        return result
 
     # ----- hashing -------------------------------------------------------------------------------------------
     def fixed_rotations(self, num_hashes: int) -> torch.Tensor:
@@ -105,17 +141,44 @@ class HfxLSHSelfAttention(nn.Module):
         return draw_rotations(self.num_heads, self.head_dim, num_hashes, self.num_buckets, seed)
 
     def rotations_for(self, num_hashes: int, like: torch.Tensor) -> torch.Tensor:
+        """Rotations ``(heads, head_dim, num_hashes, sum(factors) / 2)`` float32 on ``like``'s device."""
         if self.training and self.hash_seed is None:
-            # Fresh rotations every training call, from the global generator (the reversible backward pass restores
-            # its state, so the recomputation draws the same numbers).
-            return draw_rotations(self.num_heads, self.head_dim, num_hashes, self.num_buckets).to(like.device)
+            # Fresh rotations every training call, drawn on the input's device from its global generator (no CPU draw
+            # and copy per layer and step). Only their distribution is specified: the numbers depend on the device's
+            # generator. The reversible backward pass restores that generator's state, so the recomputation draws the
+            # same numbers.
+            shape = (self.num_heads, self.head_dim, num_hashes, sum(bucket_factors(self.num_buckets)) // 2)
+            return torch.randn(shape, device=like.device, dtype=torch.float32)
         if num_hashes == self.num_hashes:
-            return self.rotations.to(like.device)
+            return self.rotations.to(device=like.device, dtype=torch.float32)  # the buffer itself: no copy
+        # A `num_hashes` other than the config's (an evaluation option): seeded rotations of that shape, drawn on the
+        # CPU for the same numbers on every device (a few KB per call and layer; not kept, as nothing keyed by call
+        # arguments is).
         return self.fixed_rotations(num_hashes).to(like.device)
 
     def bucket(self, qk: torch.Tensor, num_hashes: int) -> torch.Tensor:
         """``(batch, heads, seq, head_dim)`` -> buckets ``(batch, heads, num_hashes, seq)``."""
         return hash_buckets(qk, self.rotations_for(num_hashes, qk), self.num_buckets)
+
+    def hash_input(self, hidden_states: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """The query-keys to hash: ``qk`` ``(batch, heads, seq, head_dim)`` itself, or under autocast with fixed
+        rotations (eval, or a ``hash_seed``) the projection of ``hidden_states`` ``(batch, seq, hidden)`` recomputed in
+        float32.
+
+        Why: hashing float32 rotations of a 16-bit ``qk`` still flips ~0.4 % of the buckets (the projection's
+        rounding decides near-ties of the argmax), and one flip re-sorts whole chunks: measured on one LSH layer
+        (4 x 256 tokens, 1 and 4 rounds), a relative deviation of the context from float32 of 11-24 % under bfloat16
+        autocast and 2-14 % under float16, against 0.6-1.2 % and 0.07-0.15 % with the float32 model's buckets. With
+        the projection in float32 (and a float32 layer input, as autocast's LayerNorm gives) the buckets are the float32
+        model's, for one more float32 matmul of the size of the ``qk`` projection. Training with fresh rotations per
+        call skips it (the hash is random there anyway), and so do half-precision weights (their rounded weights give
+        other buckets than the float32 model's however the projection computes)."""
+        device_type = hidden_states.device.type
+        if not torch.is_autocast_enabled(device_type) or (self.training and self.hash_seed is None):
+            return qk
+        with float32_autocast_off(device_type):
+            projected = nn.functional.linear(hidden_states.float(), self.query_key.weight.float())
+        return split_heads(projected, self.num_heads)
 
     # ----- attention -----------------------------------------------------------------------------------------
     def _scores(self, q, k, q_pos, k_pos, key_real, keep):
@@ -129,8 +192,8 @@ class HfxLSHSelfAttention(nn.Module):
             mask = causal if mask is None else mask & causal
         # In place: the product is a fresh tensor that its backward does not need (a copy here cost ~5 % of a forward).
         if mask is not None:
-            scores.masked_fill_(~mask, MASK_VALUE)
-        return scores.masked_fill_(q_pos[..., :, None] == k_pos[..., None, :], SELF_MASK_VALUE)
+            scores.masked_fill_(~mask, mask_value(scores.dtype))
+        return scores.masked_fill_(q_pos[..., :, None] == k_pos[..., None, :], self_mask_value(scores.dtype))
 
     def _full(self, qk, v, attention_mask, output_attentions, output_length=None):
         """Every position attends to every other (inputs no longer than a chunk). Returns context, probabilities."""
@@ -172,7 +235,7 @@ class HfxLSHSelfAttention(nn.Module):
                 "Reformer model pads its inputs, call the model rather than the layer."
             )
         if buckets is None:
-            buckets = self.bucket(qk, num_hashes)
+            buckets = self.bucket(self.hash_input(hidden_states, qk), num_hashes)
         else:
             # The caller's buckets may come from a different rotation draw (the reversible recomputation): draw
             # anyway, so that the random generator advances exactly as in the call that made them.
@@ -233,9 +296,12 @@ class HfxLSHSelfAttention(nn.Module):
         weights = None
         if num_hashes > 1:
             # Each round's softmax is normalised over its own window; weighting the rounds by the softmax of their
-            # log-normalisers gives one softmax over the union of the windows.
-            log_norm = torch.logsumexp(scores, dim=-1).flatten().index_select(0, undo_rows)
-            weights = torch.softmax(log_norm.view(batch, self.num_heads, num_hashes, seq_len), dim=2)
+            # log-normalisers gives one softmax over the union of the windows. Statistics in float32: in 16 bits a
+            # log-normaliser of a few units is off by ~1e-2, and so is every round weight.
+            with float32_autocast_off(qk.device.type):
+                log_norm = torch.logsumexp(scores.float(), dim=-1).flatten().index_select(0, undo_rows)
+                weights = torch.softmax(log_norm.view(batch, self.num_heads, num_hashes, seq_len), dim=2)
+            weights = weights.to(context.dtype)
             context = (context * weights[..., None]).sum(2)
         else:
             context = context.squeeze(2)
@@ -287,11 +353,11 @@ class HfxLSHSelfAttention(nn.Module):
             qk = split_heads(self.query_key(states), self.num_heads)
             v = split_heads(self.value(states), self.num_heads)
             scores = torch.matmul(q, (unit_rms(qk) / math.sqrt(self.head_dim)).transpose(-1, -2))
-            scores[..., -1] = SELF_MASK_VALUE
+            scores[..., -1] = self_mask_value(scores.dtype)
             context = torch.matmul(torch.softmax(scores, dim=-1), v)
-            new_buckets = self.bucket(qk, num_hashes) if length >= self.chunk_length else None
+            new_buckets = self.bucket(self.hash_input(states, qk), num_hashes) if length >= self.chunk_length else None
             return merge_heads(context), new_buckets
-        query_buckets = self.bucket(q, num_hashes)  # (batch, heads, rounds, 1)
+        query_buckets = self.bucket(self.hash_input(hidden_states, q), num_hashes)  # (batch, heads, rounds, 1)
         order = torch.argsort(torch.cat([past_buckets, query_buckets], dim=-1), dim=-1, stable=True)
         where_new = (order == length - 1).to(torch.int64).argmax(-1, keepdim=True)  # (batch, heads, rounds, 1)
         window = (1 + self.num_chunks_before + self.num_chunks_after) * self.chunk_length
@@ -304,11 +370,15 @@ class HfxLSHSelfAttention(nn.Module):
         qk = torch.einsum("bhnkx,hdx->bhnkd", picked, self.query_key.weight.view(per_head))
         v = torch.einsum("bhnkx,hdx->bhnkd", picked, self.value.weight.view(per_head))
         scores = torch.matmul(q[:, :, None], (unit_rms(qk) / math.sqrt(self.head_dim)).transpose(-1, -2))
-        scores = scores.masked_fill((token == length - 1)[..., None, :], SELF_MASK_VALUE)  # (b, h, rounds, 1, window)
-        log_norm = torch.logsumexp(scores, dim=-1, keepdim=True)
-        context = torch.matmul(torch.exp(scores - log_norm), v)  # (batch, heads, rounds, 1, d)
-        context = (context * torch.softmax(log_norm, dim=2)).sum(2)
+        own = (token == length - 1)[..., None, :]
+        scores = scores.masked_fill(own, self_mask_value(scores.dtype))  # (b, h, rounds, 1, window)
+        with float32_autocast_off(states.device.type):  # softmax statistics in float32, as in `forward`
+            log_norm = torch.logsumexp(scores.float(), dim=-1, keepdim=True)
+            probs = torch.exp(scores.float() - log_norm)
+            weights = torch.softmax(log_norm, dim=2)
+        context = torch.matmul(probs.to(v.dtype), v)  # (batch, heads, rounds, 1, d)
+        context = (context * weights.to(context.dtype)).sum(2)
         return merge_heads(context), query_buckets
 
 
-__all__ = ["HfxLSHSelfAttention", "draw_rotations", "hash_buckets", "SELF_MASK_VALUE"]
+__all__ = ["HfxLSHSelfAttention", "draw_rotations", "hash_buckets", "SELF_MASK_VALUE", "self_mask_value"]

@@ -5,7 +5,10 @@ A block maps ``(x1, x2)`` to ``y1 = x1 + f(x2)``, ``y2 = x2 + g(y1)``. Its input
 and recomputes each block in the backward pass, last block first: training memory no longer grows with depth.
 
 The recomputation must reproduce the forward pass exactly, so the random generator state (CPU, and the device's for
-accelerators) is recorded before each ``f`` and ``g`` and restored when they run again, and ``f`` may hand back an
+accelerators) is recorded before each ``f`` and ``g`` and restored when they run again; the forward's autocast state
+(enabled and dtype, for the inputs' device type and the CPU) is replayed around the recomputation, which otherwise
+runs where autograd calls it, outside any autocast region, and would differentiate a float32 function instead of the
+16-bit one the forward computed (and rebuild the inputs from outputs it did not produce); and ``f`` may hand back an
 ``extra`` value (Reformer: the LSH buckets) that the recomputation receives instead of deriving it again from inputs
 that are only equal up to rounding.
 
@@ -19,24 +22,41 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
 
 
 def _rng_state(device: torch.device):
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    """The CPU generator's state and, for an accelerator (``cuda``, ``xpu``, ``mps``, ...), that device's."""
+    if device.type == "cpu":
+        return torch.get_rng_state(), None
+    return torch.get_rng_state(), torch.get_device_module(device.type).get_rng_state(device)
 
 
 @contextmanager
 def _restored_rng(state, device: torch.device) -> Iterator[None]:
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    accelerator = device.type != "cpu"
+    with torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type):
         torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
+        if accelerator:
+            torch.get_device_module(device.type).set_rng_state(state[1], device)
+        yield
+
+
+def _autocast_state(device: torch.device) -> tuple[tuple[str, bool, torch.dtype], ...]:
+    """``(device_type, enabled, dtype)`` of autocast for ``device``'s type and the CPU (ops of a block may run on
+    either)."""
+    types = dict.fromkeys([device.type, "cpu"])
+    return tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types)
+
+
+@contextmanager
+def _replayed_autocast(state) -> Iterator[None]:
+    with ExitStack() as stack:
+        for device_type, enabled, dtype in state:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
         yield
 
 
@@ -48,6 +68,7 @@ class _ReversibleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x1, x2, blocks, kwargs, *params):
         records = []
+        ctx.autocast = _autocast_state(x2.device)
         with torch.no_grad():
             for block in blocks:
                 f_state = _rng_state(x2.device)
@@ -65,26 +86,28 @@ class _ReversibleFunction(torch.autograd.Function):
         y1, y2 = ctx.saved_tensors
         grads: dict[int, torch.Tensor] = {}
 
-        def run(fn, x, grad_out, params):
-            """Recompute ``fn(x)``; return its value, the gradient of ``x``, and accumulate parameter gradients."""
+        def run(fn, x, grad_out, params, rng_state):
+            """Recompute ``fn(x)`` with the forward's random and autocast state; return its value, the gradient of
+            ``x``, and accumulate parameter gradients."""
             with torch.enable_grad():
                 x = x.detach().requires_grad_(True)
-                out = fn(x)
+                with _restored_rng(rng_state, x.device), _replayed_autocast(ctx.autocast):
+                    out = fn(x)
                 trainable = [p for p in params if p.requires_grad]
-                result = torch.autograd.grad(out, [x, *trainable], grad_out, allow_unused=True)
+                # Under autocast `out` may be 16-bit while the residual stream (and its gradient) is float32: the
+                # forward's `x + out` handed `out` its gradient in `out`'s dtype, and so does this.
+                result = torch.autograd.grad(out, [x, *trainable], grad_out.to(out.dtype), allow_unused=True)
             for p, g in zip(trainable, result[1:]):
                 if g is not None:
                     grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
             return out.detach(), result[0]
 
         for block, (f_state, g_state, extra) in zip(reversed(ctx.blocks), reversed(ctx.records)):
-            with _restored_rng(g_state, y1.device):
-                gy1, dy1_from_g = run(block.g, y1, dy2, list(block.g_parameters()))
+            gy1, dy1_from_g = run(block.g, y1, dy2, list(block.g_parameters()), g_state)
             x2 = y2 - gy1
             dy1 = dy1 + dy1_from_g
-            with _restored_rng(f_state, x2.device):
-                f_only = functools.partial(_f_value, block, extra, ctx.kwargs)
-                fx2, dx2_from_f = run(f_only, x2, dy1, list(block.f_parameters()))
+            f_only = functools.partial(_f_value, block, extra, ctx.kwargs)
+            fx2, dx2_from_f = run(f_only, x2, dy1, list(block.f_parameters()), f_state)
             x1 = y1 - fx2
             dy2 = dy2 + dx2_from_f
             y1, y2 = x1, x2

@@ -106,6 +106,8 @@ class HfxReformerConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs) -> None:
         self.attn_layers = list(self.attn_layers)
+        # Derived: a `num_hidden_layers` passed along (a shared base config, a saved config.json) must not override it.
+        kwargs.pop("num_hidden_layers", None)
         self.num_hidden_layers = len(self.attn_layers)
         self.axial_pos_shape = tuple(self.axial_pos_shape)
         self.axial_pos_embds_dim = tuple(self.axial_pos_embds_dim)

@@ -8,6 +8,12 @@ LSH (``attention/lsh.py``) per ``config.attn_layers``; the reversible machinery 
 Any length up to ``max_position_embeddings`` works in training and eval: inputs longer than the shortest chunk are
 padded inside to a multiple of the chunk lengths and cut back, and every example is computed as it would be alone
 (see ``chunked_local.py``), so padding a batch does not change its outputs.
+
+Mixed precision (``torch.autocast`` or ``model.to(bfloat16 / float16)``): mask logits fit the scores' dtype, LSH
+hashing and the rounds' softmax statistics compute in float32 (the fixed rotations stay a float32 buffer when the model
+is cast), and the reversible backward pass recomputes each layer under the forward's autocast state. With fixed
+rotations (``hash_seed``, or eval) every device hashes with the same numbers; fresh training rotations are drawn on the
+input's device.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from ...layers.heads import (
     HfxSequenceClassificationHeadMixin,
     causal_lm_loss,
 )
-from ...layers.input_checks import check_not_empty, check_token_ids
+from ...layers.input_checks import check_not_empty, check_token_ids, unpadded_to_none
 from ...layers.reversible import reversible_sequence
 from ...layers.text_model import HfxPreTrainedModel
 from .configuration_reformer import HfxReformerConfig
@@ -52,6 +58,13 @@ def chunked_over_positions(fn, hidden_states: torch.Tensor, chunk_size: int) -> 
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class HfxAxialWeights(nn.ParameterList):
+    """The two axial tables (checkpoint keys ``weights.0`` / ``weights.1``). A class of their own because
+    transformers initialises custom-code modules only where they hold parameters directly: the
+    :class:`HfxAxialPositionEmbeddings` around them holds none and is skipped, so ``_init_weights`` must recognise the
+    list itself (a plain ``ParameterList`` would leave them at their placeholder ones)."""
+
+
 class HfxAxialPositionEmbeddings(nn.Module):
     """Axial positions: position ``p`` of a ``(rows, cols)`` grid (``p = row * cols + col``) is
     ``[weights[0][row]; weights[1][col]]``, ``rows * d0 + cols * d1`` parameters instead of ``rows * cols * hidden``.
@@ -66,7 +79,7 @@ class HfxAxialPositionEmbeddings(nn.Module):
         self.dropout = config.hidden_dropout_prob
         rows, cols = self.shape
         dim0, dim1 = config.axial_pos_embds_dim
-        self.weights = nn.ParameterList(
+        self.weights = HfxAxialWeights(
             [nn.Parameter(torch.ones(rows, 1, dim0)), nn.Parameter(torch.ones(1, cols, dim1))]
         )
 
@@ -335,8 +348,8 @@ class HfxReformerPreTrainedModel(HfxPreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, HfxAxialPositionEmbeddings):
-            for weight in module.weights:
+        if isinstance(module, HfxAxialWeights):
+            for weight in module:
                 nn.init.normal_(weight, std=self.config.axial_norm_std)
         elif isinstance(module, HfxLSHSelfAttention):
             module.rotations.copy_(module.fixed_rotations(module.num_hashes))
@@ -429,7 +442,10 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
 
         start = cache.get_seq_length() if cache is not None else 0
         hidden = self.embeddings(input_ids, position_ids, inputs_embeds, start=start)
-        mask = None if attention_mask is None else attention_mask.bool()
+        # "Is anything padded" is read once here (one host read in eager mode); an all-ones mask becomes None, so no
+        # layer masks, and no layer reads mask values back.
+        attention_mask = unpadded_to_none(None if attention_mask is None else attention_mask.bool())
+        mask = attention_mask
         padded_lengths = None
         multiple = config.chunk_multiple
         # Traced graphs (torch.compile / torch.export) always pad, by 0 at a multiple: no branch on the remainder.
@@ -442,7 +458,7 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         if attention_mask is not None and start == 0:
             # The length each example would be padded to alone (see attention/chunked_local.py).
             positions = torch.arange(1, seq_len + 1, device=device)
-            extent = (attention_mask.bool() * positions).amax(-1).clamp(min=1)
+            extent = (attention_mask * positions).amax(-1).clamp(min=1)
             padded_lengths = torch.where(
                 extent > config.min_chunk_length, (extent + multiple - 1) // multiple * multiple, extent
             )
