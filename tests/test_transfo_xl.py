@@ -83,6 +83,10 @@ class TestTransfoXLConformance(TextModelConformance):
         (dict(div_val=64), "div_val"),
         (dict(dropout=1.0), "dropout"),
     ]
+    dropout_config = dict(dropout=0.1, dropatt=0.1)
+
+    def depth_config(self, num_layers: int) -> dict:
+        return {"n_layer": num_layers}
 
     def inputs_for(self, auto_name, batch=2, length=SEQ_LEN):
         inputs = super().inputs_for(auto_name, batch, length)
@@ -328,6 +332,31 @@ def test_adaptive_softmax_normalised_and_nll_consistent(div_val, d_embed, cutoff
     keep = target != -100
     torch.testing.assert_close(nll[keep], -logp[keep].gather(1, target[keep, None]).squeeze(1), atol=1e-5, rtol=0)
     assert nll[~keep].item() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["autocast", "weights"])
+def test_mixed_precision_adaptive_softmax_float32_attention_in_value_dtype(dtype, mode):
+    """Under autocast and with 16-bit weights, the adaptive softmax normalises in float32 (log-probabilities sum to 1
+    to float32 precision; a 16-bit log_softmax is off by ~1e-2) and the losses are float32; the attention's softmax
+    (float32, masked at the float32 minimum) comes back in the values' dtype, so its matmul does not mix dtypes."""
+    model = lm(div_val=2, dropatt=0.0)
+    if mode == "weights":
+        model = model.to(dtype)
+    ids = _ids(2, 12)
+    region = torch.autocast("cpu", dtype=dtype) if mode == "autocast" else torch.autocast("cpu", enabled=False)
+    with torch.no_grad(), region:
+        out = model(input_ids=ids, labels=ids, output_attentions=True)
+    assert out.logits.dtype == out.losses.dtype == out.loss.dtype == torch.float32
+    torch.testing.assert_close(out.logits.exp().sum(-1), torch.ones(2, 12), atol=1e-5, rtol=0)
+    picked = -out.logits[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(out.losses, picked, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        reference = lm(div_val=2, dropatt=0.0)(input_ids=ids, labels=ids)
+    assert abs(out.loss - reference.loss) < 0.05 * reference.loss
+    for probs in out.attentions:
+        assert probs.dtype == dtype and torch.isfinite(probs).all()
+        assert probs.shape[-2:] == (12, 12) and not probs.triu(1).any()  # future keys: exactly 0
 
 
 @pytest.mark.parametrize("overrides", [dict(div_val=1, d_embed=24), dict(div_val=1, cutoffs=[]), dict(div_val=4)])

@@ -34,10 +34,16 @@ from hf_xformers import (
     HfxUniversalForTokenClassification,
     HfxUniversalModel,
 )
-from hf_xformers.layers.act import HfxAdaptiveComputationTime, act_start, act_update, ponder_loss
-from hf_xformers.layers.recurrent_block import HfxUniversalCache, timing_signal
+from hf_xformers.layers.act import (
+    HfxAdaptiveComputationTime,
+    act_start,
+    act_update,
+    early_exit_enabled,
+    ponder_loss,
+)
+from hf_xformers.layers.recurrent_block import HfxUniversalCache, attention_mask_4d, timing_signal
 
-from .conformance import _TINY, NUM_LABELS, SEQ_LEN, VOCAB, TextModelConformance, _ids
+from .conformance import _TINY, NUM_LABELS, SEQ_LEN, VOCAB, HostReadCounter, TextModelConformance, _ids
 
 REPO = Path(__file__).resolve().parents[1]
 ATOL = 1e-5
@@ -66,7 +72,17 @@ class TestUniversalConformance(TextModelConformance):
         (dict(position_embedding_type="relative_key"), "position_embedding_type"),
         (dict(embedding_size=0), "embedding_size"),
         (dict(sepconv_second_kernel_size=0), "sepconv_second_kernel_size"),
+        (dict(act_early_exit="yes"), "act_early_exit"),
     ]
+
+    def depth_config(self, num_layers: int) -> dict:
+        # With ACT the depth is act_max_steps. The early exit reads one bool per step that ran (by default on the CPU
+        # only, where that read waits for no device; test_act_early_exit_* below counts it): with it off, nothing
+        # else is decided per step.
+        return {"act_max_steps": num_layers, "num_hidden_layers": num_layers, "act_early_exit": False}
+
+    def full_attention_config(self) -> dict:
+        return {}  # a bidirectional encoder: every query sees every key
 
     # The suite's versions compare `loss` with the task loss alone; ours adds the ponder loss (reported separately).
     def test_classification_problem_types(self):
@@ -113,6 +129,9 @@ class TestUniversalSepConvFixedConformance(TestUniversalConformance):
         "AutoModelForSequenceClassification": HfxUniversalForSequenceClassification,
     }
     bad_configs = TestUniversalConformance.bad_configs[:2]
+
+    def depth_config(self, num_layers: int) -> dict:
+        return {"num_hidden_layers": num_layers}  # fixed steps: no early exit, no read per step
 
     def test_classification_problem_types(self):
         pytest.skip("covered by the ACT variant")
@@ -258,6 +277,212 @@ def test_halting_bias_initialised_to_one_and_ponder_reported():
     # Without labels nothing is trained: no loss, but the ponder figures are still reported.
     plain = model(input_ids=ids)
     assert plain.loss is None and plain.ponder_loss is not None
+
+
+# ----- ACT under mixed precision, early exit ----------------------------------------------------------------------------
+
+
+def _steps_with_running_sum_in(dtype: torch.dtype, p: torch.Tensor, threshold: float, max_steps: int) -> torch.Tensor:
+    """Steps ``N`` per position for constant halting probabilities ``p``, with the running sum kept in ``dtype`` (the
+    ACT rule written out: halt at the step whose sum would exceed ``threshold``, or at ``max_steps``)."""
+    total = torch.zeros_like(p, dtype=dtype)
+    steps = torch.zeros_like(p, dtype=torch.long)
+    running = torch.ones_like(p, dtype=torch.bool)
+    for n in range(1, max_steps + 1):
+        halts = running & ((total + p.to(dtype) > threshold) | (n == max_steps))
+        steps = torch.where(halts, n, steps)
+        total = torch.where(running & ~halts, total + p.to(dtype), total)
+        running &= ~halts
+    return steps
+
+
+def test_act_bookkeeping_is_float32_under_autocast():
+    """A bfloat16 running sum gets the number of steps wrong (it rounds 0.99 to 0.988 and has steps of 2**-8 near 1);
+    act_update keeps its counters in float32 under bf16 autocast and, fed bf16 probabilities, does its sums in
+    float32: the step counts of a float64 computation on the same probabilities."""
+    g = torch.Generator().manual_seed(0)
+    p = 0.03 + 0.27 * torch.rand(1, 2048, generator=g)  # 4 to 33 steps
+    max_steps = 40
+    exact = _steps_with_running_sum_in(torch.float64, p.double(), 0.99, max_steps)
+    assert (_steps_with_running_sum_in(torch.bfloat16, p, 0.99, max_steps) != exact).float().mean() > 0.05
+    for probs in (p, p.bfloat16()):
+        reference = _steps_with_running_sum_in(torch.float64, probs.double(), 0.99, max_steps)
+        counters = act_start(torch.ones_like(p, dtype=torch.bool))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for step in range(max_steps):
+                counters, weights, _ = act_update(probs, counters, 0.99, last_step=step == max_steps - 1)
+                assert weights.dtype == torch.float32
+        assert all(c.dtype == torch.float32 for c in counters)
+        assert torch.equal(counters.n_updates.long(), reference)
+        # R = 1 - (sum of the N - 1 probabilities before the halting step).
+        expected_r = 1 - (reference - 1).double() * probs.double()
+        torch.testing.assert_close(counters.remainders.double(), expected_r, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_halting_unit_runs_in_float32(dtype):
+    """The halting logit is a float32 dot product under autocast and with half-precision weights (a bfloat16 logit is
+    rounded by up to 2**-8 of its size, enough to move a position across the threshold)."""
+    torch.manual_seed(0)
+    act = HfxAdaptiveComputationTime(32, act_epsilon=0.01, act_max_steps=4)
+    state = torch.randn(2, 7, 32)
+    unit = act.halting_unit
+    expected = torch.sigmoid(state @ unit.weight[0] + unit.bias[0])
+    with torch.autocast("cpu", dtype=dtype):
+        p = act.halting_probability(state)
+    assert p.dtype == torch.float32
+    torch.testing.assert_close(p, expected, atol=1e-7, rtol=0)
+    half = copy.deepcopy(act).to(dtype)
+    p = half.halting_probability(state.to(dtype))
+    exact = torch.sigmoid(
+        state.to(dtype).double() @ half.halting_unit.weight[0].double() + half.halting_unit.bias.double()
+    )
+    assert p.dtype == torch.float32
+    torch.testing.assert_close(p.double(), exact, atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_ponder_counts_match_float64_bookkeeping(dtype):
+    """A model with 16-bit weights: the halting probabilities it computes, summed in float64, give the steps and
+    remainders it reports; ponder outputs are float32."""
+    torch.manual_seed(0)
+    model = HfxUniversalModel(config(act_max_steps=8, act_halting_bias_init=-1.5)).eval().to(dtype)
+    act = model.encoder.act
+    seen = []
+    original = act.halting_probability
+
+    def recording(state):
+        seen.append(original(state))
+        return seen[-1]
+
+    act.halting_probability = recording
+    ids = _ids(2, 16, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask)
+    assert out.ponder_steps.dtype == out.ponder_remainders.dtype == out.ponder_loss.dtype == torch.float32
+    real = mask.bool()
+    total = torch.zeros(ids.shape, dtype=torch.float64)
+    steps = torch.zeros(ids.shape, dtype=torch.float64)
+    remainders = torch.zeros(ids.shape, dtype=torch.float64)
+    running = real.clone()
+    for n, p in enumerate(seen, start=1):
+        p = p.double()
+        halts = running & ((total + p > 0.99) | (n == act.max_steps))
+        steps += running.double()
+        remainders = torch.where(halts, 1 - total, remainders)
+        total = torch.where(running & ~halts, total + p, total)
+        running &= ~halts
+    assert not running.any() and steps.max() > 2  # several steps, so the sums matter
+    assert torch.equal(out.ponder_steps.double(), steps)
+    torch.testing.assert_close(out.ponder_remainders.double(), remainders, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.ponder_loss.double(), 0.01 * (steps + remainders)[real].mean(), atol=1e-6, rtol=0)
+
+
+def test_act_early_exit_reads_once_per_step_and_changes_nothing():
+    """By default the ACT loop leaves early on the CPU only, reading one bool per step that ran (a synchronisation
+    per step on a GPU, where it is off unless act_early_exit=True); the result is the full loop's, bit for bit."""
+    ids = _ids(2, 10, seed=2)
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0
+    counts, outs = {}, {}
+    for setting in (None, False):
+        for max_steps in (3, 8):
+            torch.manual_seed(0)
+            model = HfxUniversalModel(config(act_max_steps=max_steps, act_early_exit=setting)).eval()
+            with torch.no_grad(), HostReadCounter() as counter:
+                outs[setting, max_steps] = model(input_ids=ids, attention_mask=mask)
+            counts[setting, max_steps] = counter.count
+    assert counts[False, 3] == counts[False, 8]
+    ran = int(outs[None, 8].ponder_steps.max())
+    assert ran == 2 < 8  # halting bias 1: p near 0.73, so every position halts at step 2
+    assert counts[None, 8] == counts[False, 8] + ran  # one read after each step, the exit at the second
+    for max_steps in (3, 8):
+        early, full = outs[None, max_steps], outs[False, max_steps]
+        assert torch.equal(early.last_hidden_state, full.last_hidden_state)
+        assert torch.equal(early.ponder_steps, full.ponder_steps)
+    assert early_exit_enabled(None, torch.device("cpu")) and not early_exit_enabled(None, torch.device("cuda"))
+    assert early_exit_enabled(True, torch.device("cuda")) and not early_exit_enabled(False, torch.device("cpu"))
+
+
+# ----- masks: none where nothing is masked (SDPA's fused kernels) -------------------------------------------------------
+
+
+def _record_sdpa(monkeypatch, explicit: bool = False) -> list[tuple]:
+    """Replace SDPA by a recorder of ``(attn_mask, is_causal)``. With ``explicit``, calls without a mask get the
+    equivalent explicit one (all keys, or the lower triangle for is_causal): the masked computation to compare with."""
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((attn_mask, is_causal))
+        if explicit and attn_mask is None:
+            attn_mask = attention_mask_4d(None, q.shape[-2], k.shape[-2] - q.shape[-2], is_causal, q.device)
+            if attn_mask is None:
+                attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
+            is_causal = False
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    return calls
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(transition="sepconv", use_act=False, num_hidden_layers=3)])
+def test_unpadded_inputs_reach_sdpa_without_masks(monkeypatch, overrides):
+    """An unpadded encoder pass calls SDPA with no mask; an uncached unpadded causal pass with is_causal=True and no
+    mask; one cached token with neither; a seq2seq decoder's cross-attention to an unpadded source with no mask;
+    padding still gives masks. Outputs equal the explicitly masked computation."""
+    ids = _ids(2, 12, seed=4)
+    ones = torch.ones_like(ids)
+    padded = ones.clone()
+    padded[0, :3] = 0
+    encoder = HfxUniversalModel(config(**overrides)).eval()
+    lm = causal_lm(**overrides)
+    s2s = seq2seq(**overrides)
+    tgt = _ids(2, 5, seed=5)
+    runs = {
+        "encoder": lambda m: encoder(input_ids=ids, attention_mask=m).last_hidden_state,
+        "causal": lambda m: lm(input_ids=ids, attention_mask=m).logits,
+        "seq2seq": lambda m: s2s(input_ids=ids, attention_mask=m, decoder_input_ids=tgt).logits,
+    }
+    for name, run in runs.items():
+        calls = _record_sdpa(monkeypatch)
+        with torch.no_grad():
+            out = run(ones)
+        assert calls and all(mask is None for mask, _ in calls), name
+        if name == "encoder":
+            assert not any(causal for _, causal in calls)
+        elif name == "causal":
+            assert all(causal for _, causal in calls)
+        else:  # per step: encoder self-attention, then decoder self- and cross-attention
+            steps = s2s.config.num_recurrent_steps
+            assert sum(causal for _, causal in calls) <= steps < len(calls)
+        calls = _record_sdpa(monkeypatch, explicit=True)
+        with torch.no_grad():
+            masked = run(ones)
+        torch.testing.assert_close(out, masked, atol=1e-6, rtol=0)
+        calls = _record_sdpa(monkeypatch)
+        with torch.no_grad():
+            run(padded)
+        assert any(mask is not None for mask, _ in calls), name
+        if name != "seq2seq":  # (a padded source leaves the unpadded decoder's self-attention causal)
+            assert not any(causal for _, causal in calls), name
+    # The eager path behind output_attentions builds the causal mask itself.
+    with torch.no_grad():
+        plain = lm(input_ids=ids, attention_mask=ones)
+        eager = lm(input_ids=ids, attention_mask=ones, output_attentions=True)
+    torch.testing.assert_close(eager.logits, plain.logits, atol=ATOL, rtol=0)  # matmul/softmax vs SDPA
+    assert eager.attentions and all(not a.triu(1).any() for a in eager.attentions)
+    # Cached decoding: the first (uncached) chunk is causal without a mask, a single new token needs none.
+    calls = _record_sdpa(monkeypatch)
+    cache = HfxUniversalCache()
+    with torch.no_grad():
+        lm(input_ids=ids[:, :8], attention_mask=ones[:, :8], past_key_values=cache, use_cache=True)
+        first = list(calls)
+        calls.clear()
+        lm(input_ids=ids[:, 8:9], attention_mask=ones[:, :9], past_key_values=cache)
+    assert first and all(mask is None and causal for mask, causal in first)
+    assert calls and all(mask is None and not causal for mask, causal in calls)
 
 
 # ----- fixed steps = a plain Transformer with one shared layer --------------------------------------------------------

@@ -21,7 +21,15 @@ it cannot influence halting or the ponder loss ``weight * mean(N + R)`` over rea
 
 The loop always has ``max_steps`` iterations at most, written with masks only; an optional early exit, once no
 position runs, is a Python check on a tensor and so is skipped while ``torch.compile`` traces (the exit changes no
-output: every remaining update weight would be 0).
+output: every remaining update weight would be 0). That check reads one value back per step that ran: on a GPU a
+device-to-host synchronisation per step, on the CPU a plain memory read. Callers choose where it runs
+(:func:`early_exit_enabled`, ``config.act_early_exit``).
+
+Precision: the halting unit, the counters (summed probabilities, remainders, step counts), the update weights and the
+ponder loss are float32 whatever the model's dtype and autocast say. A 16-bit running sum cannot hold the threshold
+``1 - epsilon``: bfloat16 rounds 0.99 to 0.98828 and has steps of 2**-8 just below 1, so sums near the threshold
+round across it and positions halt a step early or late. The state update itself runs in the state's dtype (see
+:meth:`HfxAdaptiveComputationTime.forward`).
 """
 
 from __future__ import annotations
@@ -30,7 +38,11 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from .input_checks import is_tracing
+from .precision import float32_autocast_off
 
 
 class ActBookkeeping(NamedTuple):
@@ -56,7 +68,7 @@ def act_update(
     """One ACT step's bookkeeping.
 
     Args:
-        p: ``(batch, seq_len)`` halting probabilities of this step (float32).
+        p: ``(batch, seq_len)`` halting probabilities of this step (any float dtype; the bookkeeping is float32).
         counters: the counters after the previous step.
         threshold: ``1 - act_epsilon``.
         last_step: this is step ``max_steps``: every position still running halts now.
@@ -67,6 +79,8 @@ def act_update(
         running after this step.
     """
     halting_probability, remainders, n_updates = counters
+    # Comparisons of a 16-bit tensor with the threshold round the threshold to 16 bits too: keep everything float32.
+    p = p.float()
     running = halting_probability < 1.0
     would_reach = halting_probability + p * running
     halts_now = running & (would_reach > threshold)
@@ -115,9 +129,15 @@ class HfxAdaptiveComputationTime(nn.Module):
         self.max_steps = act_max_steps
 
     def halting_probability(self, state: torch.Tensor) -> torch.Tensor:
-        """``(batch, seq_len, hidden)`` -> ``(batch, seq_len)`` float32 probabilities (the bookkeeping runs in float32
-        so that the threshold comparison does not depend on the model's dtype)."""
-        return torch.sigmoid(self.halting_unit(state).squeeze(-1).float())
+        """``(batch, seq_len, hidden)`` -> ``(batch, seq_len)`` float32 probabilities.
+
+        The ``hidden -> 1`` projection runs in float32 (autocast off, weights and state cast up): a bfloat16 logit is
+        rounded by up to 2**-8 of its size, which moves ``p`` by enough to change the step at which a position crosses
+        the threshold. It costs one dot product per position."""
+        unit = self.halting_unit
+        with float32_autocast_off(state.device.type):
+            logits = F.linear(state.float(), unit.weight.float(), unit.bias.float())
+        return torch.sigmoid(logits.squeeze(-1))
 
     def forward(
         self,
@@ -136,8 +156,10 @@ class HfxAdaptiveComputationTime(nn.Module):
             prepare: ``prepare(state, step)`` -> the block's input at ``step`` (0-based): the state plus the position
                 and timestep signals. The halting unit reads this too.
             block: ``block(x, step)`` -> ``(new_state, *extras)``.
-            stop_early: leave the loop once no position runs (eager mode only; outputs are the same). Callers that
-                fill a cache for later tokens pass False, so every step's keys and values exist.
+            stop_early: leave the loop once no position runs (eager mode only; outputs are the same). It reads one
+                bool back after every step but the last (a host synchronisation per step on a GPU; see
+                :func:`early_exit_enabled`). Callers that fill a cache for later tokens pass False, so every step's
+                keys and values exist.
             keep_step_states: also return the ACT state after every step.
         """
         counters = act_start(real_mask)
@@ -148,13 +170,17 @@ class HfxAdaptiveComputationTime(nn.Module):
             p = self.halting_probability(x)
             counters, weights, still_running = act_update(p, counters, self.threshold, step == self.max_steps - 1)
             new_state, *extras = block(x, step)
+            # The mix runs in the state's dtype: rounding w to it costs what rounding the state itself costs (2**-8
+            # relative in bfloat16), once per step and scaled down by later (1 - w) factors, so it does not build up
+            # like the threshold sums do. 1 - w is taken after the rounding, so the two shares still sum to exactly 1.
             w = weights.unsqueeze(-1).to(new_state.dtype)
             accumulated = new_state * w + accumulated * (1 - w)
             state = new_state
             if keep_step_states:
                 step_states.append(accumulated)
             step_extras.append(tuple(extras))
-            if stop_early and not torch.compiler.is_compiling() and not bool(still_running.any()):
+            last = step == self.max_steps - 1
+            if stop_early and not last and not is_tracing() and not bool(still_running.any()):
                 break
         return ActOutput(accumulated, counters.n_updates, counters.remainders, tuple(step_states), tuple(step_extras))
 
@@ -162,7 +188,22 @@ class HfxAdaptiveComputationTime(nn.Module):
 def ponder_loss(
     ponder_steps: torch.Tensor, remainders: torch.Tensor, real_mask: torch.Tensor, weight: float
 ) -> torch.Tensor:
-    """``weight * mean(N + R)`` over real positions (``real_mask`` True); 0 when there are none. Only ``R`` carries a
-    gradient (through the halting probabilities), as in the ACT paper."""
-    total = ((ponder_steps + remainders) * real_mask).sum()
+    """``weight * mean(N + R)`` over real positions (``real_mask`` True); 0 when there are none. A float32 scalar (the
+    counters are float32; a 16-bit sum over many positions of values near ``act_max_steps`` would lose the ``R``
+    part). Only ``R`` carries a gradient (through the halting probabilities), as in the ACT paper."""
+    total = ((ponder_steps.float() + remainders.float()) * real_mask).sum()
     return weight * total / real_mask.sum().clamp(min=1)
+
+
+def early_exit_enabled(setting: bool | None, device: torch.device) -> bool:
+    """Whether the ACT loop may leave early (``stop_early``) for inputs on ``device``.
+
+    ``setting`` is ``config.act_early_exit``: True, always (one host read per step that ran; on a GPU each is a
+    synchronisation, worth it when whole batches halt well before ``act_max_steps``, e.g. small-batch inference);
+    False, never (every forward runs ``act_max_steps`` steps with masks, as traced graphs do); None (the default), on
+    the CPU only, where the read waits for no device and the skipped steps are saved compute (at the initial halting
+    bias positions halt after 2 steps, so 10 of the default 12 steps are skipped).
+    """
+    if setting is None:
+        return device.type == "cpu"
+    return bool(setting)

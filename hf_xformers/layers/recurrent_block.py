@@ -36,7 +36,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..attention.base import QKVProjection, merge_heads, split_heads
-from .act import HfxAdaptiveComputationTime
+from .act import HfxAdaptiveComputationTime, early_exit_enabled
 from .encoder import HfxDenseResidual, HfxIntermediate
 
 TRANSITIONS = ("ffn", "sepconv")
@@ -125,7 +125,13 @@ class HfxUniversalCache:
 
 class HfxUniversalAttention(QKVProjection):
     """Multi-head attention of the shared block: self-attention (bidirectional or causal, extended by the cache) or,
-    with ``key_value_states``, attention to the encoder states. ``attentions``: ``(batch, heads, query, keys)``."""
+    with ``key_value_states``, attention to the encoder states. ``attentions``: ``(batch, heads, query, keys)``.
+
+    Masks reach SDPA only where something is masked: an unpadded bidirectional pass gets none, and an uncached
+    unpadded causal pass ``is_causal=True`` instead of a ``(query, keys)`` mask, so that SDPA can pick its fused
+    (flash) kernels, which take no explicit mask. Scores and probabilities are in the inputs' dtype (the autocast
+    dtype under autocast); the eager ``output_attentions`` path takes its softmax in float32.
+    """
 
     def __init__(self, config) -> None:
         super().__init__(config.hidden_size, config.num_attention_heads)
@@ -139,9 +145,12 @@ class HfxUniversalAttention(QKVProjection):
         step: int = 0,
         cache: HfxUniversalCache | None = None,
         output_attentions: bool = False,
+        is_causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``hidden_states`` ``(batch, query, hidden)``; ``attention_mask`` bool ``(batch or 1, 1, query, keys)``.
-        Returns the context ``(batch, query, hidden)`` (before the output projection) and the probabilities or None."""
+        """``hidden_states`` ``(batch, query, hidden)``; ``attention_mask`` bool ``(batch or 1, 1, query, keys)`` or
+        None; ``is_causal``: causal self-attention with ``attention_mask`` None and no earlier tokens (query ``i``
+        sees keys ``0..i``). Returns the context ``(batch, query, hidden)`` (before the output projection) and the
+        probabilities or None."""
         if key_value_states is None:
             q, k, v = (split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
             if cache is not None:
@@ -157,10 +166,15 @@ class HfxUniversalAttention(QKVProjection):
                     cache.cross_key_value = (k, v)
         dropout = self.dropout_p if self.training else 0.0
         if not output_attentions:
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout)
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal
+            )
             return merge_heads(context), None
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
+        if is_causal:
+            attention_mask = attention_mask_4d(None, q.shape[2], k.shape[2] - q.shape[2], True, q.device)
         if attention_mask is not None:
+            # -inf fits every dtype, and attention_mask_4d leaves every row at least one key: no NaN rows.
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return merge_heads(torch.matmul(F.dropout(probs, dropout, self.training), v)), probs
@@ -182,8 +196,11 @@ class HfxUniversalAttentionBlock(nn.Module):
         step: int = 0,
         cache: HfxUniversalCache | None = None,
         output_attentions: bool = False,
+        is_causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        context, probs = self.self(hidden_states, attention_mask, key_value_states, step, cache, output_attentions)
+        context, probs = self.self(
+            hidden_states, attention_mask, key_value_states, step, cache, output_attentions, is_causal
+        )
         return self.output(context, hidden_states), probs
 
 
@@ -289,12 +306,14 @@ class HfxUniversalLayer(GradientCheckpointingLayer):
         step: int = 0,
         past_key_values: HfxUniversalCache | None = None,
         output_attentions: bool = False,
+        is_causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One application of the block.
 
         Args:
             hidden_states: ``(batch, seq, hidden)``, the state with this step's signals added.
-            attention_mask: bool ``(batch or 1, 1, seq, keys)`` (see :func:`attention_mask_4d`) or None.
+            attention_mask: bool ``(batch or 1, 1, seq, keys)`` (see :func:`attention_mask_4d`) or None (no mask).
+            is_causal: causal self-attention without a mask (``attention_mask`` None, no cached tokens).
             nonpadding: ``(batch, seq, 1)`` 1/0 mask for the separable convolutions, or None.
             encoder_hidden_states: ``(batch, src_len, hidden)`` for cross-attention (decoders of seq2seq models).
             encoder_attention_mask: bool ``(batch, 1, 1, src_len)`` or None.
@@ -304,7 +323,7 @@ class HfxUniversalLayer(GradientCheckpointingLayer):
             ``(new_state, self-attention probabilities or None, cross-attention probabilities or None)``.
         """
         attended, self_probs = self.attention(
-            hidden_states, attention_mask, None, step, past_key_values, output_attentions
+            hidden_states, attention_mask, None, step, past_key_values, output_attentions, is_causal
         )
         cross_probs = None
         if self.crossattention is not None:
@@ -355,13 +374,17 @@ class HfxUniversalRecurrentEncoder(nn.Module):
         past_key_values: HfxUniversalCache | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        is_causal: bool = False,
+        padded: bool = True,
     ) -> RecurrenceOutput:
         """Run the recurrence.
 
         Args:
             hidden_states: ``(batch, seq, hidden)`` embeddings.
             real_mask: ``(batch, seq)`` bool, False at padding (padding never runs under ACT).
-            attention_mask: bool ``(batch or 1, 1, seq, keys)`` or None.
+            attention_mask: bool ``(batch or 1, 1, seq, keys)`` or None (no mask).
+            is_causal: causal self-attention without a mask (see :class:`HfxUniversalAttention`).
+            padded: whether ``real_mask`` may hold False (else the separable convolutions skip zeroing padding).
             position_ids: ``(batch, seq)`` position of each token (for the sinusoidal position signal).
             encoder_hidden_states, encoder_attention_mask, past_key_values: see :class:`HfxUniversalLayer`.
         Returns:
@@ -377,7 +400,7 @@ class HfxUniversalRecurrentEncoder(nn.Module):
         if config.add_timestep_signal:
             steps = torch.arange(config.num_recurrent_steps, device=hidden_states.device)
             step_signals = timing_signal(steps, config.hidden_size).to(dtype)
-        nonpadding = real_mask.unsqueeze(-1).to(dtype) if self.layer.use_sepconv else None
+        nonpadding = real_mask.unsqueeze(-1).to(dtype) if self.layer.use_sepconv and padded else None
 
         def prepare(state: torch.Tensor, step: int) -> torch.Tensor:
             if position_signal is not None:
@@ -390,14 +413,18 @@ class HfxUniversalRecurrentEncoder(nn.Module):
             # Positional tensors: reentrant gradient checkpointing only propagates gradients through those.
             return self.layer(
                 x, attention_mask, nonpadding, encoder_hidden_states, encoder_attention_mask,
-                step=step, past_key_values=past_key_values, output_attentions=output_attentions,
+                step=step, past_key_values=past_key_values, output_attentions=output_attentions, is_causal=is_causal,
             )  # fmt: skip
 
         all_hidden = (hidden_states,) if output_hidden_states else None
         if self.act is not None:
             # Early exit changes no output, but a cache must hold every step for the tokens still to come, and the
             # per-step outputs have a fixed length when asked for.
-            stop_early = past_key_values is None and not (output_attentions or output_hidden_states)
+            stop_early = (
+                past_key_values is None
+                and not (output_attentions or output_hidden_states)
+                and early_exit_enabled(config.act_early_exit, hidden_states.device)
+            )
             out = self.act(hidden_states, real_mask, prepare, block, stop_early, output_hidden_states)
             state, steps, remainders = out.state, out.ponder_steps, out.remainders
             if output_hidden_states:

@@ -26,6 +26,11 @@ class HfxUniversalConfig(HfxTextConfig):
             the task loss when ``labels`` are given (always reported as ``ponder_loss``).
         act_halting_bias_init (`float`, defaults to 1.0): initial bias ``b`` of the halting unit
             ``p = sigmoid(W s + b)``; 1.0 as in tensor2tensor (``p`` starts near 0.73, so positions halt after 2 steps).
+        act_early_exit (`bool`, *optional*): whether an eager forward leaves the ACT loop once every position has
+            halted (the outputs are the same either way). Deciding it reads one value back per step: on a GPU a
+            device-to-host synchronisation per step. None (the default): on the CPU only, where the read waits for no
+            device; True: on every device (worth it when whole batches halt well before ``act_max_steps``); False:
+            never (every forward runs ``act_max_steps`` steps, as compiled graphs always do).
         transition (`str`, defaults to ``"ffn"``): the block's transition function: ``"ffn"``, the position-wise
             feed-forward network ``dense(act(dense(x)))``; ``"sepconv"``, the paper's separable convolutions
             ``sepconv_k2(relu(sepconv_k1(x)))`` over the sequence (centred in encoders, causal in decoders).
@@ -56,6 +61,7 @@ class HfxUniversalConfig(HfxTextConfig):
     act_epsilon: float = 0.01
     act_loss_weight: float = 0.01
     act_halting_bias_init: float = 1.0
+    act_early_exit: bool | None = None
     transition: str = "ffn"
     sepconv_first_kernel_size: int = 3
     sepconv_second_kernel_size: int = 5
@@ -99,6 +105,10 @@ class HfxUniversalConfig(HfxTextConfig):
             or self.act_loss_weight < 0
         ):
             raise ValueError(f"act_loss_weight must be a number >= 0, got {self.act_loss_weight!r}.")
+        if self.act_early_exit is not None and not isinstance(self.act_early_exit, bool):
+            raise ValueError(
+                f"act_early_exit must be None (early exit on the CPU only), True or False, got {self.act_early_exit!r}."
+            )
         if self.transition not in TRANSITIONS:
             raise ValueError(f"transition must be one of {TRANSITIONS}, got {self.transition!r}.")
         for name in ("sepconv_first_kernel_size", "sepconv_second_kernel_size"):

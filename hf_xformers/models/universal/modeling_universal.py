@@ -42,7 +42,7 @@ from ...layers.heads import (
     sequence_classification_loss,
     token_cross_entropy,
 )
-from ...layers.input_checks import check_not_empty, check_token_ids, check_type_ids
+from ...layers.input_checks import check_not_empty, check_token_ids, check_type_ids, unpadded_to_none
 from ...layers.recurrent_block import (
     HfxSeparableConv1d,
     HfxUniversalCache,
@@ -313,7 +313,9 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
 
         batch, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
-        key_mask = attention_mask.bool() if attention_mask is not None else None
+        # "Is anything padded?" is decided here, once per forward (one host read in eager mode): below, None means no
+        # padding, and the attention gets no mask (or is_causal) so that SDPA can use its fused kernels.
+        key_mask = unpadded_to_none(attention_mask.bool()) if attention_mask is not None else None
         real_mask = (
             key_mask[:, past_len:]
             if key_mask is not None
@@ -326,13 +328,20 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
                 position_ids = torch.arange(past_len, past_len + length, device=device).expand(batch, -1)
 
         hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
-        mask = attention_mask_4d(key_mask, length, past_len, bool(config.is_decoder), device)
+        causal = bool(config.is_decoder)
+        # An uncached causal pass without padding is SDPA's own is_causal (top-left aligned, which is right only
+        # when there are no earlier tokens); one new token after a cache sees every key and needs no mask at all.
+        is_causal = causal and key_mask is None and past_len == 0
+        if is_causal or (causal and key_mask is None and past_key_values is not None and length == 1):
+            mask = None
+        else:
+            mask = attention_mask_4d(key_mask, length, past_len, causal, device)
         cross_mask = None
         if encoder_hidden_states is not None and encoder_attention_mask is not None:
-            cross_mask = attention_mask_4d(encoder_attention_mask.bool(), 1, 0, False, device)
+            cross_mask = attention_mask_4d(unpadded_to_none(encoder_attention_mask.bool()), 1, 0, False, device)
         out = self.encoder(
             hidden, real_mask, mask, position_ids, encoder_hidden_states, cross_mask, past_key_values,
-            output_attentions, output_hidden_states,
+            output_attentions, output_hidden_states, is_causal=is_causal, padded=key_mask is not None,
         )  # fmt: skip
         loss = None
         if config.use_act:
