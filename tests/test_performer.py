@@ -252,11 +252,11 @@ def test_blocked_attention_equals_the_unblocked_form(block_size):
 
 
 @pytest.mark.parametrize("length", [1, 63, 64, 150])
-def test_causal_prefix_sums_equal_quadratic_masked_form(length):
-    q, k, v = qkv(length=length)
-    mask = torch.ones(2, length, dtype=torch.bool)
+def test_causal_prefix_sums_equal_quadratic_masked_form(length, device):
+    q, k, v = (t.to(device) for t in qkv(length=length))
+    mask = torch.ones(2, length, dtype=torch.bool, device=device)
     mask[1, length // 2 + 1 :] = False
-    projection = draw_random_features(48, 16, torch.Generator().manual_seed(2))
+    projection = draw_random_features(48, 16, torch.Generator().manual_seed(2)).to(device)
     qf = softmax_kernel_features(q, projection, is_query=True)
     kf = softmax_kernel_features(k, projection, is_query=False, key_mask=mask)
     fast = causal_linear_attention(qf, kf, v, chunk_size=64, query_eps=1e-6)

@@ -147,15 +147,16 @@ VARIANTS = {
 
 @pytest.mark.parametrize("stack", sorted(LAYER_STACKS))
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_model_matches_transformers(stack, variant):
+def test_model_matches_transformers(stack, variant, device, device_atol):
     ref, ours = pair(transformers.ReformerModel, HfxReformerModel, attn_layers=LAYER_STACKS[stack], **VARIANTS[variant])
+    ref, ours = ref.to(device), ours.to(device)
     # 24 and 32: chunk multiples; 21 and 13: padded inside both models; 6: no longer than a chunk.
     for length in (24, 32, 21, 13, 6):
-        ids = _ids(2, length, seed=length)
+        ids = _ids(2, length, seed=length).to(device)
         with torch.no_grad():
             expected = ref(ids).last_hidden_state
             got = ours(ids).last_hidden_state
-        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=f"length {length}")
+        torch.testing.assert_close(got, expected, atol=device_atol, rtol=0, msg=f"length {length}")
 
 
 @pytest.mark.parametrize("stack", sorted(LAYER_STACKS))

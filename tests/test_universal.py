@@ -493,7 +493,7 @@ def reference_shared_transformer(model: HfxUniversalModel, ids, mask, sinusoid: 
     our weights copied in; with ``sinusoid``, the position signal (written out here) is added before every layer."""
     cfg = model.config
     emb = model.embeddings
-    positions = torch.arange(ids.shape[1])[None].expand_as(ids)
+    positions = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
     x = emb.word_embeddings(ids) + emb.token_type_embeddings(torch.zeros_like(ids))
     if not sinusoid:
         x = x + emb.position_embeddings(positions)
@@ -501,7 +501,7 @@ def reference_shared_transformer(model: HfxUniversalModel, ids, mask, sinusoid: 
     layer = nn.TransformerEncoderLayer(
         cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size, dropout=0.0, activation="gelu",
         layer_norm_eps=cfg.layer_norm_eps, batch_first=True,
-    ).eval()  # fmt: skip
+    ).eval().to(ids.device)  # fmt: skip
     ours = model.encoder.layer
     att = ours.attention.self
     with torch.no_grad():
@@ -513,7 +513,7 @@ def reference_shared_transformer(model: HfxUniversalModel, ids, mask, sinusoid: 
         layer.linear2.load_state_dict(ours.output.dense.state_dict())
         layer.norm2.load_state_dict(ours.output.LayerNorm.state_dict())
     half = cfg.hidden_size // 2
-    inv = torch.exp(torch.arange(half) * -(math.log(1e4) / (half - 1)))
+    inv = torch.exp(torch.arange(half, device=ids.device) * -(math.log(1e4) / (half - 1)))
     signal = torch.cat([torch.sin(positions[..., None] * inv), torch.cos(positions[..., None] * inv)], -1)
     with torch.no_grad():
         for _ in range(cfg.num_hidden_layers):
@@ -522,7 +522,7 @@ def reference_shared_transformer(model: HfxUniversalModel, ids, mask, sinusoid: 
 
 
 @pytest.mark.parametrize("sinusoid", [False, True])
-def test_fixed_steps_without_timestep_signal_equal_shared_layer_transformer(sinusoid):
+def test_fixed_steps_without_timestep_signal_equal_shared_layer_transformer(sinusoid, device, device_atol):
     torch.manual_seed(0)
     cfg = config(
         use_act=False, num_hidden_layers=3, add_timestep_signal=False, hidden_act="gelu",
@@ -532,14 +532,14 @@ def test_fixed_steps_without_timestep_signal_equal_shared_layer_transformer(sinu
     with torch.no_grad():
         for p in model.parameters():  # move LayerNorms and biases off their 1 / 0 initial values
             p.add_(torch.randn_like(p) * 0.05)
-    ids = _ids(2, 11, seed=2)
+    model, ids = model.to(device), _ids(2, 11, seed=2).to(device)
     mask = torch.ones_like(ids)
     mask[1, 8:] = 0
     with torch.no_grad():
         ours = model(input_ids=ids, attention_mask=mask).last_hidden_state
     ref = reference_shared_transformer(model, ids, mask, sinusoid)
     real = mask.bool()
-    torch.testing.assert_close(ours[real], ref[real], atol=ATOL, rtol=0)
+    torch.testing.assert_close(ours[real], ref[real], atol=device_atol, rtol=0)
     # The timestep signal changes the function (and is what the fixed-step model adds by default).
     with torch.no_grad():
         timestep_config = copy.deepcopy(cfg)
