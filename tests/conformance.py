@@ -205,6 +205,25 @@ class TextModelConformance:
         with pytest.raises(ValueError, match="num_labels"):
             single(**inputs, labels=torch.tensor([0, NUM_LABELS], device=self.device))
 
+    def test_mean_pooling_classifier(self):
+        """``classifier_pooling="mean"``: the head reads the mean of the real tokens, so right padding changes
+        nothing, and an unknown pooling is a ValueError."""
+        head = self.heads.get("AutoModelForSequenceClassification")
+        if head is None:
+            pytest.skip("no sequence classification head")
+        model = self.make_model("AutoModelForSequenceClassification", classifier_pooling="mean")
+        ids = _ids(1, SEQ_LEN - 6, seed=8).to(self.device)
+        padded = torch.cat([ids, torch.full((1, 6), self.pad_token_id, device=self.device)], dim=1)
+        mask = (torch.arange(SEQ_LEN, device=self.device) < SEQ_LEN - 6).long()[None]
+        with torch.no_grad():
+            alone = model(input_ids=ids).logits
+            batched = model(input_ids=padded, attention_mask=mask).logits
+            first = self.make_model("AutoModelForSequenceClassification")(input_ids=ids).logits
+        torch.testing.assert_close(batched, alone, atol=self.atol, rtol=0)
+        assert not torch.allclose(first, alone)  # a different readout of the same weights
+        with pytest.raises(ValueError, match="classifier_pooling"):
+            head(self.make_config(classifier_pooling="max"))
+
     # ----- Auto classes and serialisation ----------------------------------------------------------
     def test_auto_resolution(self):
         model_type = self.config_class.model_type

@@ -39,18 +39,46 @@ class HfxLMHead(nn.Module):
         return self.decoder(self.layer_norm(gelu(self.dense(hidden_states))))
 
 
+CLASSIFIER_POOLINGS = ("first", "mean")
+
+
+def pool_tokens(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, pooling: str) -> torch.Tensor:
+    """One vector per sequence: ``(batch, seq_len, hidden)`` -> ``(batch, hidden)``.
+
+    ``"first"``: the first token (RoBERTa's ``<s>``). ``"mean"``: the mean over real tokens (``attention_mask``
+    ``(batch, seq_len)``, 1 = real; all tokens when None), as the Long Range Arena's models pool.
+    """
+    if pooling == "first":
+        return hidden_states[:, 0]
+    if attention_mask is None:
+        return hidden_states.mean(1)
+    weights = attention_mask.to(hidden_states.dtype)[..., None]
+    return (hidden_states * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+
+
+def classifier_pooling(config) -> str:
+    """``config.classifier_pooling`` (``"first"`` when unset), checked against :data:`CLASSIFIER_POOLINGS`."""
+    pooling = getattr(config, "classifier_pooling", None) or "first"
+    if pooling not in CLASSIFIER_POOLINGS:
+        raise ValueError(f"classifier_pooling must be one of {CLASSIFIER_POOLINGS}, got {pooling!r}.")
+    return pooling
+
+
 class HfxClassificationHead(nn.Module):
-    """RoBERTa's sentence head on the first token: ``out_proj(dropout(tanh(dense(dropout(h[:, 0])))))``."""
+    """RoBERTa's sentence head: ``out_proj(dropout(tanh(dense(dropout(pooled)))))``, ``pooled`` the first token or,
+    with ``config.classifier_pooling = "mean"``, the mean of the real tokens (:func:`pool_tokens`)."""
 
     def __init__(self, config, in_features: int | None = None) -> None:
         super().__init__()
+        self.pooling = classifier_pooling(config)
         self.dense = nn.Linear(in_features or config.hidden_size, config.hidden_size)
         dropout = getattr(config, "classifier_dropout", None)
         self.dropout = nn.Dropout(config.hidden_dropout_prob if dropout is None else dropout)
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        x = torch.tanh(self.dense(self.dropout(hidden_states[:, 0])))
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``(batch, seq_len, hidden)`` (and the ``(batch, seq_len)`` mask for mean pooling) -> ``(batch, num_labels)``."""
+        x = torch.tanh(self.dense(self.dropout(pool_tokens(hidden_states, attention_mask, self.pooling))))
         return self.out_proj(self.dropout(x))
 
 
@@ -199,7 +227,8 @@ class HfxMaskedLMHeadMixin(HfxLMHeadMixin):
 
 
 class HfxSequenceClassificationHeadMixin(HfxHeadMixin):
-    """Sentence (pair) classification or regression from the first token; see :func:`sequence_classification_loss`."""
+    """Sentence (pair) classification or regression from the first token (or the mean of the tokens, with
+    ``config.classifier_pooling = "mean"``); see :func:`sequence_classification_loss`."""
 
     task = "sequence_classification"
 
@@ -227,7 +256,7 @@ class HfxSequenceClassificationHeadMixin(HfxHeadMixin):
             input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
         )  # fmt: skip
-        logits = self.classifier(out.last_hidden_state)
+        logits = self.classifier(out.last_hidden_state, attention_mask)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
         result = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions

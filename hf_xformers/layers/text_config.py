@@ -21,6 +21,8 @@ class HfxTextConfig(PreTrainedConfig):
             ``RobertaConfig``.
         max_position_embeddings (`int`, defaults to 4098): rows of the position table; with RoBERTa's offset the
             model takes ``max_position_embeddings - pad_token_id - 1`` tokens (4096 by default).
+        classifier_pooling (`str`, defaults to ``"first"``): what the sequence-classification head reads, the first
+            token (RoBERTa) or ``"mean"``, the mean of the real tokens (the Long Range Arena's models).
     """
 
     vocab_size: int = 50265
@@ -41,9 +43,12 @@ class HfxTextConfig(PreTrainedConfig):
     eos_token_id: int | None = 2
     sep_token_id: int | None = 2
     tie_word_embeddings: bool = True
+    classifier_pooling: str = "first"
 
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)
+        if self.classifier_pooling not in ("first", "mean"):
+            raise ValueError(f"classifier_pooling must be 'first' or 'mean', got {self.classifier_pooling!r}.")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "

@@ -28,7 +28,7 @@ from ...attention.relative_memory import (
     sinusoid_positions,
 )
 from ...layers.adaptive import HfxAdaptiveEmbedding, HfxAdaptiveLogSoftmax
-from ...layers.heads import sequence_classification_loss
+from ...layers.heads import pool_tokens, sequence_classification_loss
 from ...layers.input_checks import check_not_empty, check_token_ids, is_tracing
 from .configuration_transfo_xl import HfxTransfoXLConfig
 
@@ -464,16 +464,35 @@ class HfxTransfoXLForCausalLM(HfxTransfoXLPreTrainedModel, GenerationMixin):
 
 class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
     """A linear classifier on the last real token's hidden state (the only one that has seen the whole input in a
-    causal model). The last token is found from ``attention_mask`` (right padding), else from ``pad_token_id``,
-    else it is the last position. Losses by ``problem_type`` as in every hf_xformers classification head."""
+    causal model), or with ``config.classifier_pooling = "mean"`` on the mean over the real tokens. The last token
+    is found from ``attention_mask`` (right padding), else from ``pad_token_id``, else it is the last position.
+    Losses by ``problem_type`` as in every hf_xformers classification head."""
 
     def __init__(self, config: HfxTransfoXLConfig) -> None:
         super().__init__(config)
+        pooling = getattr(config, "classifier_pooling", None) or "last"
+        if pooling not in ("last", "mean"):
+            raise ValueError(f"classifier_pooling must be 'last' or 'mean' for Transformer-XL, got {pooling!r}.")
+        self.pooling = pooling
         self.transformer = HfxTransfoXLModel(config)
         dropout = config.dropout if config.classifier_dropout is None else config.classifier_dropout
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(config.d_model, config.num_labels)
         self.post_init()
+
+    def _pool(self, hidden: torch.Tensor, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None):
+        """``(batch, seq_len, d_model)`` -> ``(batch, d_model)``: the last real token, or the mean of the real ones."""
+        real = attention_mask
+        if real is None and input_ids is not None and self.config.pad_token_id is not None:
+            real = input_ids != self.config.pad_token_id
+        if self.pooling == "mean":
+            return pool_tokens(hidden, real, "mean")
+        batch, length = hidden.shape[:2]
+        if real is None:
+            last = torch.full((batch,), length - 1, device=hidden.device)
+        else:
+            last = real.long().sum(-1).clamp(min=1) - 1
+        return hidden[torch.arange(batch, device=hidden.device), last]
 
     def forward(
         self,
@@ -492,16 +511,7 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
             input_ids, mems=mems, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
         )  # fmt: skip
-        hidden = out.last_hidden_state
-        batch, length = hidden.shape[:2]
-        if attention_mask is not None:
-            last = attention_mask.long().sum(-1).clamp(min=1) - 1
-        elif input_ids is not None and self.config.pad_token_id is not None:
-            last = (input_ids != self.config.pad_token_id).long().sum(-1).clamp(min=1) - 1
-        else:
-            last = torch.full((batch,), length - 1, device=hidden.device)
-        pooled = hidden[torch.arange(batch, device=hidden.device), last]
-        logits = self.classifier(self.dropout(pooled))
+        logits = self.classifier(self.dropout(self._pool(out.last_hidden_state, input_ids, attention_mask)))
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
         result = HfxTransfoXLSequenceClassifierOutput(
             loss=loss, logits=logits, mems=out.mems, hidden_states=out.hidden_states, attentions=out.attentions

@@ -424,7 +424,7 @@ class HfxUniversalForSequenceClassification(HfxSequenceClassificationHeadMixin, 
             position_ids=position_ids, inputs_embeds=inputs_embeds, output_attentions=output_attentions,
             output_hidden_states=output_hidden_states, return_dict=True,
         )  # fmt: skip
-        logits = self.classifier(out.last_hidden_state)
+        logits = self.classifier(out.last_hidden_state, attention_mask)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
         result = HfxUniversalSequenceClassifierOutput(
             loss=_add_ponder(loss, out.ponder_loss), logits=logits, hidden_states=out.hidden_states,
