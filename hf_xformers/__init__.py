@@ -31,6 +31,7 @@ from .models.longformer import (
     HfxLongformerModel,
 )
 from .models.performer import (
+    HfxPerformerCache,
     HfxPerformerConfig,
     HfxPerformerForCausalLM,
     HfxPerformerForMaskedLM,
@@ -125,6 +126,7 @@ __all__ = [
     "HfxLinformerForSequenceClassification",
     "HfxLinformerForTokenClassification",
     "HfxLinformerModel",
+    "HfxPerformerCache",
     "HfxPerformerConfig",
     "HfxPerformerForCausalLM",
     "HfxPerformerForMaskedLM",

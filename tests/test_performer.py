@@ -30,6 +30,7 @@ from hf_xformers.attention.favor import (
     dense_kernel_attention,
     draw_random_features,
     favor_attention,
+    favor_attention_with_state,
     softmax_kernel_features,
 )
 
@@ -684,3 +685,106 @@ def test_causal_lm_long_sequence_under_autocast(dtype):
             low = model(ids).logits.float()
     deviation = ((low - ref).abs().max() / ref.abs().max()).item()
     assert deviation < {torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype], deviation
+
+
+# --- causal stabiliser and cached decoding (the recurrent form) ----------------------------------------------------
+
+
+def test_causal_key_stabiliser_uses_no_later_key():
+    """Early keys of large norm (exponents near -120) followed by small ones (near 0): with one key stabiliser over
+    the whole sequence, the early keys' features underflowed to 0 and the early outputs were garbage; the running
+    stabiliser gives each prefix exactly what it gives that prefix alone."""
+    q, k, v = qkv(batch=1, heads=2, length=40)
+    k[:, :, :12] = k[:, :, :12] / k[:, :, :12].norm(dim=-1, keepdim=True) * 62.0  # |k_hat|^2 / 2 = 120
+    projection = draw_random_features(64, 16, torch.Generator().manual_seed(3))
+    for output_attentions in (False, True):
+        whole = favor_attention(q, k, v, projection, causal=True, output_attentions=output_attentions)[0]
+        prefix = favor_attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], projection, causal=True)[0]
+        assert prefix.abs().max() > 0.1
+        torch.testing.assert_close(whole[:, :, :12], prefix, atol=1e-5, rtol=1e-4)
+    # The chunked prefix sums (chunks of 5: the stabiliser also rises across chunks) agree with the dense form.
+    wrapped = favor_module._favor_attention_float32(q, k, v, projection, None, True, "softmax", False, 5)[0]
+    dense = favor_attention(q, k, v, projection, causal=True, output_attentions=True)[0]
+    torch.testing.assert_close(wrapped, dense, atol=1e-5, rtol=1e-4)
+
+
+def test_running_max_matches_cummax():
+    x = torch.randn(2, 3, 37)
+    x[0, 0, :9] = float("-inf")
+    for chunk in (1, 4, 64):
+        torch.testing.assert_close(favor_module.running_max(x, chunk), x.cummax(-1).values)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_state_recurrence_equals_causal_forward(kernel):
+    """Prompt through the chunked prefix sums, then one token at a time and a block of three through the state: the
+    outputs are the full causal forward's (left padding included) to 1e-5, and the state does not grow."""
+    q, k, v = qkv(length=90, scale=1.5)
+    k[:, :, 50:] *= 3.0  # the stabiliser rises in the middle of the decoding
+    mask = torch.ones(2, 90, dtype=torch.bool)
+    mask[1, :7] = False
+    projection = draw_random_features(32, 16, torch.Generator().manual_seed(5))
+    full = favor_attention(q, k, v, projection, mask, causal=True, kernel=kernel, chunk_size=16)[0]
+    outs, state = [], None
+    for start, stop in ((0, 40), *((t, t + 1) for t in range(40, 87)), (87, 90)):
+        piece = slice(start, stop)
+        out, state = favor_attention_with_state(
+            q[:, :, piece], k[:, :, piece], v[:, :, piece], projection, mask[:, piece], kernel, state, chunk_size=16
+        )
+        outs.append(out)
+        assert state[0].shape == (2, 2, 32, 17)
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, atol=1e-5, rtol=1e-5)
+
+
+def _causal_lm(kernel: str = "softmax") -> HfxPerformerForCausalLM:
+    torch.manual_seed(0)
+    return HfxPerformerForCausalLM(HfxPerformerConfig(**TINY, favor_kernel=kernel)).eval()
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_cached_forward_equals_uncached(kernel):
+    model = _causal_lm(kernel)
+    ids = torch.randint(3, VOCAB, (2, 60), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ids[1, :4] = model.config.pad_token_id
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        out = model(ids[:, :35], attention_mask=mask[:, :35], use_cache=True)
+        cache, logits = out.past_key_values, [out.logits]
+        for t in range(35, 60):  # generate()'s way: the mask of every token so far, positions from the cache
+            logits.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits)
+    torch.testing.assert_close(torch.cat(logits, dim=1)[mask.bool()], full[mask.bool()], atol=1e-5, rtol=1e-5)
+    assert cache.get_seq_length() == 60 and len(cache) == 2
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(ids[:, :3], use_cache=True, output_attentions=True)
+    with pytest.raises(ValueError, match="is_decoder"):
+        HfxPerformerModel(HfxPerformerConfig(**TINY)).eval()(ids[:, :3], use_cache=True)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_generate_cached_equals_uncached(kernel):
+    """Greedy, sampled (fixed seed) and beam-search tokens with the recurrent cache equal uncached generation, and
+    greedy equals the argmax loop over full forwards; left-padded prompts included."""
+    model = _causal_lm(kernel)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ids[0, :3] = model.config.pad_token_id
+    common = dict(attention_mask=mask, max_new_tokens=12, pad_token_id=model.config.pad_token_id, eos_token_id=None)
+    greedy = model.generate(ids, do_sample=False, **common)
+    assert torch.equal(greedy, model.generate(ids, do_sample=False, use_cache=False, **common))
+    loop, loop_mask = ids, mask
+    with torch.no_grad():
+        for _ in range(12):
+            positions = loop_mask.cumsum(-1) * loop_mask + model.config.pad_token_id
+            step = model(loop, attention_mask=loop_mask, position_ids=positions).logits[:, -1].argmax(-1, keepdim=True)
+            loop, loop_mask = torch.cat([loop, step], 1), torch.cat([loop_mask, torch.ones_like(step)], 1)
+    assert torch.equal(greedy, loop)
+    sampled = []
+    for use_cache in (True, False):
+        torch.manual_seed(7)
+        sampled.append(model.generate(ids, do_sample=True, top_k=0, use_cache=use_cache, **common))
+    assert torch.equal(*sampled)
+    beams = [model.generate(ids, num_beams=3, do_sample=False, use_cache=c, **common) for c in (True, False)]
+    assert torch.equal(*beams)

@@ -768,3 +768,50 @@ def test_num_hidden_layers_follows_attn_layers():
     config.json) does not override it."""
     _, config = configs(attn_layers=["local", "lsh", "lsh"], num_hidden_layers=2)
     assert config.num_hidden_layers == 3 and len(HfxReformerModel(config).encoder.layers) == 3
+
+
+# ----- transformers' common-test defects (issue 24) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("head", ["causal", "masked"])
+def test_resize_token_embeddings_resizes_the_head_bias(head, tied):
+    """The head's separate bias follows the new vocabulary (kept for remaining tokens, 0 for new ones); before, the
+    next forward failed with 'The size of tensor a (42) must match the size of tensor b (32)'. (The decoder reads
+    2 * hidden features, so it is never actually tied to the embeddings; both config settings are covered.)"""
+    _, config = configs(is_decoder=head == "causal", tie_word_embeddings=tied, vocab_size=32)
+    model_class = HfxReformerForCausalLM if head == "causal" else HfxReformerForMaskedLM
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        model.lm_head.bias.normal_()
+    bias = model.lm_head.bias.detach().clone()
+    ids = torch.randint(5, 32, (2, 16), generator=torch.Generator().manual_seed(0))
+    for size in (42, 20):
+        model.resize_token_embeddings(size)
+        assert model.lm_head.bias.shape == (size,) and model.config.vocab_size == size
+        keep = min(size, 32)
+        torch.testing.assert_close(model.lm_head.bias[:keep], bias[:keep])
+        with torch.no_grad():
+            assert model(ids.clamp(max=size - 1)).logits.shape == (2, 16, size)
+    assert any(p is model.lm_head.bias for p in model.parameters())
+
+
+@pytest.mark.parametrize("is_decoder", [False, True], ids=["encoder", "decoder"])
+def test_hidden_states_of_a_padded_length_carry_gradients(is_decoder):
+    """13 tokens, chunks of 4: the model pads inside. Every returned hidden state is on the autograd path of the
+    output (retain_grad gets a gradient), and the outputs are those without output_hidden_states."""
+    _, config = configs(is_decoder=is_decoder, local_num_chunks_after=0 if is_decoder else 1)
+    torch.manual_seed(0)
+    model = HfxReformerModel(config).eval()
+    ids = _ids(2, 13, seed=4)
+    out = model(ids, output_hidden_states=True)
+    assert len(out.hidden_states) == config.num_hidden_layers + 1
+    assert all(h.shape == (2, 13, config.hidden_size) for h in out.hidden_states)
+    for h in out.hidden_states:
+        h.retain_grad()
+    out.last_hidden_state.sum().backward()
+    assert all(h.grad is not None and h.grad.abs().sum() > 0 for h in out.hidden_states)
+    with torch.no_grad():
+        plain = model(ids).last_hidden_state
+    torch.testing.assert_close(out.last_hidden_state.detach(), plain, atol=0, rtol=0)

@@ -1,5 +1,6 @@
 from .configuration_performer import HfxPerformerConfig
 from .modeling_performer import (
+    HfxPerformerCache,
     HfxPerformerForCausalLM,
     HfxPerformerForMaskedLM,
     HfxPerformerForMultipleChoice,
@@ -20,4 +21,5 @@ __all__ = [
     "HfxPerformerForQuestionAnswering",
     "HfxPerformerForTokenClassification",
     "HfxPerformerForCausalLM",
+    "HfxPerformerCache",
 ]

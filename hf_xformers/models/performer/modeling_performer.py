@@ -1,19 +1,22 @@
 """``hfx-performer``: RoBERTa with FAVOR+ attention (Choromanski et al., 2021), plus a causal LM.
 
 The attention lives in ``hf_xformers/attention/favor.py``; this file wires it into the shared encoder and heads, owns
-the redraw schedule of the random projections, and adds ``HfxPerformerForCausalLM`` (causal FAVOR+ by prefix sums).
+the redraw schedule of the random projections, and adds ``HfxPerformerForCausalLM`` (causal FAVOR+ by prefix sums)
+with ``generate()`` on :class:`HfxPerformerCache`, the recurrent form of causal linear attention.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import GenerationMixin
 from transformers import initialization as init
-from transformers.modeling_outputs import CausalLMOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ...attention.favor import HfxFavorSelfAttention
+from ...attention.favor import FavorState, HfxFavorSelfAttention
 from ...layers.encoder import HfxModelOutput
 from ...layers.heads import (
     HfxLMHeadMixin,
@@ -26,6 +29,55 @@ from ...layers.heads import (
 )
 from ...layers.text_model import HfxPreTrainedModel, HfxTextModel
 from .configuration_performer import HfxPerformerConfig
+
+
+@dataclass
+class HfxPerformerModelOutput(HfxModelOutput):
+    """:class:`HfxModelOutput` of a cached call, with the cache (``past_key_values``) it updated."""
+
+    past_key_values: HfxPerformerCache | None = None
+
+
+class HfxPerformerCache:
+    """The decoding cache of a causal Performer: per layer the recurrent state of causal FAVOR+ (its size does not
+    grow with the number of tokens seen).
+
+    ``states[layer]``: ``(key_value, stabiliser)``, ``(batch, heads, m, head_dim + 1)`` running sums
+    ``sum_j phi(k_j) [v_j, 1]`` and ``(batch, heads)`` the running key stabiliser they are expressed against (None
+    for the relu kernel); see :func:`~hf_xformers.attention.favor.favor_attention_with_state`.
+    ``last_position``: ``(batch,)`` the largest position id used so far (numbering continues from it when a call
+    gives no ``position_ids``). ``seen_tokens``: tokens (padding included) the states summarise.
+    """
+
+    is_compileable = False
+
+    def __init__(self) -> None:
+        self.states: list[FavorState] = []
+        self.last_position: torch.Tensor | None = None
+        self.seen_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The number of tokens already seen."""
+        return self.seen_tokens
+
+    def set_state(self, layer_idx: int, state: FavorState) -> None:
+        """Store layer ``layer_idx``'s state after this call (layers fill the list in order on the first call)."""
+        if layer_idx == len(self.states):
+            self.states.append(state)
+        else:
+            self.states[layer_idx] = state
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keep the batch rows ``beam_idx`` (beam search)."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, beam_idx.to(t.device))
+
+        self.states = [(pick(kv), pick(stabiliser)) for kv, stabiliser in self.states]
+        self.last_position = pick(self.last_position)
 
 
 class HfxPerformerPreTrainedModel(HfxPreTrainedModel):
@@ -88,17 +140,91 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        past_key_values: HfxPerformerCache | None = None,
+        use_cache: bool | None = None,
     ) -> HfxModelOutput | tuple:
-        """As :meth:`HfxTextModel.forward`, after the scheduled redraw of the projections (training mode)."""
+        """As :meth:`HfxTextModel.forward`, after the scheduled redraw of the projections (training mode).
+
+        Causal models (``config.is_decoder``) also decode with a cache: ``use_cache=True`` starts an
+        :class:`HfxPerformerCache` (returned as ``past_key_values``), and a cache passed back makes the call process
+        only the new tokens (``attention_mask`` is then ``(batch, new)`` or ``(batch, past + new)``, of which the last
+        ``new`` columns are used). Without ``position_ids`` a cached call numbers the new tokens on from the last
+        position, counting the tokens that are not ``pad_token_id`` as the uncached model does.
+        """
         interval = self.config.feature_redraw_interval
         if self.training and interval:
             if self.training_calls and self.training_calls % interval == 0:
                 self.redraw_projections()
             self.training_calls += 1
-        return super().forward(
+        if use_cache and past_key_values is None:
+            past_key_values = HfxPerformerCache()
+        if past_key_values is None:
+            return super().forward(
+                input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
+                output_attentions, output_hidden_states, return_dict,
+            )  # fmt: skip
+        return self._cached_forward(
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
-            output_attentions, output_hidden_states, return_dict,
+            output_attentions, output_hidden_states, return_dict, past_key_values,
         )  # fmt: skip
+
+    def _cached_forward(
+        self, input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
+        output_attentions, output_hidden_states, return_dict, cache,
+    ) -> HfxModelOutput | tuple:  # fmt: skip
+        """:meth:`forward` with a cache: the new tokens only, every layer reading and updating its state."""
+        if not self.config.is_decoder:
+            raise ValueError(
+                "A decoding cache needs causal attention: set config.is_decoder=True (or use_cache=False)."
+            )
+        if not isinstance(cache, HfxPerformerCache):
+            raise ValueError(
+                f"past_key_values must be an HfxPerformerCache, got {type(cache).__name__}; pass use_cache=True to "
+                "start one."
+            )
+        if output_attentions or (output_attentions is None and self.config.output_attentions):
+            raise ValueError(
+                "Cached decoding never forms the attention matrix: pass use_cache=False to get attentions."
+            )
+        new = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if attention_mask is not None and attention_mask.shape[-1] == cache.seen_tokens + new:
+            attention_mask = attention_mask[:, -new:]  # generate() passes the mask of every token so far
+        self._check_inputs(input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids)
+        if cache.seen_tokens + new > self.embeddings.max_tokens:
+            raise ValueError(
+                f"{cache.seen_tokens} cached + {new} new tokens exceed the {self.embeddings.max_tokens} positions of "
+                f"this model (config.max_position_embeddings={self.config.max_position_embeddings})."
+            )
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        padding_idx = self.embeddings.padding_idx
+        if position_ids is None:
+            reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
+            counted = (
+                input_ids.ne(padding_idx) if input_ids is not None else torch.ones_like(reference, dtype=torch.bool)
+            ).long()
+            start = cache.last_position - padding_idx if cache.last_position is not None else 0
+            position_ids = (counted.cumsum(-1) + (start[:, None] if torch.is_tensor(start) else start)) * counted
+            position_ids = position_ids + padding_idx
+        batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        last = position_ids.amax(-1).expand(batch)  # position_ids may be (1, new), shared by the batch
+        cache.last_position = last if cache.last_position is None else torch.maximum(cache.last_position, last)
+        hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
+        if attention_mask is not None:
+            attention_mask = attention_mask.bool()
+        attention_mask, _, attention_kwargs = self.prepare_attention_inputs(attention_mask, None, new)
+        out = self.encoder(
+            hidden, attention_mask, None, False, output_hidden_states, {**attention_kwargs, "cache": cache}
+        )
+        cache.seen_tokens += new
+        out = HfxPerformerModelOutput(
+            last_hidden_state=out.last_hidden_state,
+            pooler_output=self.pooler(out.last_hidden_state) if self.pooler is not None else None,
+            hidden_states=out.hidden_states,
+            past_key_values=cache,
+        )
+        return self._finish(out, return_dict)
 
 
 class HfxPerformerForMaskedLM(HfxMaskedLMHeadMixin, HfxPerformerPreTrainedModel):
@@ -122,13 +248,18 @@ class HfxPerformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxPer
     base_model_class = HfxPerformerModel
 
 
-class HfxPerformerForCausalLM(HfxLMHeadMixin, HfxPerformerPreTrainedModel):
+class HfxPerformerForCausalLM(HfxLMHeadMixin, HfxPerformerPreTrainedModel, GenerationMixin):
     """Left-to-right language model on causal FAVOR+ attention; the decoder is tied to the input embeddings.
 
     The model is always causal: a config with ``is_decoder=False`` is copied with ``is_decoder=True`` (the caller's
     config object is left as it is). ``labels`` ``(batch, seq_len)`` are the input ids themselves (-100 where no
     loss is wanted); they are shifted inside, as in transformers' causal LMs: the logits at position ``t``
     are scored against ``labels[:, t + 1]``.
+
+    ``generate()`` (greedy, sampling, beam search; ``pipeline("text-generation")``) keeps an
+    :class:`HfxPerformerCache`: per layer the running sums of causal linear attention, so each new token costs the
+    same whatever the length of the prefix; ``use_cache=False`` recomputes the whole prefix every step instead (the
+    same tokens). Positions are RoBERTa's, numbered from the attention mask (left padding works).
     """
 
     task = "causal_lm"
@@ -154,17 +285,68 @@ class HfxPerformerForCausalLM(HfxLMHeadMixin, HfxPerformerPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-    ) -> CausalLMOutput | tuple:
-        """Returns ``logits`` ``(batch, seq_len, vocab)``; with ``labels`` (or already shifted ``shift_labels``), the
-        mean next-token cross-entropy (the sum over ``num_items_in_batch`` when Trainer passes it)."""
+        past_key_values: HfxPerformerCache | None = None,
+        use_cache: bool | None = None,
+    ) -> CausalLMOutputWithPast | tuple:
+        """Returns ``logits`` ``(batch, seq_len, vocab)`` (of the new tokens with a cache, see
+        :meth:`HfxPerformerModel.forward`) and the cache when one is used; with ``labels`` (or already shifted
+        ``shift_labels``), the mean next-token cross-entropy (the sum over ``num_items_in_batch`` when Trainer passes
+        it)."""
         out = self._encode(
             input_ids, attention_mask, None, output_attentions, output_hidden_states,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+            past_key_values=past_key_values, use_cache=use_cache,
         )  # fmt: skip
         logits = self.lm_head(out.last_hidden_state)
         loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
-        result = CausalLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        result = CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=getattr(out, "past_key_values", None),
+            hidden_states=out.hidden_states, attentions=out.attentions,
+        )  # fmt: skip
         return self._finish(result, return_dict)
+
+    # ----- generation --------------------------------------------------------------------------------------
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # The cache is the recurrent state of linear attention, not keys and values: not a transformers Cache.
+        return False
+
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs) -> torch.Tensor:
+        """RoBERTa positions (from ``padding_idx + 1``) of the prompt, counted over the attention mask (left padding
+        stays at ``padding_idx``); generate() then adds one per new token."""
+        padding_idx = self.performer.embeddings.padding_idx
+        mask = model_kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(inputs_tensor.shape[:2], dtype=torch.long, device=inputs_tensor.device)
+        mask = mask.long()
+        return mask.cumsum(-1) * mask + padding_idx
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.Tensor,
+        past_key_values: HfxPerformerCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> dict:
+        """First call: the whole prompt (a fresh cache unless ``use_cache=False``); later calls: only the tokens the
+        cache has not seen, with their positions; without a cache, the whole sequence every time."""
+        if use_cache is not False and past_key_values is None:
+            past_key_values = HfxPerformerCache()
+        if past_key_values is not None:
+            new = input_ids.shape[1] - past_key_values.get_seq_length()
+            input_ids = input_ids[:, -new:]
+            if position_ids is not None:
+                position_ids = position_ids[:, -new:]
+        inputs = {
+            "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+            "past_key_values": past_key_values, "use_cache": past_key_values is not None,
+        }  # fmt: skip
+        for key in ("output_attentions", "output_hidden_states"):
+            if key in kwargs:
+                inputs[key] = kwargs[key]
+        return inputs
 
 
 __all__ = [
@@ -176,4 +358,5 @@ __all__ = [
     "HfxPerformerForQuestionAnswering",
     "HfxPerformerForTokenClassification",
     "HfxPerformerForCausalLM",
+    "HfxPerformerCache",
 ]

@@ -267,6 +267,17 @@ class HfxReformerEncoder(nn.Module):
         """
         all_hidden, all_attn = [], []
         x1 = x2 = hidden_states
+        # Internal padding: report each stream state cut to the real length, and carry on from a tensor rebuilt from
+        # that cut (with the padded tail as it was), so that the reported states are on the autograd path of the
+        # output (`retain_grad()` on them gets gradients) and the numbers are unchanged.
+        expose = (
+            output_hidden_states
+            and cache_length is not None
+            and (torch.compiler.is_compiling() or hidden_states.shape[1] != cache_length)
+        )
+        if expose:
+            hidden, x1 = _on_path(x1, cache_length)
+            x2 = x1
         if cache is not None and len(cache):
             for i, layer in enumerate(self.layers):
                 if output_hidden_states:
@@ -292,8 +303,12 @@ class HfxReformerEncoder(nn.Module):
                 num_hashes=num_hashes,
             )  # fmt: skip
         else:
-            for layer in self.layers:
-                if output_hidden_states:
+            for i, layer in enumerate(self.layers):
+                if expose:
+                    if i:  # layer 0's input is the embedding output, already rebuilt above
+                        hidden, x2 = _on_path(x2, cache_length)
+                    all_hidden.append(hidden)
+                elif output_hidden_states:
                     all_hidden.append(x2)
                 out, attn, normed = layer.attention(x2, attention_mask, padded_lengths, num_hashes,
                                                     output_attentions=output_attentions,
@@ -306,10 +321,21 @@ class HfxReformerEncoder(nn.Module):
                     all_attn.append(attn.attentions)
                 x1 = x1 + out
                 x2 = x2 + layer.feed_forward(x1)
-        if output_hidden_states:
+        if expose:
+            hidden, x2 = _on_path(x2, cache_length)
+            all_hidden.append(hidden)
+        elif output_hidden_states:
             all_hidden.append(x2)
         hidden = self.dropout(self.layer_norm(torch.cat([x1, x2], dim=-1)))
         return hidden, all_hidden, all_attn
+
+
+def _on_path(x: torch.Tensor, length) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``(batch, padded, hidden)`` -> ``(real, rebuilt)``: its first ``length`` positions, and ``x`` made again
+    from them and its padded tail (the same numbers), for the forward to continue from."""
+    real = cut_to_length(x, 1, length)
+    tail = x.index_select(1, torch.arange(length, x.shape[1], device=x.device))
+    return real, torch.cat([real, tail], dim=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -355,6 +381,15 @@ class HfxReformerPreTrainedModel(HfxPreTrainedModel):
             module.rotations.copy_(module.fixed_rotations(module.num_hashes))
         elif isinstance(module, HfxReformerLMHead):
             nn.init.zeros_(module.bias)
+
+    def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
+        """As transformers' method; the LM head's separate bias (``lm_head.bias``, which transformers does not know
+        about) is resized with the decoder, tied or not."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        head = getattr(self, "lm_head", None)
+        if isinstance(head, HfxReformerLMHead):
+            head.match_bias_to_decoder()
+        return embeddings
 
 
 class HfxReformerModel(HfxReformerPreTrainedModel):
@@ -471,6 +506,7 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         out = HfxReformerModelOutput(
             last_hidden_state=cut_to_length(hidden, 1, seq_len),
             past_buckets_states=cache if use_cache else None,
+            # Already cut inside the encoder (on the autograd path) where the input was padded; a no-op otherwise.
             hidden_states=tuple(cut_to_length(h, 1, seq_len) for h in all_hidden) if output_hidden_states else None,
             attentions=(
                 tuple(cut_to_length(cut_to_length(a, 2, seq_len), 3, seq_len) for a in all_attn)
@@ -504,6 +540,18 @@ class HfxReformerLMHead(nn.Module):
 
     def forward_chunk(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.decoder(hidden_states) + self.bias
+
+    @torch.no_grad()
+    def match_bias_to_decoder(self) -> None:
+        """After the vocabulary was resized (the decoder has new rows): keep the bias of the tokens that remain, 0 for
+        new ones (what transformers does for a bias carried by the decoder itself)."""
+        size = self.decoder.out_features
+        if self.bias.shape[0] == size:
+            return
+        bias = self.bias.new_zeros(size)
+        keep = min(size, self.bias.shape[0])
+        bias[:keep] = self.bias[:keep]
+        self.bias = nn.Parameter(bias, requires_grad=self.bias.requires_grad)
 
 
 class _ReformerHeadSizes:

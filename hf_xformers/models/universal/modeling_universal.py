@@ -608,6 +608,38 @@ class HfxUniversalForSeq2SeqLM(HfxUniversalPreTrainedModel, _HfxUniversalGenerat
         self.lm_head = HfxUniversalLMHead(config)
         self.post_init()
 
+    # What a base / other-head checkpoint has that the seq2seq model does not (its encoder has no pooler).
+    _keys_to_ignore_on_load_unexpected = [r"^encoder\.pooler\.", r"^(classifier|qa_outputs)\."]
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, warm_start_decoder: bool = False, **kwargs):
+        """transformers' ``from_pretrained``, which also warm-starts from an encoder checkpoint.
+
+        A seq2seq checkpoint (``config.is_encoder_decoder``) loads as it was saved. A checkpoint of
+        :class:`HfxUniversalModel` or of an encoder head (masked LM, classification ...) loads into the encoder (its
+        ``embeddings.*``/``encoder.*`` or ``universal.*`` weights become ``encoder.*``; a masked LM's ``lm_head`` is
+        kept, the word embeddings are shared with the decoder), as users of transformers' ``EncoderDecoderModel``
+        expect. The decoder then starts from its initialisation, or, with ``warm_start_decoder=True``, from a copy of
+        the loaded encoder (all but the cross-attention, which no encoder has). A ``key_mapping`` passed by the caller
+        replaces the mapping.
+        """
+        probe = kwargs.get("config")
+        if not isinstance(probe, cls.config_class):
+            hub = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+            probe = cls.config_class.from_pretrained(
+                pretrained_model_name_or_path, **{k: kwargs[k] for k in hub if k in kwargs}
+            )
+        from_encoder = not probe.is_encoder_decoder
+        if from_encoder:
+            # One pattern for both layouts (one rename per key): a base model's own names, or a head's "universal.".
+            kwargs.setdefault("key_mapping", {r"^(?:universal\.)?(embeddings|encoder|pooler)\.": r"encoder.\1."})
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if from_encoder and warm_start_decoder:
+            with torch.no_grad():
+                model.decoder.load_state_dict(model.encoder.state_dict(), strict=False)
+        return loaded
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.encoder.embeddings.word_embeddings
 
