@@ -33,7 +33,7 @@ def test_smoke_every_task_with_every_architecture(tmp_path, monkeypatch):
     assert "LRA Table 1" in table and (out / "lra_results.png").stat().st_size > 1000
 
     calls = []
-    monkeypatch.setattr(lra, "run_cell", lambda *a: calls.append(a) or {})
+    monkeypatch.setattr(lra, "run_cell", lambda task, arch, args: calls.append(arch) or {"task": task, "arch": arch, "skipped": "-"})
     lra.main(["--smoke", "--task", "listops", "--arch", "hfx-bigbird", "--out", str(out), "--no_progress"])
     assert calls == []  # finished with the same settings: not rerun
     lra.main(["--smoke", "--task", "listops", "--arch", "hfx-bigbird", "--out", str(out), "--no_progress", "--seed", "1"])

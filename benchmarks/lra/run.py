@@ -128,8 +128,10 @@ def task_options(task: str, args) -> dict:
             options.update(max_length=48, min_length=16)
         elif task in ("text", "retrieval"):
             options.update(max_length=40)
-        else:  # 16 x 16 images
+        elif task == "image":  # 16 x 16 images
             options.update(max_length=256)
+        else:  # 24 x 24: two pathfinder contours do not fit apart in 16 x 16
+            options.update(max_length=576)
     return options
 
 
