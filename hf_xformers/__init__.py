@@ -75,9 +75,12 @@ from .models.universal import (
     HfxUniversalForTokenClassification,
     HfxUniversalModel,
 )
+from .peft_support import register_with_peft
 from .registration import REGISTRY, register_all
 
 register_all()
+# With peft installed, LoraConfig(task_type=...) then finds our attention projections without target_modules.
+register_with_peft()
 
 __version__ = "0.1.0"
 
@@ -97,6 +100,7 @@ def __getattr__(name: str):
 __all__ = [
     "REGISTRY",
     "register_all",
+    "register_with_peft",
     "export_for_hub",
     "write_model_card",
     "HfxBigBirdConfig",

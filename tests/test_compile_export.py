@@ -9,10 +9,11 @@
 * Returned attention maps are part of the autograd graph.
 
 Lengths are chosen above the few shape branches that stay in the graphs (a graph is specialised on them, so an
-exported program serves one side): BigBird inputs longer than one block, Reformer inputs longer than its smallest
-chunk, Swin images whose last stage's map is larger than the window (here 17 px and more: patch 2, two stages,
-window 4). Everything else (padding amounts, block counts, BigBird's random-block pattern, Linformer's masks,
-Performer's feature blocks, ACT's halting) is computed by tensor operations inside one graph.
+exported program serves one side): BigBird inputs longer than one block, Longformer inputs longer than one query
+block, Reformer inputs longer than its smallest chunk, Swin images whose last stage's map is larger than the window
+(here 17 px and more: patch 2, two stages, window 4). Everything else (padding amounts, block counts, BigBird's
+random-block pattern, Linformer's masks, Performer's feature blocks, ACT's halting) is computed by tensor operations
+inside one graph.
 """
 
 from __future__ import annotations
@@ -189,6 +190,34 @@ def test_value_checks_do_not_run_while_tracing():
         module(ids, mask)
     ids[0, 3] = 7
     torch.testing.assert_close(program.module()(ids, mask) * mask[..., None], module(ids, mask) * mask[..., None])
+
+
+@pytest.mark.parametrize(("window", "min_length"), [(16, 9), (128, 17)])
+def test_longformer_export_needs_more_than_one_query_block(window, min_length):
+    """README's Longformer condition: the banded graph is specialised on more than one query block (``b`` = the
+    one-sided window ``w = attention_window // 2``, or ``w // 4`` from ``w = 64`` on), so an exported length ``Dim``
+    must start at ``b + 1``: below it the export is refused with the bound as the suggested fix, at it one program
+    serves every length up to the maximum."""
+    torch.manual_seed(0)
+    config = H.HfxLongformerConfig(**test_longformer.TINY, attention_window=window)
+    module = TextEncoder(H.HfxLongformerModel(config).eval())
+    max_length = config.max_position_embeddings - 2  # RoBERTa's position offset
+
+    def export(low: int):
+        batch, length = Dim("batch", min=1, max=8), Dim("length", min=low, max=max_length)
+        shapes = {"input_ids": {0: batch, 1: length}, "attention_mask": {0: batch, 1: length}}
+        return torch.export.export(module, text_inputs(min_length + 7, batch=2), dynamic_shapes=shapes)
+
+    with pytest.raises(torch._dynamo.exc.UserError, match=rf"Constraints violated \(length\)[\s\S]*min={min_length}\b"):
+        export(min_length - 1)
+    program = export(min_length).module()
+    for length in (min_length, 37, max_length):
+        inputs = text_inputs(length)
+        with torch.no_grad():
+            expected, got = module(*inputs), program(*inputs)
+        torch.testing.assert_close(
+            real_rows("longformer", inputs, got), real_rows("longformer", inputs, expected), atol=ATOL, rtol=0
+        )
 
 
 def test_transfo_xl_exports_with_memories():

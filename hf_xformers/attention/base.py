@@ -85,6 +85,13 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(batch, seq, heads * dim)
 
 
+def plain_linears(*modules: nn.Module) -> bool:
+    """True when every module is an ``nn.Linear`` as built, so its weight may be read and fused with others. A module
+    that was wrapped or replaced (peft's LoRA / IA3 layers, quantised linears) or carries forward hooks computes
+    something else than ``linear(x, weight, bias)``: it has to be called."""
+    return all(type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks for m in modules)
+
+
 class QKVProjection(nn.Module):
     """Separate query, key and value projections, named as in BERT/RoBERTa checkpoints."""
 
@@ -108,6 +115,8 @@ class QKVProjection(nn.Module):
         the backward pass the three input gradients come out of one product instead of being summed; the
         parameters stay the three separate, checkpoint-compatible ``Linear`` modules.
         """
+        if not plain_linears(self.query, self.key, self.value):
+            return self.query(hidden_states), self.key(hidden_states), self.value(hidden_states)
         weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
         biases = (self.query.bias, self.key.bias, self.value.bias)
         bias = None if any(b is None for b in biases) else torch.cat(biases)

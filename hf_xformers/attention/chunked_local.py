@@ -21,7 +21,7 @@ from torch import nn
 
 from ..layers.fast_dropout import HfxDropout
 from ..layers.precision import mask_value
-from .base import AttentionOutput, merge_heads, split_heads, unblock
+from .base import AttentionOutput, merge_heads, plain_linears, split_heads, unblock
 
 # Masked keys get `mask_value(scores.dtype)`, the most negative finite value of the scores' dtype: finite (as
 # transformers' -1e9 in float32 and -1e4 in float16), so a row with every key masked stays finite, and representable
@@ -148,8 +148,11 @@ class HfxLocalSelfAttention(nn.Module):
         self.dropout = HfxDropout(config.local_attention_probs_dropout_prob)
 
     def _qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
-        q, k, v = nn.functional.linear(hidden_states, weight).chunk(3, dim=-1)
+        if plain_linears(self.query, self.key, self.value):
+            weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
+            q, k, v = nn.functional.linear(hidden_states, weight).chunk(3, dim=-1)
+        else:
+            q, k, v = self.query(hidden_states), self.key(hidden_states), self.value(hidden_states)
         return split_heads(q, self.num_heads), split_heads(k, self.num_heads), split_heads(v, self.num_heads)
 
     def forward(

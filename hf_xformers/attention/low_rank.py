@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.input_checks import is_tracing
-from .base import AttentionOutput, QKVProjection, merge_heads, split_heads
+from .base import AttentionOutput, QKVProjection, merge_heads, plain_linears, split_heads
 from .kernels import attention
 
 SHARING_MODES = ("none", "headwise", "kv", "layerwise")
@@ -209,7 +209,9 @@ class HfxLowRankSelfAttention(QKVProjection):
         # None means no padding (the model decides that once per forward). Padding is zeroed before the projection.
         padding = attention_mask
         key_weight, value_weight = self.projections()
-        if key_weight.shape[0] == 1:  # one E (and F) for all heads: compress the input, then apply W_k, W_v
+        # One E (and F) for all heads: compress the input, then apply W_k, W_v (by linearity: only for plain Linears,
+        # an adapter such as LoRA's changes what the projection computes).
+        if key_weight.shape[0] == 1 and plain_linears(self.key, self.value):
             q = split_heads(self.query(hidden_states), self.num_heads)
             x = hidden_states if padding is None else hidden_states.masked_fill(~padding[..., None], 0.0)
             pooled_k = torch.matmul(key_weight[0, :length].T, x)  # (batch, k, hidden)

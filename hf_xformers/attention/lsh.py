@@ -28,7 +28,7 @@ from torch import nn
 
 from ..layers.fast_dropout import HfxDropout
 from ..layers.precision import float32_autocast_off, mask_value
-from .base import AttentionOutput, merge_heads, split_heads
+from .base import AttentionOutput, merge_heads, plain_linears, split_heads
 from .chunked_local import (
     corner_on_graph,
     dense_probabilities,
@@ -176,6 +176,8 @@ class HfxLSHSelfAttention(nn.Module):
         device_type = hidden_states.device.type
         if not torch.is_autocast_enabled(device_type) or (self.training and self.hash_seed is None):
             return qk
+        if not plain_linears(self.query_key):
+            return qk  # an adapter (LoRA ...) changes the projection: hash what it computed
         with float32_autocast_off(device_type):
             projected = nn.functional.linear(hidden_states.float(), self.query_key.weight.float())
         return split_heads(projected, self.num_heads)
@@ -223,8 +225,12 @@ class HfxLSHSelfAttention(nn.Module):
         ``output_length``: the model's real length when it padded the input (see ``HfxLocalSelfAttention``)."""
         num_hashes = self.num_hashes if num_hashes is None else num_hashes
         batch, seq_len, _ = hidden_states.shape
-        weight = torch.cat([self.query_key.weight, self.value.weight])
-        qk, v = (split_heads(t, self.num_heads) for t in nn.functional.linear(hidden_states, weight).chunk(2, dim=-1))
+        if plain_linears(self.query_key, self.value):
+            weight = torch.cat([self.query_key.weight, self.value.weight])
+            qk, v = nn.functional.linear(hidden_states, weight).chunk(2, dim=-1)
+        else:
+            qk, v = self.query_key(hidden_states), self.value(hidden_states)
+        qk, v = split_heads(qk, self.num_heads), split_heads(v, self.num_heads)
         chunk = self.chunk_length
         if seq_len <= chunk:
             context, attentions = self._full(qk, v, attention_mask, output_attentions, output_length)
@@ -366,9 +372,17 @@ class HfxLSHSelfAttention(nn.Module):
         token = order.gather(-1, slots)  # (batch, heads, rounds, window) positions
         picked = states[torch.arange(batch, device=states.device).view(-1, 1), token.flatten(1)]
         picked = picked.view(batch, self.num_heads, num_hashes, window, hidden)
-        per_head = (self.num_heads, self.head_dim, hidden)
-        qk = torch.einsum("bhnkx,hdx->bhnkd", picked, self.query_key.weight.view(per_head))
-        v = torch.einsum("bhnkx,hdx->bhnkd", picked, self.value.weight.view(per_head))
+        if plain_linears(self.query_key, self.value):
+            per_head = (self.num_heads, self.head_dim, hidden)
+            qk = torch.einsum("bhnkx,hdx->bhnkd", picked, self.query_key.weight.view(per_head))
+            v = torch.einsum("bhnkx,hdx->bhnkd", picked, self.value.weight.view(per_head))
+        else:  # an adapter (LoRA ...) changes the projections: call them, keep each head's own slice
+            heads = torch.arange(self.num_heads, device=states.device)
+            qk, v = (
+                linear(picked).view(*picked.shape[:-1], self.num_heads, self.head_dim)[:, heads, :, :, heads]
+                .transpose(0, 1)
+                for linear in (self.query_key, self.value)
+            )
         scores = torch.matmul(q[:, :, None], (unit_rms(qk) / math.sqrt(self.head_dim)).transpose(-1, -2))
         own = (token == length - 1)[..., None, :]
         scores = scores.masked_fill(own, self_mask_value(scores.dtype))  # (b, h, rounds, 1, window)
