@@ -54,6 +54,11 @@ class HfxLinformerModel(HfxTextModel, HfxLinformerPreTrainedModel):
         attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
             attention_mask, global_attention_mask, length
         )
+        projections = [w for layer in self.encoder.layer for w in layer.attention.self.projections()]
+        if any(type(w.data) is not torch.Tensor for w in projections):
+            # Weights that are not materialised before their layer runs (FSDP's sharded DTensors, offloaded weights):
+            # each layer works its mask out itself, inside its forward, where the weights are whole.
+            return attention_mask, global_attention_mask, kwargs
         supports = [layer.attention.self.support_mask(attention_mask, length) for layer in self.encoder.layer]
         if not is_tracing():
             complete = torch.stack([s.all() for s in supports]).tolist()  # one host read for every layer

@@ -367,7 +367,10 @@ class HfxReformerCausalLMOutput(ModelOutput):
 class HfxReformerPreTrainedModel(HfxPreTrainedModel):
     config_class = HfxReformerConfig
     base_model_prefix = "reformer"
-    _no_split_modules = ["HfxReformerLayer"]
+    # The unit FSDP shards by and device maps keep whole must be a module whose forward encloses every use of its
+    # parameters: the reversible path calls each layer's f and g (never a layer's forward) from one autograd
+    # function over all layers, and recomputes them in the backward pass, so only the encoder qualifies.
+    _no_split_modules = ["HfxReformerEncoder"]
     # Reversible layers already keep no activations; there is nothing for checkpointing to save.
     supports_gradient_checkpointing = False
 

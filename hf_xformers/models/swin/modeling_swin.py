@@ -423,7 +423,9 @@ class HfxSwinPreTrainedModel(HfxPreTrainedModel):
     base_model_prefix = "swin"
     main_input_name = "pixel_values"
     input_modalities = ("image",)
-    _no_split_modules = ["HfxSwinStage"]
+    # The block, not the stage (transformers' choice): FSDP gathers one unit's parameters at a time, and one stage
+    # holds most of a model (18 of Swin-B's 24 blocks).
+    _no_split_modules = ["HfxSwinLayer"]
     # Older Swin checkpoints store the (recomputed) relative position index as a buffer.
     _keys_to_ignore_on_load_unexpected = [r"relative_position_index"]
 
