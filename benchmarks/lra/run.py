@@ -323,19 +323,23 @@ def write_plot(out: Path) -> Path | None:
     tasks = [t for t in TASK_ORDER if any(c["task"] == t for c in cells)]
     if not tasks:
         return None
+    from benchmarks.lra.models import ARCHS
+
+    colours = {arch: plt.get_cmap("tab10")(i) for i, arch in enumerate(ARCHS)}  # one colour per architecture
     fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4.2), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         rows = [c for c in cells if c["task"] == task]
         top = max(_memory(c) for c in rows)
         for c in rows:
-            ax.scatter(c["steps_per_second"], 100 * c["test_accuracy"], s=1500 * _memory(c) / top, alpha=0.45)
+            ax.scatter(c["steps_per_second"], 100 * c["test_accuracy"], s=1500 * _memory(c) / top, alpha=0.45,
+                       color=colours.get(c["arch"]))  # fmt: skip
             ax.annotate(c["arch"].removeprefix("hfx-"), (c["steps_per_second"], 100 * c["test_accuracy"]),
                         ha="center", va="center", fontsize=8)
         ax.axhline(100 * rows[0]["majority_baseline"], color="grey", ls="--", lw=1, label="majority class")
         ax.set_title(f"{task} ({by_len(rows, task)} tokens)")
         ax.set_xlabel("training steps / s")
         ax.set_ylabel("test accuracy (%)")
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
     fig.suptitle("Long Range Arena, hf_xformers (bubble area: peak memory)")
     fig.tight_layout()
     path = out / "lra_results.png"
