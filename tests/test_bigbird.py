@@ -347,3 +347,12 @@ def test_dense_pattern_path_equals_block_sparse(num_random_blocks, length, train
         for a, b in zip(*results):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
         assert torch.all(results[0][0][~mask] == 0)
+
+
+def test_attention_refuses_inputs_past_the_seeded_block_table():
+    """Called on its own (the model checks lengths first), the layer says why it cannot pick seeded random blocks for
+    more blocks than its table holds, instead of drawing unseeded ones in eval mode."""
+    layer = attention_layer(block_size=4, num_random_blocks=1)
+    too_long = layer.max_blocks * 4 + 4
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        layer(torch.randn(1, too_long, TINY["hidden_size"]))

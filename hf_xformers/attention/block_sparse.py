@@ -27,8 +27,9 @@ padding the batch adds. Lengths need not be a multiple of ``b``: the layer pads 
 
 Random blocks: ``random_blocks(num_blocks)`` draws from a generator seeded by ``config.random_seed``, the layer
 index and the number of blocks, so in eval mode every call, every process and every reload of a checkpoint
-gives the same pattern. In training mode they are redrawn at every call from torch's global RNG (reproducible
-with ``torch.manual_seed``, and replayed exactly by activation checkpointing, which restores that RNG), unless
+gives the same pattern (looked up in ``random_block_table``, drawn once on the CPU: the same on every device). In
+training mode they are redrawn at every call from the global RNG of the input's device (:meth:`_drawn_blocks`;
+reproducible with ``torch.manual_seed``, and replayed exactly by activation checkpointing, which restores that RNG), unless
 ``config.fixed_random_blocks`` keeps the seeded eval pattern. (transformers' kernel, in eval mode, points every
 random block at block 0 instead; see the model card.)
 
@@ -92,23 +93,20 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         self.register_buffer("random_block_table", self.seeded_block_table(), persistent=False)
 
     # ----- the random pattern ------------------------------------------------------------------------------
-    def random_blocks(self, num_blocks: int, seeded: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random key blocks for an example with blocks ``0 .. num_blocks - 1``.
+    def random_blocks(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The seeded random key blocks for an example with blocks ``0 .. num_blocks - 1``.
 
         Row ``i`` (a middle block, ``1 <= i <= num_blocks - 2``) draws ``r`` distinct blocks among
         ``1 .. num_blocks - 2`` minus ``i - 1, i, i + 1``; when fewer are left it takes them all and the other
         slots are marked invalid. Rows ``0`` and ``num_blocks - 1`` (global) have no valid slot.
 
-        Args:
-            seeded: draw from the generator seeded by ``(config.random_seed, layer, num_blocks)``, or from torch's
-                global RNG. None: seeded in eval mode or with ``fixed_random_blocks``.
+        Drawn from a generator seeded by ``(config.random_seed, layer, num_blocks)``.
+
         Returns:
             ``(heads, num_blocks, r)`` long block indices (0 in invalid slots) and ``(num_blocks, r)`` bool
             validity, on the CPU.
         """
         r, heads = self.num_random_blocks, self.num_heads
-        if seeded is None:
-            seeded = not self.training or self.fixed_random_blocks
         i = torch.arange(num_blocks)[:, None]
         j = torch.arange(num_blocks)[None, :]
         middle = (i >= 1) & (i <= num_blocks - 2)
@@ -116,7 +114,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         valid = torch.arange(r)[None, :] < allowed.sum(-1, keepdim=True)
         if r == 0:
             return torch.zeros(heads, num_blocks, 0, dtype=torch.long), valid
-        generator = torch.Generator().manual_seed(self.seed * 65_537 + num_blocks) if seeded else None
+        generator = torch.Generator().manual_seed(self.seed * 65_537 + num_blocks)
         # The r allowed blocks with the smallest uniform scores: a uniform draw without replacement.
         scores = torch.rand(heads, num_blocks, num_blocks, generator=generator).masked_fill(~allowed, 2.0)
         chosen = scores.topk(min(r, num_blocks), dim=-1, largest=False).indices
@@ -124,7 +122,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
 
     def seeded_block_table(self) -> torch.Tensor:
         """The seeded pattern of every block count: ``(max_blocks, heads, max_blocks, r)``, row ``c - 1`` holding
-        :meth:`random_blocks` ``(c)`` (seeded) in its first ``c`` block rows and zeros after (int16 where it fits;
+        :meth:`random_blocks` ``(c)`` in its first ``c`` block rows and zeros after (int16 where it fits;
         ``max_blocks = ceil(max_position_embeddings / block_size)``). Slot validity depends on the count alone and
         is recomputed from it."""
         n, r = self.max_blocks, self.num_random_blocks
@@ -133,7 +131,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         if r:
             with torch.inference_mode(False):
                 for count in range(1, n + 1):
-                    table[count - 1, :, :count] = self.random_blocks(count, seeded=True)[0].to(dtype)
+                    table[count - 1, :, :count] = self.random_blocks(count)[0].to(dtype)
         return table
 
     def _valid_slots(self, last_block: torch.Tensor, num_blocks) -> torch.Tensor:
@@ -149,7 +147,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
 
     def _drawn_blocks(self, last_block: torch.Tensor, num_blocks) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh random blocks from the global RNG of ``last_block``'s device for every example at once (training):
-        the distribution of :meth:`random_blocks` (unseeded), not its stream of numbers."""
+        the distribution of :meth:`random_blocks`, not its stream of numbers."""
         batch, r, device = last_block.shape[0], self.num_random_blocks, last_block.device
         i = torch.arange(num_blocks, device=device)[None, :, None]
         j = torch.arange(num_blocks, device=device)[None, None, :]
@@ -251,13 +249,12 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         rows), so one ``(1, heads, L, L)`` mask is broadcast over the batch; otherwise each example gets its own."""
         length = hidden_states.shape[1]
         q, k, v = self._project(hidden_states, length)
-        unpadded = not padded
-        if unpadded:
+        if not padded:
             plan = BlockPlan(*(t[:1] for t in plan))
         allowed = self.pattern_mask(plan, length)
         bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
         context = merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
-        return context if unpadded else context.masked_fill(~attention_mask[..., None], 0.0)
+        return context.masked_fill(~attention_mask[..., None], 0.0) if padded else context
 
     def _block_sparse(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan, padded: bool = True
