@@ -279,6 +279,48 @@ def build_longformer(src: EncoderSource, max_length: int, attention_window: int)
     return model
 
 
+def copy_proj_layers(model: torch.nn.Module) -> int:
+    """Copy every layer's local Q/K/V projections into its global ones (``query`` -> ``query_global`` ...).
+
+    The last step of the Longformer recipe: masked-LM pretraining uses no global attention, so only the local
+    projections learn; re-copying them after continued pretraining starts fine-tuning's global attention from the
+    trained weights. Works on any module tree that holds hfx-longformer attention layers.
+
+    Returns:
+        The number of attention layers copied (0 when the model has no global projections).
+    """
+    copied = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if not hasattr(module, "query_global"):
+                continue
+            for name in ("query", "key", "value"):
+                local, global_ = getattr(module, name), getattr(module, f"{name}_global")
+                global_.weight.copy_(local.weight)
+                global_.bias.copy_(local.bias)
+            copied += 1
+    return copied
+
+
+def randomize_new_positions(model: PreTrainedModel, source_length: int, max_length: int, seed: int = 0) -> int:
+    """Replace the tiled position rows past the source's ``source_length`` tokens by fresh draws from
+    ``N(0, initializer_range)`` (seeded): the Longformer paper's "random init" ablation, worse than copying.
+
+    Returns:
+        The number of rows redrawn.
+    """
+    table = model.base_model.embeddings.position_embeddings.weight
+    # RoBERTa's layout keeps pad_token_id + 1 unused rows in front; BigBird's table starts at token 0.
+    first_new = table.shape[0] - max_length + source_length
+    if first_new >= table.shape[0]:
+        return 0
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(table.shape[0] - first_new, table.shape[1], generator=generator)
+    with torch.no_grad():
+        table[first_new:] = (rows * model.config.initializer_range).to(table.dtype)
+    return table.shape[0] - first_new
+
+
 # Config fields a warm start carries over from the Longformer built by build_longformer (everything but the window).
 _ENCODER_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "type_vocab_size",
@@ -408,6 +450,7 @@ def convert_roberta_to_long(
     target_options: dict | None = None,
     overwrite: bool = False,
     base_model: str | None = None,
+    new_positions: str = "copy",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Convert a local RoBERTa/BERT checkpoint into a long-context hf_xformers MLM model.
 
@@ -426,6 +469,9 @@ def convert_roberta_to_long(
         overwrite: replace the checkpoint files of a non-empty ``output_dir``.
         base_model: the Hub id ``source`` was downloaded from, named as ``base_model`` in the card written with the
             output (found by itself for a Hub cache folder; see :func:`conversion.common.conversion_provenance`).
+        new_positions: ``"copy"`` (the recipe: the source's position vectors tiled over the new length) or
+            ``"random"`` (positions past the source's length drawn afresh, :func:`randomize_new_positions`; the
+            paper's ablation, for comparison only).
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode.
@@ -437,6 +483,8 @@ def convert_roberta_to_long(
         raise ValueError(f"Unknown target {target!r}; choose one of {sorted(TARGETS)}.")
     if max_length < 1:
         raise ValueError(f"max_length must be positive, got {max_length}.")
+    if new_positions not in ("copy", "random"):
+        raise ValueError(f"new_positions must be 'copy' or 'random', got {new_positions!r}.")
     src = read_encoder_source(source)
     if output_dir is not None:
         prepare_output_dir(output_dir, overwrite)
@@ -448,6 +496,9 @@ def convert_roberta_to_long(
             "max_length %d is shorter than the source's %d tokens: the table is cut.", max_length, source_length
         )
     model = TARGETS[target](src, max_length, attention_window, **(target_options or {})).eval()
+    if new_positions == "random":
+        redrawn = randomize_new_positions(model, source_length, max_length)
+        logger.info("Drew %d new position rows at random (new_positions='random').", redrawn)
 
     tokenizer = src.tokenizer
     tokenizer.model_max_length = max_length
@@ -455,6 +506,8 @@ def convert_roberta_to_long(
     tokenizer.init_kwargs["model_max_length"] = max_length
     if output_dir is not None:
         how = f"with conversion/convert_roberta_to_long.py (target {target}, max_length {max_length})"
+        if new_positions == "random":
+            how = how[:-1] + ", new positions drawn at random)"
         save_model_and_tokenizer(model, tokenizer, output_dir, conversion_provenance(source, base_model, how))
     return model, tokenizer
 
@@ -474,6 +527,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=64, help="bigbird: tokens per block")
     parser.add_argument("--num-random-blocks", type=int, default=3, help="bigbird: random key blocks per query block")
     parser.add_argument("--base-model", help="Hub id --source was downloaded from (named in the model card)")
+    parser.add_argument(
+        "--new-positions", default="copy", choices=("copy", "random"),
+        help="positions past the source's length: copies of its table (the recipe) or random (an ablation)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = {
@@ -484,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         convert_roberta_to_long(
             args.source, args.target, args.max_length, args.attention_window, args.output, options, args.overwrite,
-            base_model=args.base_model,
+            base_model=args.base_model, new_positions=args.new_positions,
         )
     except ValueError as error:
         parser.error(str(error))

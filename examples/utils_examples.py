@@ -293,13 +293,18 @@ def explicit_options(argv: list[str] | None) -> set[str]:
 
 
 def apply_scratch_defaults(
-    training_args: TrainingArguments, argv: list[str] | None, defaults: dict, log: logging.Logger
+    training_args: TrainingArguments,
+    argv: list[str] | None,
+    defaults: dict,
+    log: logging.Logger,
+    reason: str = "New model trained from scratch",
 ) -> dict:
     """Set the ``TrainingArguments`` fields of ``defaults`` that the user did not give, and log them.
 
     The Trainer's defaults (learning rate 5e-5, no warm-up, 3 epochs) suit fine-tuning a pretrained model; a model
     built from scratch needs a larger learning rate with a warm-up, and more passes over small data. A key
-    ``"num_train_epochs"`` is skipped when ``--max_steps`` is given. Returns what was applied.
+    ``"num_train_epochs"`` is skipped when ``--max_steps`` is given. ``reason`` opens the log line. Returns what
+    was applied.
     """
     given = explicit_options(argv)
     applied = {}
@@ -310,5 +315,5 @@ def apply_scratch_defaults(
         applied[name] = value
     if applied:
         shown = ", ".join(f"--{k} {v}" for k, v in applied.items())
-        log.info("New model trained from scratch: using %s (set any of them to override).", shown)
+        log.info("%s: using %s (set any of them to override).", reason, shown)
     return applied
