@@ -39,7 +39,6 @@ from transformers import (
     AutoTokenizer,
     DataCollatorWithPadding,
     EvalPrediction,
-    HfArgumentParser,
     Trainer,
     TrainingArguments,
     default_data_collator,
@@ -56,6 +55,7 @@ from utils_examples import (  # noqa: E402
     hub_model_id,
     load_local_file,
     model_origin,
+    parse_script_args,
     require_columns,
     resume_checkpoint,
     setup_logging,
@@ -343,11 +343,7 @@ def write_submission(path: str, task_name: str, indices, predictions: np.ndarray
 def parse_args(argv: list[str] | None = None):
     """``(ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments)`` from the command line
     (``argv``), or from a single ``.json`` file argument."""
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments))
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
-    return parser.parse_args_into_dataclasses(args=argv)
+    return parse_script_args((ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments), argv, __doc__)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

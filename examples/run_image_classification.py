@@ -35,7 +35,6 @@ Examples (see examples/README.md)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -54,7 +53,6 @@ from transformers import (
     AutoImageProcessor,
     AutoModelForImageClassification,
     EvalPrediction,
-    HfArgumentParser,
     SchedulerType,
     Trainer,
     TrainingArguments,
@@ -71,6 +69,7 @@ from utils_examples import (  # noqa: E402
     finish_output_dir,
     hub_model_id,
     model_origin,
+    parse_script_args,
     resume_checkpoint,
     setup_logging,
     take,
@@ -444,11 +443,7 @@ def resolve_augmentation(data_args: DataTrainingArguments, images: list[Image.Im
 def parse_args(argv: list[str] | None = None):
     """``(ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments)`` from the command line
     (``argv``), or from a single ``.json`` file argument."""
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
-    return parser.parse_args_into_dataclasses(args=argv)
+    return parse_script_args((ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments), argv, __doc__)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -50,7 +50,6 @@ from the last ``checkpoint-*`` in ``--output_dir`` unless ``--overwrite_output_d
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import os
@@ -69,7 +68,6 @@ from transformers import (  # noqa: E402
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     EvalPrediction,
-    HfArgumentParser,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Trainer,
@@ -91,6 +89,7 @@ from utils_examples import (  # noqa: E402
     finish_output_dir,
     hub_model_id,
     model_origin,
+    parse_script_args,
     resume_checkpoint,
     setup_logging,
 )
@@ -456,15 +455,7 @@ def block_size_for(requested: int | None, model: PreTrainedModel, tokenizer: Pre
 def parse_args(argv: list[str] | None = None):
     """``(ModelArguments, DataArguments, TrainingArguments, RunArguments)`` from ``argv`` or a single ``.json``
     file argument."""
-    parser = HfArgumentParser(
-        (ModelArguments, DataArguments, TrainingArguments, RunArguments),
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
-    return parser.parse_args_into_dataclasses(args=argv)
+    return parse_script_args((ModelArguments, DataArguments, TrainingArguments, RunArguments), argv, __doc__)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -568,14 +559,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             copied = copy_proj_layers(trainer.model)
             logger.info("Copied the local Q/K/V projections into the global ones in %d layers.", copied)
         trainer.save_model()
-        train_metrics = {**result.metrics, "train_blocks": len(train), "block_size": block_size}
+        train_metrics = {**result.metrics, "train_samples": len(train), "block_size": block_size}
         trainer.log_metrics("train", train_metrics)
         trainer.save_metrics("train", train_metrics)
         trainer.save_state()
         metrics.update(train_metrics)
 
     eval_metrics = trainer.evaluate()
-    eval_metrics["eval_blocks"] = len(evaluation)
+    eval_metrics["eval_samples"] = len(evaluation)
     trainer.log_metrics("eval", eval_metrics)
     trainer.save_metrics("eval", eval_metrics)
     metrics.update(eval_metrics)

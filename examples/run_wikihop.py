@@ -46,7 +46,6 @@ from transformers import (
     AutoModel,
     AutoTokenizer,
     EvalPrediction,
-    HfArgumentParser,
     Trainer,
     TrainingArguments,
     set_seed,
@@ -63,6 +62,7 @@ from utils_examples import (  # noqa: E402
     hub_model_id,
     load_local_file,
     model_origin,
+    parse_script_args,
     require_columns,
     resume_checkpoint,
     setup_logging,
@@ -326,11 +326,7 @@ def accuracy(prediction: EvalPrediction) -> dict[str, float]:
 def parse_args(argv: list[str] | None = None):
     """``(ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments)`` from the command line
     (``argv``), or from a single ``.json`` file argument."""
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments))
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
-    return parser.parse_args_into_dataclasses(args=argv)
+    return parse_script_args((ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments), argv, __doc__)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

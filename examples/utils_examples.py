@@ -7,6 +7,7 @@ to them (``examples/`` is not a package).
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
 import logging
@@ -20,7 +21,7 @@ import torch
 import transformers
 from datasets import Dataset, load_dataset
 from huggingface_hub import upload_folder
-from transformers import Trainer, TrainingArguments
+from transformers import HfArgumentParser, Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_xformers.card import hub_model_id, save_card_data, write_model_card
@@ -57,6 +58,18 @@ class RunArguments(HubArguments):
             "resumes from the last checkpoint-* folder there)."
         },
     )
+
+
+def parse_script_args(dataclass_types: tuple, argv: list[str] | None = None, description: str | None = None) -> tuple:
+    """A script's argument dataclasses, filled from ``argv`` (default ``sys.argv[1:]``) or from a single ``.json``
+    file argument; ``description`` (the script's docstring) heads ``--help`` as written."""
+    parser = HfArgumentParser(
+        dataclass_types, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    return parser.parse_args_into_dataclasses(args=argv)
 
 
 def launched_processes() -> int:

@@ -33,6 +33,7 @@ sys.path.insert(0, str(EXAMPLES))  # the scripts are plain files, not a package
 import run_clm  # noqa: E402
 import run_glue  # noqa: E402
 import run_image_classification  # noqa: E402
+import run_mlm  # noqa: E402
 import run_wikihop  # noqa: E402
 import utils_examples  # noqa: E402
 
@@ -270,6 +271,20 @@ def test_run_clm_card(tmp_path):
     assert {e.metric_type for e in parsed.data.eval_results} == {"bpc", "loss"}
     assert "vocab.json" in parsed.text and "| segment_length | 8 |" in parsed.text
     assert "modeling_transfo_xl.py" in exported_modules(out)
+
+
+def test_run_mlm_card(longformer_dir, tmp_path):
+    text = tmp_path / "train.txt"
+    text.write_text("\n".join(" ".join(SENTENCES * 3) for _ in range(12)), encoding="utf-8")
+    out = tmp_path / "mlm"
+    run_mlm.main(["--model_name_or_path", str(longformer_dir), "--train_file", str(text), "--output_dir", str(out),
+                  "--max_seq_length", "64", "--eval_bucket_size", "32", "--self_contained", *TRAIN])  # fmt: skip
+    parsed = check_example_card(out, "fill-mask", "hfx-longformer")
+    metrics = {e.metric_type for e in parsed.data.eval_results}
+    assert {"mlm_loss", "bits_per_token", "bpc", "loss_0_31", "loss_32_63"} <= metrics
+    assert "| block_size | 64 |" in parsed.text and "| mlm_probability | 0.15 |" in parsed.text
+    assert "modeling_longformer.py" in exported_modules(out)
+    assert "AutoModelForMaskedLM" in json.loads((out / "config.json").read_text())["auto_map"]
 
 
 def test_push_to_hub_uploads_the_finished_folder(longformer_dir, tmp_path, monkeypatch):

@@ -187,6 +187,21 @@ def test_continued_pretraining_of_every_conversion_target(target, converted, cor
     assert any(not torch.equal(before[k], after[k]) for k in before if k in after)
 
 
+def test_dataset_folder_with_splits(converted, corpus, tmp_path):
+    """--dataset_name also takes a local folder (load_dataset finds its train/validation files); evaluation only."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in documents(6)))
+    (folder / "validation.jsonl").write_text(corpus["valid"].read_text().replace('"text"', '"body"'))
+    metrics = run_mlm.main(["--model_name_or_path", str(converted["performer"]), "--dataset_name", str(folder),
+                            "--text_column_name", "body", "--do_eval", "--output_dir", str(tmp_path / "out"),
+                            *COMMON])  # fmt: skip
+    direct = run_mlm.main(["--model_name_or_path", str(converted["performer"]), "--validation_file",
+                           str(corpus["valid"]), "--do_eval", "--output_dir", str(tmp_path / "out2"), *COMMON])  # fmt: skip
+    assert metrics["eval_samples"] == direct["eval_samples"] > 0
+    assert metrics["eval_mlm_loss"] == pytest.approx(direct["eval_mlm_loss"], rel=1e-6)
+
+
 NEW_MODELS = {
     "hfx-reformer": "hidden_size=32,num_attention_heads=2,attention_head_size=16,feed_forward_size=37,"
     "attn_layers=local;lsh,local_attn_chunk_length=8,lsh_attn_chunk_length=8,num_buckets=4,axial_pos_shape=8;8,"
