@@ -70,9 +70,9 @@ def write_jsonl(path: Path, documents: list[str]) -> None:
             f.write(json.dumps({"text": " ".join(text.split())}) + "\n")
 
 
-def build_corpus(work: Path) -> dict[str, Path]:
+def build_corpus(work: Path, limit: int | None = None) -> dict[str, Path]:
     """``long_train.jsonl`` (long documents), ``short_train.jsonl`` (those plus review snippets) and
-    ``heldout.jsonl`` (2016 convention speeches)."""
+    ``heldout.jsonl`` (2016 convention speeches); ``limit`` keeps the first documents of each (smoke tests)."""
     files = {name: work / f"{name}.jsonl" for name in ("long_train", "short_train", "heldout")}
     if all(path.is_file() for path in files.values()):
         return files
@@ -90,9 +90,9 @@ def build_corpus(work: Path) -> dict[str, Path]:
     with open(data / "republican_convention_2016.csv", encoding="utf-8") as f:
         heldout = [row["text"] for row in csv.DictReader(f)]
     long_docs = speeches_2012 + [" ".join(statements) for statements in debates.values()] + [hamlet]
-    write_jsonl(files["long_train"], long_docs)
-    write_jsonl(files["short_train"], long_docs + snippets)
-    write_jsonl(files["heldout"], heldout)
+    write_jsonl(files["long_train"], long_docs[:limit])
+    write_jsonl(files["short_train"], (long_docs + snippets)[:limit])
+    write_jsonl(files["heldout"], heldout[:limit])
     return files
 
 
@@ -138,7 +138,7 @@ def evaluate(model_dir: Path, blocks, chunk: int | None, bucket: int, chars_per_
     return run_mlm.mlm_metrics(losses, labels.reshape(shape).numpy(), bucket, chars_per_token)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work_dir", default="/tmp/continued_pretraining")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "continued_pretraining"))
@@ -154,8 +154,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="continued pretraining: blocks per step")
     parser.add_argument("--learning_rate", type=float, default=1e-4)
     parser.add_argument("--warmup_steps", type=int, default=30)
+    parser.add_argument("--eval_batch", type=int, default=32, help="blocks per evaluation forward")
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    parser.add_argument("--max_documents", type=int, default=None, help="first documents of each file only (tests)")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(args.threads)
     work, out = Path(args.work_dir), Path(args.out)
@@ -163,10 +165,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     long_length = args.short_length * args.factor
     common = ["--seed", "0", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no",
-              "--logging_steps", "50", "--dataloader_num_workers", "0"]  # fmt: skip
+              "--logging_steps", "50", "--dataloader_num_workers", "0",
+              "--per_device_eval_batch_size", str(args.eval_batch)]  # fmt: skip
     timings: dict[str, float] = {}
 
-    files = build_corpus(work)
+    files = build_corpus(work, args.max_documents)
     tokenizer_dir = train_tokenizer(work, files["short_train"], args.vocab_size)
     short_dir = work / "short"
     if not (short_dir / "config.json").is_file():
@@ -185,7 +188,7 @@ def main() -> None:
     heldout_tokens = run_mlm.tokenize_documents(heldout, tokenizer)
     blocks = run_mlm.mask_once(run_mlm.group_into_blocks(heldout_tokens, long_length), tokenizer, 0.15, seed=0)
     chars_per_token = run_mlm.characters_per_token(heldout, heldout_tokens)
-    scored = dict(blocks=blocks, bucket=args.short_length, chars_per_token=chars_per_token, batch=8)
+    scored = dict(blocks=blocks, bucket=args.short_length, chars_per_token=chars_per_token, batch=args.eval_batch)
 
     results_file = out / "results.json"
     results = json.loads(results_file.read_text()) if results_file.is_file() else {}
@@ -231,6 +234,7 @@ def main() -> None:
     results_file.write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(table(results))
     print(table(results))
+    return results
 
 
 def table(results: dict) -> str:

