@@ -145,16 +145,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
     parser.add_argument("--short_length", type=int, default=128)
     parser.add_argument("--factor", type=int, default=4)
-    parser.add_argument("--vocab_size", type=int, default=4096)
+    parser.add_argument("--vocab_size", type=int, default=512)
     parser.add_argument("--short_config", default="hidden_size=128,num_hidden_layers=4,num_attention_heads=4,"
                         "intermediate_size=512,type_vocab_size=1")  # fmt: skip
     parser.add_argument("--short_steps", type=int, default=2000)
     parser.add_argument("--short_batch", type=int, default=16)
+    parser.add_argument("--short_learning_rate", type=float, default=1e-3)
     parser.add_argument("--steps", type=int, default=300, help="continued-pretraining steps (d)")
     parser.add_argument("--batch", type=int, default=4, help="continued pretraining: blocks per step")
     parser.add_argument("--learning_rate", type=float, default=1e-4)
     parser.add_argument("--warmup_steps", type=int, default=30)
     parser.add_argument("--eval_batch", type=int, default=32, help="blocks per evaluation forward")
+    parser.add_argument("--heldout_documents", type=int, default=30, help="held-out speeches scored (of 60)")
+    parser.add_argument("--trainer_eval_blocks", type=int, default=16,
+                        help="blocks run_mlm.py's own final evaluation scores in (d) (a sanity figure)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max_documents", type=int, default=None, help="first documents of each file only (tests)")
     args = parser.parse_args(argv)
@@ -179,12 +183,14 @@ def main(argv: list[str] | None = None) -> dict:
              "--train_file", str(files["short_train"]), "--validation_file", str(files["heldout"]),
              "--max_seq_length", str(args.short_length), "--eval_bucket_size", str(args.short_length),
              "--max_steps", str(args.short_steps), "--per_device_train_batch_size", str(args.short_batch),
+             "--learning_rate", str(args.short_learning_rate),
              "--output_dir", str(short_dir), "--overwrite_output_dir", *common])  # fmt: skip
         timings["short_pretraining_s"] = time.perf_counter() - begin
 
     # The held-out blocks of the long length, masked once: every model below is scored on these tokens.
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     heldout = run_mlm.read_text_file(str(files["heldout"]), "text")
+    heldout = heldout.select(range(min(args.heldout_documents, len(heldout))))
     heldout_tokens = run_mlm.tokenize_documents(heldout, tokenizer)
     blocks = run_mlm.mask_once(run_mlm.group_into_blocks(heldout_tokens, long_length), tokenizer, 0.15, seed=0)
     chars_per_token = run_mlm.characters_per_token(heldout, heldout_tokens)
@@ -214,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "--gradient_accumulation_steps", "1", "--learning_rate", str(args.learning_rate),
                            "--warmup_steps", str(args.warmup_steps), "--output_dir", str(continued),
                            "--overwrite_output_dir", *(["--copy_proj_layers"] if target == "longformer" else []),
+                           "--max_eval_samples", str(args.trainer_eval_blocks),
                            *common])  # fmt: skip
             row["train_s"] = time.perf_counter() - begin
             row["run_mlm_eval_mlm_loss"] = metrics["eval_mlm_loss"]
@@ -226,8 +233,9 @@ def main(argv: list[str] | None = None) -> dict:
     results["setting"] = {
         "short_length": args.short_length, "long_length": long_length, "short_config": args.short_config,
         "vocab_size": args.vocab_size, "short_steps": args.short_steps, "short_batch": args.short_batch,
+        "short_learning_rate": args.short_learning_rate,
         "steps": args.steps, "batch": args.batch, "learning_rate": args.learning_rate,
-        "warmup_steps": args.warmup_steps, "heldout_blocks": len(blocks), "masked_tokens": results["short"]["a"]["masked_tokens"],
+        "warmup_steps": args.warmup_steps, "heldout_documents": len(heldout), "heldout_blocks": len(blocks), "masked_tokens": results["short"]["a"]["masked_tokens"],
         "chars_per_token": chars_per_token, "threads": args.threads, "cpu": platform.processor() or platform.machine(),
         "load_average": os.getloadavg(), **timings,
     }  # fmt: skip

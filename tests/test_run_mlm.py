@@ -401,7 +401,7 @@ def test_continued_pretraining_harness(tmp_path):
         "--short_length", "16", "--factor", "2", "--vocab_size", "300", "--short_config",
         "hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=32,type_vocab_size=1",
         "--short_steps", "3", "--short_batch", "4", "--steps", "2", "--batch", "2", "--max_documents", "3",
-        "--threads", "1",
+        "--threads", "1", "--trainer_eval_blocks", "100000",
     ])  # fmt: skip
     assert set(results["short"]["a"]) >= {"bits_per_token", "bpc", "loss_0_15", "loss_16_31"}
     for target in ("longformer", "performer"):
