@@ -88,6 +88,7 @@ from utils_examples import (  # noqa: E402
     enable_cpu_distributed,
     finish_output_dir,
     hub_model_id,
+    load_local_file,
     model_origin,
     parse_script_args,
     resume_checkpoint,
@@ -183,8 +184,7 @@ def read_text_file(path: str, text_column: str, cache_dir: str | None = None) ->
     elif suffix in LOCAL_FORMATS:
         if os.path.getsize(path) == 0:
             raise ValueError(f"{path} is empty: it holds no text to train or evaluate on.")
-        data = load_dataset(LOCAL_FORMATS[suffix], data_files=path, split="train", cache_dir=cache_dir)
-        data = select_text(data, text_column, path)
+        data = select_text(load_local_file(path, cache_dir), text_column, path)
     else:
         raise ValueError(f"{path}: unsupported file type {suffix!r}; use .txt or one of {sorted(LOCAL_FORMATS)}.")
     if len(data) == 0:
@@ -425,7 +425,7 @@ def model_positions(model: PreTrainedModel) -> int | None:
     return int(limit) - (padding_idx + 1 if padding_idx is not None else 0)
 
 
-def block_size_for(requested: int | None, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
+def block_size_for(requested: int | None, model: PreTrainedModel) -> int:
     """The block length: ``requested`` or all the model's positions.
 
     Raises:
@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise ValueError(
             f"--copy_proj_layers: a {config.model_type!r} model has no global Q/K/V projections (only hfx-longformer has)."
         )
-    block_size = block_size_for(data_args.max_seq_length, model, tokenizer)
+    block_size = block_size_for(data_args.max_seq_length, model)
 
     with training_args.main_process_first(desc="tokenizing"):
         train = None
