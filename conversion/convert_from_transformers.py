@@ -501,12 +501,23 @@ REFORMER_CLASSES: dict[str, str] = {
 }
 
 
+def reformer_lm_bias_as_ours(weights: dict) -> dict:
+    """transformers Reformer tensors with the LM bias where ours is: ``lm_head.decoder.bias`` (4.x, where it equals
+    ``lm_head.bias``, and 5.24+, where it is the one applied) becomes ``lm_head.bias``."""
+    weights = dict(weights)
+    if "lm_head.decoder.bias" in weights:
+        weights["lm_head.bias"] = weights.pop("lm_head.decoder.bias")
+    return weights
+
+
 def import_reformer(source: Path, config: dict) -> PreTrainedModel:
     """``transformers`` Reformer (any head; e.g. ``google/reformer-crime-and-punishment`` or
     ``google/reformer-enwik8`` saved locally) -> the matching ``HfxReformer*`` class with the same weights and config.
 
-    Tensor names are already ours; 4.x checkpoints also store the LM bias as ``lm_head.decoder.bias`` (tied to
-    ``lm_head.bias``), which is dropped. ``google/reformer-enwik8`` has no tokenizer: its inputs are UTF-8 bytes
+    Tensor names are already ours, but for the LM bias: 4.x checkpoints store it twice (``lm_head.decoder.bias`` tied
+    to ``lm_head.bias``); transformers 5.0-5.23 keep only ``lm_head.bias`` (and no longer add it); transformers 5.24
+    adds ``lm_head.decoder.bias`` (and leaves ``lm_head.bias`` unused). Ours is ``lm_head.bias``, taken from
+    ``lm_head.decoder.bias`` wherever that exists. ``google/reformer-enwik8`` has no tokenizer: its inputs are UTF-8 bytes
     shifted by 2; :func:`convert_from_transformers` saves :func:`byte_tokenizer` with such a checkpoint (no tokenizer,
     258 ids).
 
@@ -524,7 +535,7 @@ def import_reformer(source: Path, config: dict) -> PreTrainedModel:
     kwargs = {k: v for k, v in config.items() if k not in _SOURCE_ONLY_CONFIG_KEYS}
     kwargs["architectures"] = [model_class.__name__]
     model = model_class(hf_xformers.HfxReformerConfig(**kwargs))
-    weights = {k: v for k, v in load_weights(source).items() if k != "lm_head.decoder.bias"}
+    weights = reformer_lm_bias_as_ours(load_weights(source))
     if model_class is hf_xformers.HfxReformerModel:
         weights = {k.removeprefix("reformer."): v for k, v in weights.items() if not k.startswith("lm_head.")}
     load_converted_weights(model, weights)

@@ -129,14 +129,37 @@ class TestTransfoXLConformance(TextModelConformance):
     def test_too_long_input_raises(self):
         pytest.skip("relative positions: Transformer-XL has no length limit")
 
+    def test_left_padding_masks_the_padded_keys(self):
+        """Relative positions and masked keys: a left-padded sequence's real tokens get the unpadded outputs, and the
+        classifier pools the last real token on either side."""
+        model = self.make_model("AutoModel")
+        ids = _ids(1, SEQ_LEN)
+        pad = 3
+        padded = torch.cat([torch.full((1, pad), 7), ids], dim=1)
+        mask = torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(ids)], dim=1)
+        with torch.no_grad():
+            alone = model(input_ids=ids).last_hidden_state
+            left = model(input_ids=padded, attention_mask=mask).last_hidden_state[:, pad:]
+            unmasked = model(input_ids=padded).last_hidden_state[:, pad:]
+        torch.testing.assert_close(left, alone, atol=self.atol, rtol=0)
+        assert not torch.allclose(unmasked, alone, atol=1e-3)  # the mask is what makes them equal
+        classifier = self.make_model("AutoModelForSequenceClassification")
+        with torch.no_grad():
+            right = torch.cat([ids, torch.full((1, pad), 7)], dim=1)
+            right_mask = mask.flip(-1)
+            scores = [
+                classifier(input_ids=x, attention_mask=m).logits
+                for x, m in ((ids, None), (padded, mask), (right, right_mask))
+            ]
+        torch.testing.assert_close(scores[1], scores[0], atol=self.atol, rtol=0)
+        torch.testing.assert_close(scores[2], scores[0], atol=self.atol, rtol=0)
+
     def test_wrong_mask_shape_raises(self):
         super().test_wrong_mask_shape_raises()
         model = self.make_model("AutoModel")
         ids = _ids(2, SEQ_LEN)
-        left_padded = torch.ones_like(ids)
-        left_padded[0, 0] = 0
-        with pytest.raises(ValueError, match="right padding"):
-            model(input_ids=ids, attention_mask=left_padded)
+        with pytest.raises(ValueError, match="shape of `input_ids`"):
+            model(input_ids=ids, attention_mask=torch.ones(2, SEQ_LEN - 1, dtype=torch.long))
         mems = model(input_ids=ids).mems
         with pytest.raises(ValueError, match="same row"):
             model(input_ids=ids[:1], mems=mems)
@@ -386,10 +409,14 @@ def test_generate_carries_memories():
         for _ in range(6):
             ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(out, ids)
-    with pytest.raises(ValueError, match="num_beams"):
-        model.generate(prompt, max_new_tokens=2, num_beams=2, pad_token_id=0)
-    with pytest.raises(ValueError, match="mem_len"):
-        lm(mem_len=0).generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    # Without a memory there is nothing to carry: every step recomputes the whole sequence, with the same tokens.
+    no_memory = lm(mem_len=0, same_length=False)
+    out = no_memory.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.cat([ids, no_memory(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, ids)
 
 
 # ----- streams and the recurrent Trainer -------------------------------------------------------------------------

@@ -105,7 +105,8 @@ class HfxRelativeMemoryAttention(nn.Module):
             states: ``(batch, key_len, d_model)``, memory then segment (already layer-normed in pre-LN models).
             query_len: length ``q`` of the current segment (the last ``q`` rows of ``states``).
             position_encodings: ``(key_len, d_model)`` sinusoids of :func:`relative_distances`.
-            allowed: ``(q, key_len)`` bool from :func:`allowed_keys`.
+            allowed: ``(q, key_len)`` bool from :func:`allowed_keys`, or ``(batch, 1, q, key_len)`` with padded keys
+                masked too.
         Returns:
             ``context`` ``(batch, q, n_head * d_head)`` and, if asked, the probabilities
             ``(batch, n_head, q, key_len)``.

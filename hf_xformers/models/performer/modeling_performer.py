@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ...attention.favor import FavorState, HfxFavorSelfAttention
+from ...layers.compat import CACHE_NAME, cache_field, output_cache, resolve_cache_argument
 from ...layers.encoder import HfxModelOutput
+from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import (
     HfxLMHeadMixin,
     HfxMaskedLMHeadMixin,
@@ -32,10 +33,12 @@ from .configuration_performer import HfxPerformerConfig
 
 
 @dataclass
+@cache_field
 class HfxPerformerModelOutput(HfxModelOutput):
-    """:class:`HfxModelOutput` of a cached call, with the cache (``past_key_values``) it updated."""
+    """:class:`HfxModelOutput` of a cached call, with the cache it updated (``cache``; ``past_key_values`` before
+    transformers 5.24)."""
 
-    past_key_values: HfxPerformerCache | None = None
+    cache: HfxPerformerCache | None = None
 
 
 class HfxPerformerCache:
@@ -142,15 +145,18 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         return_dict: bool | None = None,
         past_key_values: HfxPerformerCache | None = None,
         use_cache: bool | None = None,
+        cache: HfxPerformerCache | None = None,
     ) -> HfxModelOutput | tuple:
         """As :meth:`HfxTextModel.forward`, after the scheduled redraw of the projections (training mode).
 
         Causal models (``config.is_decoder``) also decode with a cache: ``use_cache=True`` starts an
-        :class:`HfxPerformerCache` (returned as ``past_key_values``), and a cache passed back makes the call process
+        :class:`HfxPerformerCache` (returned as the output's ``cache``; ``past_key_values`` before transformers 5.24),
+        and a cache passed back (as ``cache`` or ``past_key_values``) makes the call process
         only the new tokens (``attention_mask`` is then ``(batch, new)`` or ``(batch, past + new)``, of which the last
         ``new`` columns are used). Without ``position_ids`` a cached call numbers the new tokens on from the last
         position, counting the tokens that are not ``pad_token_id`` as the uncached model does.
         """
+        past_key_values = resolve_cache_argument(past_key_values, cache)
         interval = self.config.feature_redraw_interval
         if self.training and interval:
             if self.training_calls and self.training_calls % interval == 0:
@@ -222,7 +228,7 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
             last_hidden_state=out.last_hidden_state,
             pooler_output=self.pooler(out.last_hidden_state) if self.pooler is not None else None,
             hidden_states=out.hidden_states,
-            past_key_values=cache,
+            **{CACHE_NAME: cache},
         )
         return self._finish(out, return_dict)
 
@@ -248,7 +254,7 @@ class HfxPerformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxPer
     base_model_class = HfxPerformerModel
 
 
-class HfxPerformerForCausalLM(HfxLMHeadMixin, HfxPerformerPreTrainedModel, GenerationMixin):
+class HfxPerformerForCausalLM(HfxLMHeadMixin, HfxPerformerPreTrainedModel, HfxGenerationMixin):
     """Left-to-right language model on causal FAVOR+ attention; the decoder is tied to the input embeddings.
 
     The model is always causal: a config with ``is_decoder=False`` is copied with ``is_decoder=True`` (the caller's
@@ -287,6 +293,7 @@ class HfxPerformerForCausalLM(HfxLMHeadMixin, HfxPerformerPreTrainedModel, Gener
         return_dict: bool | None = None,
         past_key_values: HfxPerformerCache | None = None,
         use_cache: bool | None = None,
+        cache: HfxPerformerCache | None = None,
     ) -> CausalLMOutputWithPast | tuple:
         """Returns ``logits`` ``(batch, seq_len, vocab)`` (of the new tokens with a cache, see
         :meth:`HfxPerformerModel.forward`) and the cache when one is used; with ``labels`` (or already shifted
@@ -295,21 +302,19 @@ class HfxPerformerForCausalLM(HfxLMHeadMixin, HfxPerformerPreTrainedModel, Gener
         out = self._encode(
             input_ids, attention_mask, None, output_attentions, output_hidden_states,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
-            past_key_values=past_key_values, use_cache=use_cache,
+            past_key_values=resolve_cache_argument(past_key_values, cache), use_cache=use_cache,
         )  # fmt: skip
         logits = self.lm_head(out.last_hidden_state)
         loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
         result = CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=getattr(out, "past_key_values", None),
-            hidden_states=out.hidden_states, attentions=out.attentions,
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions,
+            **{CACHE_NAME: output_cache(out)},
         )  # fmt: skip
         return self._finish(result, return_dict)
 
     # ----- generation --------------------------------------------------------------------------------------
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        # The cache is the recurrent state of linear attention, not keys and values: not a transformers Cache.
-        return False
+    def _new_generation_cache(self) -> HfxPerformerCache:
+        return HfxPerformerCache()
 
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs) -> torch.Tensor:
         """RoBERTa positions (from ``padding_idx + 1``) of the prompt, counted over the attention mask (left padding
@@ -320,33 +325,6 @@ class HfxPerformerForCausalLM(HfxLMHeadMixin, HfxPerformerPreTrainedModel, Gener
             mask = torch.ones(inputs_tensor.shape[:2], dtype=torch.long, device=inputs_tensor.device)
         mask = mask.long()
         return mask.cumsum(-1) * mask + padding_idx
-
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.Tensor,
-        past_key_values: HfxPerformerCache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs,
-    ) -> dict:
-        """First call: the whole prompt (a fresh cache unless ``use_cache=False``); later calls: only the tokens the
-        cache has not seen, with their positions; without a cache, the whole sequence every time."""
-        if use_cache is not False and past_key_values is None:
-            past_key_values = HfxPerformerCache()
-        if past_key_values is not None:
-            new = input_ids.shape[1] - past_key_values.get_seq_length()
-            input_ids = input_ids[:, -new:]
-            if position_ids is not None:
-                position_ids = position_ids[:, -new:]
-        inputs = {
-            "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-            "past_key_values": past_key_values, "use_cache": past_key_values is not None,
-        }  # fmt: skip
-        for key in ("output_attentions", "output_hidden_states"):
-            if key in kwargs:
-                inputs[key] = kwargs[key]
-        return inputs
 
 
 __all__ = [

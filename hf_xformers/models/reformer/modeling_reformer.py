@@ -23,15 +23,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GenerationMixin
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import ModelOutput
 
 from ...attention.base import ceil_div, cut_to_length
 from ...attention.chunked_local import HfxLocalSelfAttention
 from ...attention.lsh import HfxLSHSelfAttention
+from ...layers.compat import CACHE_ARGUMENT_NAMES
 from ...layers.encoder import _INPLACE_ACTIVATIONS
 from ...layers.fast_dropout import HfxDropout, fast_dropout
+from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import (
     HfxMaskedLMHeadMixin,
     HfxQuestionAnsweringHeadMixin,
@@ -587,14 +588,17 @@ class HfxReformerForQuestionAnswering(_ReformerHeadSizes, HfxQuestionAnsweringHe
     base_model_class = HfxReformerModel
 
 
-class HfxReformerForCausalLM(HfxReformerPreTrainedModel, GenerationMixin):
+class HfxReformerForCausalLM(HfxReformerPreTrainedModel, HfxGenerationMixin):
     """Left-to-right language model (transformers' ``ReformerModelWithLMHead``).
 
     The model is always causal: a config with ``is_decoder=False`` is copied with ``is_decoder=True``. ``labels``
     ``(batch, seq_len)`` are the input ids (shifted inside; -100 = no loss) or, as transformers' causal LMs accept,
     ``shift_labels`` already shifted. ``generate()`` keeps the normalised layer inputs and LSH buckets of earlier
-    positions in :class:`HfxReformerCache` and feeds one new token per step, as transformers does.
+    positions in :class:`HfxReformerCache` and feeds one new token per step, as transformers does (greedy, sampling,
+    beam search; padded batches are decoded without the cache, see :meth:`prepare_inputs_for_generation`).
     """
+
+    generation_cache_argument = "past_buckets_states"
 
     def __init__(self, config: HfxReformerConfig) -> None:
         if not config.is_decoder:
@@ -652,25 +656,27 @@ class HfxReformerForCausalLM(HfxReformerPreTrainedModel, GenerationMixin):
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
         return None  # positions follow the cache length
 
-    def prepare_inputs_for_generation(
-        self, input_ids: torch.Tensor, past_key_values: HfxReformerCache | None = None, use_cache: bool | None = None,
-        num_hashes: int | None = None, attention_mask: torch.Tensor | None = None, **kwargs,
-    ) -> dict:  # fmt: skip
-        """First step: the whole prompt; later steps: the newest token with the cache of the earlier ones."""
-        if attention_mask is not None and not torch.all(attention_mask.bool()):
-            raise ValueError(
-                "hfx-reformer generates without padding (positions count from the first token): generate for "
-                "prompts of different lengths one at a time."
-            )
-        if past_key_values is not None and len(past_key_values):
-            input_ids = input_ids[:, -1:]
-        return {
-            "input_ids": input_ids, "past_buckets_states": past_key_values, "use_cache": use_cache,
-            "num_hashes": num_hashes,
-        }  # fmt: skip
+    def _cache_of_output(self, outputs) -> HfxReformerCache | None:
+        return outputs.past_buckets_states
 
-    def _supports_default_dynamic_cache(self) -> bool:
-        return False
+    def prepare_inputs_for_generation(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, use_cache: bool | None = None,
+        **kwargs,
+    ) -> dict:  # fmt: skip
+        """First step: the whole prompt; later steps: the newest token with the cache of the earlier ones.
+
+        The cache has no key mask, so a batch with padding (or a prompt that merely contains the pad token, which
+        generate() masks) is decoded without it: every step re-encodes the whole sequence under its attention mask
+        (the same tokens as a cached run would give, at the cost of a full forward per token). Positions count from
+        the first slot, padding included, as in transformers' Reformer.
+        """
+        if attention_mask is not None:
+            if bool(attention_mask.bool().all()):
+                attention_mask = None  # nothing to mask: the cached path feeds one token per step
+            else:
+                kwargs = {k: v for k, v in kwargs.items() if k not in CACHE_ARGUMENT_NAMES}
+                use_cache = False
+        return super().prepare_inputs_for_generation(input_ids, attention_mask, use_cache, **kwargs)
 
 
 __all__ = [

@@ -64,6 +64,9 @@ class HfxTransfoXLConfig(PreTrainedConfig):
     layer_norm_epsilon: float = 1e-5
     classifier_dropout: float | None = None
     eos_token_id: int | None = 0
+    # generate() without input_ids starts from this token; None: the eos token, which separates the documents of
+    # Transformer-XL's training streams (so "after <eos>" is the start of a document).
+    bos_token_id: int | None = None
     pad_token_id: int | None = None
     tie_word_embeddings: bool = True
 
@@ -72,6 +75,8 @@ class HfxTransfoXLConfig(PreTrainedConfig):
         if self.cutoffs is None:
             self.cutoffs = [20000, 40000, 200000]
         self.cutoffs = [int(c) for c in self.cutoffs]
+        if self.bos_token_id is None:
+            self.bos_token_id = self.eos_token_id
         if self.d_embed is None:
             self.d_embed = self.d_model
         if self.d_head is None and self.n_head > 0 and self.d_model % self.n_head == 0:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
@@ -28,8 +28,9 @@ from ...attention.relative_memory import (
     sinusoid_positions,
 )
 from ...layers.adaptive import HfxAdaptiveEmbedding, HfxAdaptiveLogSoftmax
+from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import pool_tokens, sequence_classification_loss
-from ...layers.input_checks import check_not_empty, check_token_ids, is_tracing
+from ...layers.input_checks import check_not_empty, check_token_ids, is_tracing, unpadded_to_none
 from .configuration_transfo_xl import HfxTransfoXLConfig
 
 Memories = tuple[torch.Tensor, ...]
@@ -214,18 +215,14 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
             )
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
-        if attention_mask is not None:
-            if tuple(attention_mask.shape) != shape:
-                raise ValueError(
-                    f"`attention_mask` must have the shape of `input_ids` {shape}, got {tuple(attention_mask.shape)}. "
-                    "Pass the mask the tokenizer returned for the same batch (1 = keep, 0 = padding)."
-                )
-            mask = attention_mask.bool()
-            if not is_tracing() and bool((~mask[:, :-1] & mask[:, 1:]).any()):
-                raise ValueError(
-                    "Transformer-XL is causal and supports right padding only (0s after the real tokens); "
-                    "pad on the right (tokenizer.padding_side = 'right')."
-                )
+        if attention_mask is not None and (
+            attention_mask.dim() != 2 or attention_mask.shape[0] != shape[0] or attention_mask.shape[1] < shape[1]
+        ):
+            raise ValueError(
+                f"`attention_mask` must have the shape of `input_ids` {shape} (or cover the memory too: "
+                f"(batch, memory + seq_len)), got {tuple(attention_mask.shape)}. Pass the mask the tokenizer returned "
+                "for the same batch (1 = keep, 0 = padding)."
+            )
         if mems is not None:
             if len(mems) != self.config.n_layer:
                 raise ValueError(
@@ -260,8 +257,10 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
                 Memories longer than ``config.mem_len`` are cut to their last ``mem_len`` positions (what the model
                 itself returns), so the model never attends further back than it was configured (and trained) to;
                 with ``mem_len == 0`` they are ignored. Raise ``config.mem_len`` to use a longer memory at evaluation.
-            attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for right padding. A causal model needs no
-                mask for right padding; it is checked and used by the classification head to find the last token.
+            attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding (left or right): padded keys are
+                masked. It may also cover earlier tokens (``(batch, past + seq_len)``, what ``generate()`` passes):
+                its last ``memory + seq_len`` columns then mask the memory too; memory it does not cover counts as
+                real.
         Returns:
             :class:`HfxTransfoXLModelOutput`.
         """
@@ -282,6 +281,13 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         distances = relative_distances(query_len, key_len, self.config.clamp_len, device=device)
         positions = self.dropout(sinusoid_positions(distances, self.config.d_model).to(embeds.dtype))
         allowed = allowed_keys(query_len, memory_len, self.config.same_length, self.config.mem_len, device=device)
+        # "Is anything padded" once per forward; padded keys are masked for every query (batch, 1, q, k).
+        key_mask = unpadded_to_none(attention_mask.bool()) if attention_mask is not None else None
+        if key_mask is not None:
+            key_mask = key_mask[:, -key_len:]
+            if key_mask.shape[1] < key_len:  # memory the mask does not cover is real
+                key_mask = F.pad(key_mask, (key_len - key_mask.shape[1], 0), value=True)
+            allowed = allowed & key_mask[:, None, None, :]
 
         hidden = self.dropout(embeds)
         layer_inputs, all_hidden, all_attentions = [], (), ()
@@ -327,7 +333,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         return tuple(new)
 
 
-class HfxTransfoXLForCausalLM(HfxTransfoXLPreTrainedModel, GenerationMixin):
+class HfxTransfoXLForCausalLM(HfxTransfoXLPreTrainedModel, HfxGenerationMixin):
     """Transformer-XL language model: the base model and an adaptive softmax tied to the adaptive embeddings.
 
     ``labels`` ``(batch, seq_len)`` are the input ids themselves (-100 where no loss is wanted), shifted inside: the
@@ -336,8 +342,14 @@ class HfxTransfoXLForCausalLM(HfxTransfoXLPreTrainedModel, GenerationMixin):
     ``shift_labels`` ``(batch, seq_len)`` instead: the targets already aligned with the positions (what
     :class:`~hf_xformers.models.transfo_xl.training_transfo_xl.HfxStreamSegments` yields).
 
-    ``generate()`` carries the memories from step to step: each step feeds only the newest token.
+    ``generate()`` carries the memories from step to step: each step feeds only the newest token (greedy, sampling,
+    beam search, which reorders the memories with the beams; left padding through ``attention_mask``). Tokens equal
+    those of full recomputation (``use_cache=False``) while the memory holds the whole sequence
+    (``mem_len >= prompt + new tokens``); beyond that the model sees only the last ``mem_len`` positions, as in
+    training.
     """
+
+    generation_cache_argument = "mems"
 
     def __init__(self, config: HfxTransfoXLConfig) -> None:
         super().__init__(config)
@@ -434,32 +446,12 @@ class HfxTransfoXLForCausalLM(HfxTransfoXLPreTrainedModel, GenerationMixin):
         return result if return_dict else result.to_tuple()
 
     # ----- generation: the memories play the part of the key/value cache ---------------------------------
-    def generate(self, *args, **kwargs):
-        """``GenerationMixin.generate`` with the memories as the cache (greedy search and sampling)."""
-        config = kwargs.get("generation_config") or self.generation_config
-        if (kwargs.get("num_beams") or getattr(config, "num_beams", None) or 1) > 1:
-            raise ValueError(
-                "Beam search would need the memories reordered between beams, which hfx-transfo-xl does not do; "
-                "use num_beams=1 (greedy or sampling)."
-            )
-        return super().generate(*args, **kwargs)
+    def _cache_of_output(self, outputs) -> Memories | None:
+        return outputs.mems
 
-    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, mems: Memories | None = None, **kwargs) -> dict:
-        """First step: the whole prompt; later steps: only the newest token, with the memories of the last step."""
-        if mems is not None:
-            input_ids = input_ids[:, -1:]
-        return {"input_ids": input_ids, "mems": mems}
-
-    def _update_model_kwargs_for_generation(
-        self, outputs, model_kwargs: dict, is_encoder_decoder: bool = False, num_new_tokens: int = 1
-    ) -> dict:
-        model_kwargs["mems"] = outputs.mems
-        if model_kwargs["mems"] is None:
-            raise ValueError("generate() carries memories between steps and needs mem_len > 0 in the config.")
-        return model_kwargs
-
-    def _supports_default_dynamic_cache(self) -> bool:
-        return False
+    def _unseen_tokens(self, input_ids: torch.Tensor, cache: Memories | None) -> int:
+        # Memories do not count tokens (they keep the last mem_len); generate() adds one token per step.
+        return 1 if cache is not None else input_ids.shape[1]
 
 
 class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
@@ -482,7 +474,7 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
 
     def _pool(self, hidden: torch.Tensor, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None):
         """``(batch, seq_len, d_model)`` -> ``(batch, d_model)``: the last real token, or the mean of the real ones."""
-        real = attention_mask
+        real = attention_mask[:, -hidden.shape[1] :] if attention_mask is not None else None
         if real is None and input_ids is not None and self.config.pad_token_id is not None:
             real = input_ids != self.config.pad_token_id
         if self.pooling == "mean":
@@ -491,7 +483,9 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
         if real is None:
             last = torch.full((batch,), length - 1, device=hidden.device)
         else:
-            last = real.long().sum(-1).clamp(min=1) - 1
+            # The last real position, with left or right padding (position 0 when nothing is real).
+            positions = torch.arange(1, length + 1, device=hidden.device)
+            last = (real.long() * positions).argmax(-1)
         return hidden[torch.arange(batch, device=hidden.device), last]
 
     def forward(

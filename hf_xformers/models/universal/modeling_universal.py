@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import (
@@ -31,7 +30,9 @@ from transformers.modeling_outputs import (
 from transformers.utils import ModelOutput
 
 from ...layers.act import HfxHaltingUnit, ponder_loss
+from ...layers.compat import CACHE_NAME, cache_field, output_cache, resolve_cache_argument
 from ...layers.encoder import HfxPooler
+from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import (
     HfxLMHead,
     HfxLMHeadMixin,
@@ -56,9 +57,11 @@ from .configuration_universal import HfxUniversalConfig
 
 
 @dataclass
+@cache_field
 class HfxUniversalModelOutput(ModelOutput):
     """``last_hidden_state`` ``(batch, seq_len, hidden)``; ``pooler_output`` ``(batch, hidden)`` or None;
-    ``past_key_values``: the decoder cache (:class:`HfxUniversalCache`) when one is used; ``hidden_states``: the
+    ``cache`` (``past_key_values`` before transformers 5.24): the decoder cache (:class:`HfxUniversalCache`) when one
+    is used; ``hidden_states``: the
     embeddings and the state after every step; ``attentions`` / ``cross_attentions``: per step
     ``(batch, heads, seq_len, keys)``; ``ponder_loss``: ``act_loss_weight * mean(N + R)`` over real tokens (None in
     fixed-step mode); ``ponder_steps`` ``(batch, seq_len)``: steps ``N`` per position (0 at padding);
@@ -66,7 +69,7 @@ class HfxUniversalModelOutput(ModelOutput):
 
     last_hidden_state: torch.Tensor | None = None
     pooler_output: torch.Tensor | None = None
-    past_key_values: HfxUniversalCache | None = None
+    cache: HfxUniversalCache | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
     cross_attentions: tuple[torch.Tensor, ...] | None = None
@@ -281,6 +284,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        cache: HfxUniversalCache | None = None,
     ) -> HfxUniversalModelOutput | tuple:
         """Encode (or, for a decoder, continue) a batch.
 
@@ -293,10 +297,12 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             encoder_hidden_states: ``(batch, src_len, hidden)`` (decoders with cross-attention);
                 ``encoder_attention_mask`` ``(batch, src_len)``.
             past_key_values: a :class:`HfxUniversalCache` to extend (decoders); ``use_cache=True`` starts one.
+            cache: the same, under transformers 5.24's name (pass one of the two).
         Returns:
             :class:`HfxUniversalModelOutput`.
         """
         config = self.config
+        past_key_values = resolve_cache_argument(past_key_values, cache)
         if use_cache and past_key_values is None and config.is_decoder:
             past_key_values = HfxUniversalCache()
         if past_key_values is not None and not config.is_decoder:
@@ -349,13 +355,13 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         result = HfxUniversalModelOutput(
             last_hidden_state=out.last_hidden_state,
             pooler_output=self.pooler(out.last_hidden_state) if self.pooler is not None else None,
-            past_key_values=past_key_values,
             hidden_states=out.hidden_states,
             attentions=out.attentions,
             cross_attentions=out.cross_attentions,
             ponder_loss=loss,
             ponder_steps=out.ponder_steps,
             ponder_remainders=out.ponder_remainders,
+            **{CACHE_NAME: past_key_values},
         )
         return self._finish(result, return_dict)
 
@@ -478,22 +484,11 @@ def _token_loss(
     return token_cross_entropy(logits, targets, num_items_in_batch)
 
 
-class _HfxUniversalGenerationMixin(GenerationMixin):
+class _HfxUniversalGenerationMixin(HfxGenerationMixin):
     """``generate()`` with :class:`HfxUniversalCache`: the first call runs the prompt, later calls only the new token."""
 
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        # The cache holds keys/values per recurrent step and convolution tails: not a transformers Cache.
-        return False
-
-    def _cache_and_new_ids(
-        self, input_ids: torch.Tensor, past_key_values: HfxUniversalCache | None, use_cache: bool | None
-    ) -> tuple[torch.Tensor, HfxUniversalCache | None]:
-        if use_cache is not False and past_key_values is None:
-            past_key_values = HfxUniversalCache()
-        if past_key_values is not None:
-            input_ids = input_ids[:, past_key_values.get_seq_length() :]
-        return input_ids, past_key_values
+    def _new_generation_cache(self) -> HfxUniversalCache:
+        return HfxUniversalCache()
 
 
 class HfxUniversalForCausalLM(HfxLMHeadMixin, HfxUniversalPreTrainedModel, _HfxUniversalGenerationMixin):
@@ -531,43 +526,25 @@ class HfxUniversalForCausalLM(HfxLMHeadMixin, HfxUniversalPreTrainedModel, _HfxU
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        cache: HfxUniversalCache | None = None,
     ) -> HfxUniversalCausalLMOutput | tuple:
         """Returns ``logits`` ``(batch, seq_len, vocab)`` of the new tokens, the cache when one is used, and with
         ``labels``/``shift_labels`` the next-token cross-entropy (mean over scored tokens, or sum over
         ``num_items_in_batch``) plus the ponder loss."""
         out = self.universal(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, past_key_values=past_key_values,
-            use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-            return_dict=True,
+            position_ids=position_ids, inputs_embeds=inputs_embeds,
+            past_key_values=resolve_cache_argument(past_key_values, cache), use_cache=use_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
         )  # fmt: skip
         logits = self.lm_head(out.last_hidden_state)
         loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)  # shift_labels take precedence
         result = HfxUniversalCausalLMOutput(
-            loss=_add_ponder(loss, out.ponder_loss), logits=logits, past_key_values=out.past_key_values,
-            hidden_states=out.hidden_states, attentions=out.attentions, ponder_loss=out.ponder_loss,
-            ponder_steps=out.ponder_steps,
+            loss=_add_ponder(loss, out.ponder_loss), logits=logits, hidden_states=out.hidden_states,
+            attentions=out.attentions, ponder_loss=out.ponder_loss, ponder_steps=out.ponder_steps,
+            **{CACHE_NAME: output_cache(out)},
         )  # fmt: skip
         return self._finish(result, return_dict)
-
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.Tensor,
-        next_sequence_length: int | None = None,
-        past_key_values: HfxUniversalCache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs,
-    ) -> dict:
-        """First call: the whole prompt (a fresh cache unless ``use_cache=False``); later calls: the tokens the cache
-        has not seen, with the full attention mask."""
-        input_ids, past_key_values = self._cache_and_new_ids(input_ids, past_key_values, use_cache)
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "past_key_values": past_key_values}
-        inputs["use_cache"] = past_key_values is not None
-        for key in ("output_attentions", "output_hidden_states"):
-            if key in kwargs:
-                inputs[key] = kwargs[key]
-        return inputs
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
@@ -680,6 +657,7 @@ class HfxUniversalForSeq2SeqLM(HfxUniversalPreTrainedModel, _HfxUniversalGenerat
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        cache: HfxUniversalCache | None = None,
     ) -> HfxUniversalSeq2SeqLMOutput | tuple:
         """Returns ``logits`` ``(batch, tgt_len, vocab)``, the decoder cache when one is used, and with ``labels`` the
         cross-entropy (mean over labelled tokens, or sum over ``num_items_in_batch``) plus the ponder loss.
@@ -699,8 +677,8 @@ class HfxUniversalForSeq2SeqLM(HfxUniversalPreTrainedModel, _HfxUniversalGenerat
         out = self.decoder(
             input_ids=decoder_input_ids, attention_mask=decoder_attention_mask, inputs_embeds=decoder_inputs_embeds,
             encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
-            past_key_values=past_key_values, use_cache=use_cache, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, return_dict=True,
+            past_key_values=resolve_cache_argument(past_key_values, cache), use_cache=use_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
         )  # fmt: skip
         logits = self.lm_head(out.last_hidden_state)
         ponder = None
@@ -718,7 +696,6 @@ class HfxUniversalForSeq2SeqLM(HfxUniversalPreTrainedModel, _HfxUniversalGenerat
         result = HfxUniversalSeq2SeqLMOutput(
             loss=_add_ponder(loss, ponder),
             logits=logits,
-            past_key_values=out.past_key_values,
             decoder_hidden_states=out.hidden_states,
             decoder_attentions=out.attentions,
             cross_attentions=out.cross_attentions,
@@ -728,6 +705,7 @@ class HfxUniversalForSeq2SeqLM(HfxUniversalPreTrainedModel, _HfxUniversalGenerat
             ponder_loss=ponder,
             encoder_ponder_steps=encoder_outputs.ponder_steps,
             decoder_ponder_steps=out.ponder_steps,
+            **{CACHE_NAME: output_cache(out)},
         )
         return self._finish(result, return_dict)
 
@@ -747,33 +725,6 @@ class HfxUniversalForSeq2SeqLM(HfxUniversalPreTrainedModel, _HfxUniversalGenerat
             ponder_remainders=encoded.ponder_remainders,
         )  # fmt: skip
         return model_kwargs
-
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.Tensor,
-        next_sequence_length: int | None = None,
-        past_key_values: HfxUniversalCache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        decoder_attention_mask: torch.Tensor | None = None,
-        encoder_outputs: HfxUniversalModelOutput | None = None,
-        use_cache: bool | None = None,
-        **kwargs,
-    ) -> dict:
-        """``input_ids`` are the decoder ids so far; the encoder output comes from ``generate()``'s single encoder
-        pass. The decoder reads only the tokens its cache has not seen."""
-        decoder_input_ids, past_key_values = self._cache_and_new_ids(input_ids, past_key_values, use_cache)
-        inputs = {
-            "decoder_input_ids": decoder_input_ids,
-            "attention_mask": attention_mask,
-            "decoder_attention_mask": decoder_attention_mask,
-            "encoder_outputs": encoder_outputs,
-            "past_key_values": past_key_values,
-            "use_cache": past_key_values is not None,
-        }
-        for key in ("output_attentions", "output_hidden_states"):
-            if key in kwargs:
-                inputs[key] = kwargs[key]
-        return inputs
 
 
 __all__ = [

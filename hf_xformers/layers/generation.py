@@ -1,0 +1,128 @@
+"""``generate()`` for our decoders, whose caches are not transformers ``Cache`` objects.
+
+Performer keeps the recurrent state of causal linear attention, Reformer the normalised layer inputs and LSH buckets
+of earlier positions, the Universal Transformer keys and values per recurrent step, Transformer-XL its memories.
+:class:`HfxGenerationMixin` is what they share with transformers' ``GenerationMixin``:
+
+* the cache travels between steps under the name of the installed transformers release (``past_key_values`` before
+  5.24, ``cache`` from 5.24 on; ``layers/compat.py``), whatever the model's own output field is called;
+* ``prepare_inputs_for_generation`` feeds only the tokens the cache has not seen and passes on every other keyword
+  argument ``forward`` accepts (``token_type_ids``, ``output_attentions``, ``output_hidden_states``, ...);
+* beam search reorders the cache through :meth:`_reorder_cache` (a cache's own ``reorder_cache``, or a tuple of
+  batch-first tensors such as Transformer-XL's memories);
+* assisted decoding and prompt lookup are refused by transformers itself (``_is_stateful``): they need to roll the
+  cache back to an earlier token, which a recurrent state or memories cannot do.
+
+A model sets :attr:`generation_cache_argument` (the ``forward`` argument that takes its cache) and, where the defaults
+do not fit, overrides :meth:`_new_generation_cache`, :meth:`_unseen_tokens` and :meth:`_cache_of_output`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers import GenerationMixin
+
+from .compat import CACHE_ARGUMENT_NAMES, CACHE_NAME, cache_from_kwargs, output_cache
+
+# generate() keeps these in its model kwargs; they never reach forward.
+_NOT_FORWARDED = ("labels", "next_sequence_length", "is_first_iteration", "cache_position")
+
+
+class HfxGenerationMixin(GenerationMixin):
+    """``GenerationMixin`` for a decoder with a cache of its own (see the module docstring)."""
+
+    # Assisted decoding / prompt lookup would crop the cache back to the accepted tokens: refuse them the way
+    # transformers refuses them for recurrent models ("assisted generation is not supported with stateful models").
+    _is_stateful = True
+    # The forward argument that takes the cache ("past_key_values", "past_buckets_states", "mems").
+    generation_cache_argument: str = "past_key_values"
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # Our caches are made by prepare_inputs_for_generation, not by generate() as a DynamicCache.
+        return False
+
+    # ----- hooks ---------------------------------------------------------------------------------------------
+    def _new_generation_cache(self) -> Any:
+        """A fresh cache for the first step (None: the model makes one itself on its first forward)."""
+        return None
+
+    def _unseen_tokens(self, input_ids: torch.Tensor, cache: Any) -> int:
+        """How many of the last tokens of ``input_ids`` ``(batch, seq_len)`` the cache has not seen."""
+        return input_ids.shape[1] - (cache.get_seq_length() if cache is not None else 0)
+
+    def _cache_of_output(self, outputs: Any) -> Any:
+        """The cache a forward output carries (None without one)."""
+        return output_cache(outputs)
+
+    # ----- generate() plumbing ---------------------------------------------------------------------------------
+    def _forward_parameters(self) -> frozenset[str]:
+        return frozenset(inspect.signature(self.forward).parameters)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> dict:
+        """One step's ``forward`` arguments: the tokens the cache has not seen (all of them on the first step or
+        without a cache), the cache (a fresh one on the first step unless ``use_cache=False``), the attention mask of
+        every token so far, and every other keyword argument ``forward`` accepts; ``position_ids`` and
+        ``token_type_ids`` are cut to the new tokens."""
+        cache = cache_from_kwargs(kwargs)
+        if self.config.is_encoder_decoder:
+            # generate() passes the decoder's ids as input_ids; the encoder's mask stays attention_mask.
+            ids_key, mask_key, mask = "decoder_input_ids", "decoder_attention_mask", kwargs.pop("decoder_attention_mask", None)
+        else:
+            ids_key, mask_key, mask = "input_ids", "attention_mask", attention_mask
+        if use_cache is not False and cache is None:
+            cache = self._new_generation_cache()
+        new = self._unseen_tokens(input_ids, cache)
+        inputs = {ids_key: input_ids[:, -new:], mask_key: mask}
+        inputs_embeds = kwargs.pop("inputs_embeds", None)
+        if inputs_embeds is not None and not self.config.is_encoder_decoder and kwargs.get("is_first_iteration"):
+            # generate(inputs_embeds=...): the prompt enters as embeddings on the first step, as ids after it.
+            inputs[ids_key], inputs["inputs_embeds"] = None, inputs_embeds
+        if self.config.is_encoder_decoder:
+            inputs["attention_mask"] = attention_mask
+        accepted = self._forward_parameters()
+        for key, value in kwargs.items():
+            if key in _NOT_FORWARDED or key in CACHE_ARGUMENT_NAMES or key not in accepted or key in inputs:
+                continue
+            if key in ("position_ids", "token_type_ids", "decoder_position_ids") and value is not None:
+                value = value[..., -new:]
+            inputs[key] = value
+        if "use_cache" in accepted:
+            inputs["use_cache"] = use_cache is not False
+        inputs[self.generation_cache_argument] = cache
+        return inputs
+
+    def _update_model_kwargs_for_generation(
+        self, outputs: Any, model_kwargs: dict, is_encoder_decoder: bool = False, num_new_tokens: int = 1
+    ) -> dict:
+        """transformers' update (attention mask, positions, token types), with our cache kept under the release's
+        cache name (transformers 5.24 reads only an output field named ``cache``)."""
+        model_kwargs = super()._update_model_kwargs_for_generation(
+            outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_new_tokens
+        )
+        for name in CACHE_ARGUMENT_NAMES:
+            model_kwargs.pop(name, None)
+        cache = self._cache_of_output(outputs)
+        if cache is not None and model_kwargs.get("use_cache") is not False:
+            model_kwargs[CACHE_NAME] = cache
+        return model_kwargs
+
+    def _reorder_cache(self, cache: Any, beam_idx: torch.Tensor) -> Any:
+        """Beam search: keep the batch rows ``beam_idx`` of the cache (its own ``reorder_cache``, or a tuple of
+        batch-first tensors)."""
+        if hasattr(cache, "reorder_cache"):
+            cache.reorder_cache(beam_idx)
+            return cache
+        return tuple(t.index_select(0, beam_idx.to(t.device)) for t in cache)
+
+
+__all__ = ["HfxGenerationMixin"]
