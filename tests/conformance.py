@@ -30,12 +30,16 @@ import torch.nn.functional as F
 import transformers
 from transformers import AutoConfig, Trainer, TrainingArguments
 
+from hf_xformers.registration import REGISTRY
+
 from .device_checks import (
     FP16_LOSS_SCALE,
     HALF_DTYPES,
     MIXED_PRECISION_TOLERANCE,
     DefaultDeviceRecorder,
     HostReadCounter,
+    buffer_mismatches,
+    default_dtype,
     deviation,
 )
 
@@ -375,6 +379,96 @@ class TextModelConformance:
             assert low.dtype == dtype or auto_name != "AutoModel", (auto_name, low.dtype)
             assert torch.isfinite(low).all(), auto_name
             assert deviation(low, ref) <= tolerance, f"{auto_name}: {deviation(low, ref):.2e} from float32"
+
+    # ----- any dtype at load and construction time ----------------------------------------------------------
+    def registered_heads(self) -> dict[str, type]:
+        """Every model class the registry files under this model type: the suite's ``heads`` and the ones it leaves
+        out (causal and encoder-decoder LMs), so that loading in another dtype covers each of them."""
+        registered = REGISTRY[self.config_class.model_type][1]
+        return {**self.heads, **{name: cls for name, cls in registered.items() if name.startswith("AutoModel")}}
+
+    def dtype_inputs_for(self, auto_name: str) -> dict:
+        """Inputs of ``inputs_for`` for the suite's heads; the ids alone (and, encoder-decoder, half as many decoder
+        ids) for registered heads the suite leaves out."""
+        if auto_name in self.heads:
+            return self.inputs_for(auto_name)
+        inputs = {k: v for k, v in self.inputs_for("AutoModel").items() if k in ("input_ids", "attention_mask")}
+        if auto_name == "AutoModelForSeq2SeqLM":
+            inputs["decoder_input_ids"] = inputs["input_ids"][:, : SEQ_LEN // 2]
+        return inputs
+
+    def _float32_reference(self, auto_name: str, cls: type):
+        """``cls`` of the tiny config in float32 (seeded) and its main output on ``dtype_inputs_for``."""
+        torch.manual_seed(0)
+        model = cls(self.make_config()).eval().to(self.device)
+        with torch.no_grad():
+            return model, self.main_output(auto_name, model(**self.dtype_inputs_for(auto_name)))
+
+    def _check_low_precision(self, auto_name: str, model, reference, ref_out: torch.Tensor, dtype) -> None:
+        """``model`` (built or loaded in ``dtype``): every parameter in ``dtype``, buffers the float32 ``reference``'s
+        (rounded), and an eval forward with finite outputs (and loss) within ``MIXED_PRECISION_TOLERANCE`` of
+        ``ref_out``."""
+        wrong = [f"{n} ({p.dtype})" for n, p in model.named_parameters() if p.dtype != dtype]
+        assert not wrong, f"{auto_name}: parameters not in {dtype}: {wrong[:5]}"
+        bad = buffer_mismatches(model, reference)
+        assert not bad, f"{auto_name}: buffers that are not the float32 model's (rounded): {bad[:5]}"
+        with torch.no_grad():
+            out = model.eval()(**self.dtype_inputs_for(auto_name))
+        low = self.main_output(auto_name, out)
+        assert low.dtype == dtype or auto_name != "AutoModel", (auto_name, low.dtype)
+        assert torch.isfinite(low).all(), auto_name
+        loss = getattr(out, "loss", None)
+        assert loss is None or torch.isfinite(loss), (auto_name, loss)
+        tolerance = MIXED_PRECISION_TOLERANCE[dtype]
+        assert deviation(low, ref_out) <= tolerance, f"{auto_name}: {deviation(low, ref_out):.2e} from float32"
+
+    @pytest.mark.parametrize("dtype", HALF_DTYPES)
+    def test_loads_in_half_precision(self, dtype, tmp_path):
+        """A float32 checkpoint loaded with ``from_pretrained(dtype=...)`` (every registered head): parameters in that
+        dtype, seeded random buffers the float32 model's rounded (drawn in float32, not in 16 bits), and eval outputs
+        finite and close to float32."""
+        for auto_name, cls in self.registered_heads().items():
+            reference, ref_out = self._float32_reference(auto_name, cls)
+            reference.save_pretrained(tmp_path / auto_name)
+            loaded = getattr(transformers, auto_name).from_pretrained(tmp_path / auto_name, dtype=dtype)
+            assert type(loaded) is cls and loaded.dtype == dtype, (auto_name, type(loaded), loaded.dtype)
+            self._check_low_precision(auto_name, loaded.to(self.device), reference, ref_out, dtype)
+
+    def test_auto_dtype_roundtrip(self, tmp_path):
+        """A checkpoint saved in bfloat16 comes back in bfloat16 with ``dtype="auto"``, and computes exactly what the
+        saved model computed."""
+        for auto_name, cls in self.registered_heads().items():
+            model = self._float32_reference(auto_name, cls)[0].to(torch.bfloat16)
+            inputs = self.dtype_inputs_for(auto_name)
+            with torch.no_grad():
+                saved = self.main_output(auto_name, model(**inputs))
+            model.save_pretrained(tmp_path / auto_name)
+            loaded = getattr(transformers, auto_name).from_pretrained(tmp_path / auto_name, dtype="auto")
+            assert type(loaded) is cls and loaded.dtype == torch.bfloat16, (auto_name, type(loaded), loaded.dtype)
+            wrong = [n for n, p in loaded.named_parameters() if p.dtype != torch.bfloat16]
+            assert not wrong, f"{auto_name}: parameters not in bfloat16: {wrong[:5]}"
+            bad = buffer_mismatches(loaded, model)
+            assert not bad, f"{auto_name}: buffers that differ from the saved model's: {bad[:5]}"
+            with torch.no_grad():
+                again = self.main_output(auto_name, loaded.eval().to(self.device)(**inputs))
+            assert torch.equal(again, saved), f"{auto_name}: {deviation(again, saved):.2e} from the saved model"
+
+    def test_builds_under_a_bfloat16_default_dtype(self):
+        """Built under ``torch.set_default_dtype(torch.bfloat16)`` (then restored): parameters in bfloat16, seeded
+        random buffers the float32 model's rounded, and with the float32 model's weights copied in, eval outputs
+        finite and close to float32."""
+        for auto_name, cls in self.registered_heads().items():
+            reference, ref_out = self._float32_reference(auto_name, cls)
+            with default_dtype(torch.bfloat16):
+                torch.manual_seed(0)
+                model = cls(self.make_config())
+            assert torch.get_default_dtype() == torch.float32
+            bad = buffer_mismatches(model, reference)
+            assert not bad, f"{auto_name}: buffers that are not the float32 model's (rounded): {bad[:5]}"
+            # Construction's own (random) initialisation is not compared: only seeded tables must match, so the
+            # parameters are made the float32 model's before comparing outputs (load_state_dict casts them).
+            model.load_state_dict(reference.state_dict())
+            self._check_low_precision(auto_name, model.to(self.device), reference, ref_out, torch.bfloat16)
 
     # ----- device synchronisation and fused kernels ---------------------------------------------------
     def test_host_syncs_do_not_grow_with_depth(self):

@@ -37,7 +37,17 @@ import transformers
 from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, Trainer, TrainingArguments, pipeline
 
-from .device_checks import FP16_LOSS_SCALE, HALF_DTYPES, MIXED_PRECISION_TOLERANCE, HostReadCounter, deviation
+from hf_xformers.registration import REGISTRY
+
+from .device_checks import (
+    FP16_LOSS_SCALE,
+    HALF_DTYPES,
+    MIXED_PRECISION_TOLERANCE,
+    HostReadCounter,
+    buffer_mismatches,
+    default_dtype,
+    deviation,
+)
 
 IMAGE_SIZE = 32
 NUM_LABELS = 3
@@ -463,6 +473,98 @@ class VisionModelConformance:
             error = deviation(out, reference)
             tolerance = MIXED_PRECISION_TOLERANCE[dtype]
             assert error <= tolerance, f"{auto_name}: deviation {error:.2e} from float32 > {tolerance}"
+
+    # ----- any dtype at load and construction time ----------------------------------------------------------
+    def registered_heads(self) -> dict[str, type]:
+        """Every model class the registry files under this model type (the suite's ``heads`` and any it leaves out;
+        not the image processor), so that loading in another dtype covers each of them."""
+        registered = REGISTRY[self.config_class.model_type][1]
+        return {**self.heads, **{name: cls for name, cls in registered.items() if name != "AutoImageProcessor"}}
+
+    @staticmethod
+    def _loader(auto_name: str, cls: type):
+        """What loads a checkpoint of ``cls``: its Auto class, except for backbones: ``AutoBackbone.from_pretrained``
+        (transformers 5.23 / 5.24) asks the Hub whether the name is a repository before anything else and fails on a
+        local folder (``HFValidationError``), so backbones load through their own class."""
+        return cls if auto_name == "AutoBackbone" else getattr(transformers, auto_name)
+
+    def _float32_reference(self, auto_name: str, cls: type):
+        """``cls`` of the tiny config in float32 (seeded, every weight moved off its initial value as in
+        ``make_model``), its inputs without labels, and its main output on them."""
+        torch.manual_seed(0)
+        model = cls(self.make_config()).eval()
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+        model = model.to(self.device)
+        inputs = {k: v for k, v in self.inputs_for(auto_name).items() if k != "labels"}
+        with torch.no_grad():
+            return model, inputs, self.main_output(auto_name, model(**inputs))
+
+    def _check_low_precision(self, auto_name: str, model, reference, inputs: dict, ref_out, dtype) -> None:
+        """``model`` (built or loaded in ``dtype``): every parameter in ``dtype``, buffers the float32 ``reference``'s
+        (rounded), and an eval forward on ``inputs`` (images cast to ``dtype``) with finite outputs within
+        ``MIXED_PRECISION_TOLERANCE`` of ``ref_out``."""
+        wrong = [f"{n} ({p.dtype})" for n, p in model.named_parameters() if p.dtype != dtype]
+        assert not wrong, f"{auto_name}: parameters not in {dtype}: {wrong[:5]}"
+        bad = buffer_mismatches(model, reference)
+        assert not bad, f"{auto_name}: buffers that are not the float32 model's (rounded): {bad[:5]}"
+        half_inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+        with torch.no_grad():
+            out = self.main_output(auto_name, model.eval()(**half_inputs))
+        assert out.dtype == dtype, (auto_name, out.dtype)
+        assert torch.isfinite(out).all(), auto_name
+        error, tolerance = deviation(out, ref_out), MIXED_PRECISION_TOLERANCE[dtype]
+        assert error <= tolerance, f"{auto_name}: deviation {error:.2e} from float32 > {tolerance}"
+
+    @pytest.mark.parametrize("dtype", HALF_DTYPES)
+    def test_loads_in_half_precision(self, dtype, tmp_path):
+        """A float32 checkpoint loaded with ``from_pretrained(dtype=...)`` (every registered head): parameters in that
+        dtype, buffers the float32 model's rounded, and eval outputs finite and close to float32."""
+        for auto_name, cls in self.registered_heads().items():
+            reference, inputs, ref_out = self._float32_reference(auto_name, cls)
+            reference.save_pretrained(tmp_path / auto_name)
+            loaded = self._loader(auto_name, cls).from_pretrained(tmp_path / auto_name, dtype=dtype)
+            assert type(loaded) is cls and loaded.dtype == dtype, (auto_name, type(loaded), loaded.dtype)
+            self._check_low_precision(auto_name, loaded.to(self.device), reference, inputs, ref_out, dtype)
+
+    def test_auto_dtype_roundtrip(self, tmp_path):
+        """A checkpoint saved in bfloat16 comes back in bfloat16 with ``dtype="auto"``, and computes exactly what the
+        saved model computed."""
+        for auto_name, cls in self.registered_heads().items():
+            model, inputs, _ = self._float32_reference(auto_name, cls)
+            model = model.to(torch.bfloat16)
+            inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
+            with torch.no_grad():
+                saved = self.main_output(auto_name, model(**inputs))
+            model.save_pretrained(tmp_path / auto_name)
+            loaded = self._loader(auto_name, cls).from_pretrained(tmp_path / auto_name, dtype="auto")
+            assert type(loaded) is cls and loaded.dtype == torch.bfloat16, (auto_name, type(loaded), loaded.dtype)
+            wrong = [n for n, p in loaded.named_parameters() if p.dtype != torch.bfloat16]
+            assert not wrong, f"{auto_name}: parameters not in bfloat16: {wrong[:5]}"
+            bad = buffer_mismatches(loaded, model)
+            assert not bad, f"{auto_name}: buffers that differ from the saved model's: {bad[:5]}"
+            with torch.no_grad():
+                again = self.main_output(auto_name, loaded.eval().to(self.device)(**inputs))
+            assert torch.equal(again, saved), f"{auto_name}: {deviation(again, saved):.2e} from the saved model"
+
+    def test_builds_under_a_bfloat16_default_dtype(self):
+        """Built under ``torch.set_default_dtype(torch.bfloat16)`` (then restored): parameters in bfloat16, buffers the
+        float32 model's rounded, and with the float32 model's weights copied in, eval outputs finite and close to
+        float32."""
+        for auto_name, cls in self.registered_heads().items():
+            reference, inputs, ref_out = self._float32_reference(auto_name, cls)
+            with default_dtype(torch.bfloat16):
+                torch.manual_seed(0)
+                model = cls(self.make_config())
+            assert torch.get_default_dtype() == torch.float32
+            bad = buffer_mismatches(model, reference)
+            assert not bad, f"{auto_name}: buffers that are not the float32 model's (rounded): {bad[:5]}"
+            # Construction's own random initialisation is not compared: the weights are made the float32 model's
+            # (load_state_dict casts them) before comparing outputs.
+            model.load_state_dict(reference.state_dict())
+            self._check_low_precision(auto_name, model.to(self.device), reference, inputs, ref_out, torch.bfloat16)
 
     def test_host_syncs_do_not_grow_with_depth(self):
         """Device-to-host reads (``bool(t)``, ``.item()``, data-dependent shapes) in one forward of every head, eval

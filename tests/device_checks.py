@@ -1,7 +1,11 @@
 """Checks shared by the text and vision conformance suites: mixed-precision tolerances, a counter of device-to-host
-reads, a recorder of tensors made on the default device, and the deviation measure."""
+reads, a recorder of tensors made on the default device, the deviation measure, and for models built or loaded in
+another dtype a default-dtype context and a comparison of buffers with the float32 model's."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -57,6 +61,35 @@ def deviation(out: torch.Tensor, ref: torch.Tensor) -> float:
     not blow up on outputs near zero."""
     ref = ref.float()
     return ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``torch.set_default_dtype(dtype)`` inside the ``with`` block, the previous default restored after it (also when
+    the block raises, so a failing test does not leave every later test in ``dtype``)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def buffer_mismatches(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
+    """Names of ``model``'s buffers that are not ``reference``'s (a float32 model of the same config) as ``model``
+    holds them: floating buffers must be the reference's numbers rounded to their own dtype (seeded random tables,
+    features and rotations are drawn in float32 and cast afterwards, never drawn in 16 bits, which gives other
+    numbers), and every buffer must be float32 or of the model's dtype; integer buffers must be equal."""
+    expected = dict(reference.named_buffers())
+    bad = []
+    for name, buffer in model.named_buffers():
+        ref = expected[name].to(buffer.device)
+        if buffer.is_floating_point():
+            if buffer.dtype not in (torch.float32, model.dtype) or not torch.equal(buffer, ref.to(buffer.dtype)):
+                bad.append(f"{name} ({buffer.dtype})")
+        elif buffer.dtype != ref.dtype or not torch.equal(buffer, ref):
+            bad.append(f"{name} ({buffer.dtype})")
+    return bad
 
 
 class DefaultDeviceRecorder(TorchDispatchMode):

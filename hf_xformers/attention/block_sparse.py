@@ -115,8 +115,10 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         if r == 0:
             return torch.zeros(heads, num_blocks, 0, dtype=torch.long), valid
         generator = torch.Generator().manual_seed(self.seed * 65_537 + num_blocks)
-        # The r allowed blocks with the smallest uniform scores: a uniform draw without replacement.
-        scores = torch.rand(heads, num_blocks, num_blocks, generator=generator).masked_fill(~allowed, 2.0)
+        # The r allowed blocks with the smallest uniform scores: a uniform draw without replacement. Float32 whatever the
+        # default dtype (a model built in 16 bits): 16-bit scores are other numbers, with ties, so another pattern.
+        scores = torch.rand(heads, num_blocks, num_blocks, generator=generator, dtype=torch.float32)
+        scores = scores.masked_fill(~allowed, 2.0)
         chosen = scores.topk(min(r, num_blocks), dim=-1, largest=False).indices
         return F.pad(chosen, (0, r - chosen.shape[-1])).masked_fill(~valid, 0), valid
 
@@ -154,7 +156,8 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         last = last_block[:, None, None]
         allowed = (i >= 1) & (i <= last - 1) & (j >= 1) & (j <= last - 1) & ((i - j).abs() > 1)
         valid = self._valid_slots(last_block, num_blocks)
-        scores = torch.rand(batch, self.num_heads, num_blocks, num_blocks, device=device)
+        # Float32 under any default dtype: 16-bit scores tie often, and topk breaks ties by position (a biased draw).
+        scores = torch.rand(batch, self.num_heads, num_blocks, num_blocks, device=device, dtype=torch.float32)
         # r extra columns of "not allowed" so that topk(r) never needs more columns than exist.
         scores = F.pad(scores.masked_fill(~allowed[:, None], 2.0), (0, r), value=2.0)
         chosen = scores.topk(r, dim=-1, largest=False).indices

@@ -211,10 +211,13 @@ class HfxLocalSelfAttention(nn.Module):
         context = unblock(torch.matmul(self.dropout(probs), v), seq_len, dim=2)  # (batch, heads, seq_len, head_dim)
         return AttentionOutput(merge_heads(context), None)
 
-    def decode_step(self, hidden_states: torch.Tensor, past_states: torch.Tensor) -> torch.Tensor:
+    def decode_step(
+        self, hidden_states: torch.Tensor, past_states: torch.Tensor, output_attentions: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One new position ``hidden_states`` ``(batch, 1, hidden)`` attending to itself and the cached (normalised)
         inputs ``past_states`` ``(batch, past_len, hidden)`` of its own and the previous chunks, as in a causal full
-        forward. Returns the context ``(batch, 1, heads * head_dim)``."""
+        forward. Returns the context ``(batch, 1, heads * head_dim)`` and, with ``output_attentions``, the
+        probabilities over every position so far ``(batch, heads, 1, past_len + 1)`` (0 outside the chunks)."""
         past_len = past_states.shape[1]
         start = max((past_len // self.chunk_length - self.num_chunks_before) * self.chunk_length, 0)
         states = torch.cat([past_states[:, start:], hidden_states], dim=1)
@@ -222,7 +225,8 @@ class HfxLocalSelfAttention(nn.Module):
         k = split_heads(self.key(states), self.num_heads) / math.sqrt(self.head_dim)
         v = split_heads(self.value(states), self.num_heads)
         probs = torch.softmax(torch.matmul(q, k.transpose(-1, -2)), dim=-1)
-        return merge_heads(torch.matmul(probs, v))
+        attentions = nn.functional.pad(probs, (start, 0)) if output_attentions else None
+        return merge_heads(torch.matmul(probs, v)), attentions
 
 
 __all__ = ["HfxLocalSelfAttention", "neighbour_chunks", "gather_chunks", "dense_probabilities", "real_chunk_count"]

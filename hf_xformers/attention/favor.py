@@ -95,19 +95,21 @@ def draw_random_features(
             so each row on its own is still a Gaussian vector). False: plain i.i.d. ``N(0, 1)`` rows.
 
     Returns:
-        ``(num_features, head_dim)`` float32 tensor on CPU (whatever the default device: the draw is the generator's,
-        the same numbers wherever the model then runs).
+        ``(num_features, head_dim)`` float32 tensor on CPU (whatever the default device and default dtype: the draw is
+        the generator's, the same numbers wherever and in whatever dtype the model then runs; a model in 16 bits
+        rounds them. Drawn in 16 bits they would be other numbers, and the CPU has no 16-bit QR).
     """
+    cpu32 = dict(generator=generator, device="cpu", dtype=torch.float32)
     if not orthogonal:
-        return torch.randn(num_features, head_dim, generator=generator, device="cpu")
+        return torch.randn(num_features, head_dim, **cpu32)
     blocks = []
     for _ in range(-(-num_features // head_dim)):
-        q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator, device="cpu"))
+        q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, **cpu32))
         # QR alone is not uniformly distributed over rotations; fixing the signs by diag(R) makes it so.
         q = q * torch.sign(torch.diagonal(r))
         blocks.append(q.T)
     rows = torch.cat(blocks)[:num_features]
-    norms = torch.randn(num_features, head_dim, generator=generator, device="cpu").norm(dim=1)
+    norms = torch.randn(num_features, head_dim, **cpu32).norm(dim=1)
     return rows * norms[:, None]
 
 
@@ -617,7 +619,9 @@ class HfxFavorSelfAttention(QKVProjection):
     the current draw. Draw ``t`` of layer ``l`` is seeded by ``(random_feature_seed, l, t)``: a fresh model from the
     same config has the same features, and :meth:`redraw_projection` is the only thing that changes them. Draws are
     made on the CPU (float32) and the buffer moves with the model, so the features are the same numbers on every
-    device; ``model.to(half dtype)`` rounds them to that dtype (the attention still computes in float32).
+    device; ``model.to(half dtype)`` rounds them to that dtype (the attention still computes in float32), and so does
+    building the model in a 16-bit dtype (``torch.set_default_dtype``, ``from_pretrained(dtype=...)``): never a 16-bit
+    draw, which would be other numbers.
 
     ``attentions`` (with ``output_attentions=True``): the implied attention matrix ``(batch, heads, seq_len, seq_len)``
     (formed explicitly, quadratic in memory); the context is the linear-time one either way.
@@ -633,7 +637,10 @@ class HfxFavorSelfAttention(QKVProjection):
         self.orthogonal = config.orthogonal_features
         self.seed = config.random_feature_seed
         self.causal = bool(getattr(config, "is_decoder", False))
-        self.register_buffer("projection_matrix", self.draw_projection_matrix(0))
+        # Drawn in float32, then in the dtype the model is built in (torch.get_default_dtype(); from_pretrained sets it
+        # to its `dtype`): a 16-bit model holds the float32 model's features rounded, as after `model.to(dtype)`.
+        projection = self.draw_projection_matrix(0).to(torch.get_default_dtype())
+        self.register_buffer("projection_matrix", projection)
         self.register_buffer("num_redraws", torch.zeros((), dtype=torch.long))
 
     def draw_projection_matrix(self, draw: int) -> torch.Tensor:

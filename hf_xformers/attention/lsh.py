@@ -64,11 +64,14 @@ def bucket_factors(num_buckets: int | list[int]) -> list[int]:
 def draw_rotations(
     num_heads: int, head_dim: int, num_hashes: int, num_buckets: int | list[int], seed: int | None = None
 ) -> torch.Tensor:
-    """Random rotations ``(heads, head_dim, num_hashes, sum(factors) / 2)``, from ``seed`` (the same numbers as
-    ``torch.manual_seed(seed); torch.randn(...)``, which transformers uses) or from the global generator."""
+    """Random rotations ``(heads, head_dim, num_hashes, sum(factors) / 2)`` float32, from ``seed`` (the same numbers as
+    ``torch.manual_seed(seed); torch.randn(...)``, which transformers uses) or from the global generator.
+
+    Float32 whatever the default dtype (a model built under a 16-bit default, as ``from_pretrained(dtype=...)`` builds
+    it): a 16-bit draw gives other numbers, and other buckets than the float32 model's."""
     shape = (num_heads, head_dim, num_hashes, sum(bucket_factors(num_buckets)) // 2)
     generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator)
+    return torch.randn(shape, generator=generator, dtype=torch.float32)
 
 
 def hash_buckets(qk: torch.Tensor, rotations: torch.Tensor, num_buckets: int | list[int]) -> torch.Tensor:
@@ -343,14 +346,17 @@ class HfxLSHSelfAttention(nn.Module):
         past_states: torch.Tensor,
         past_buckets: torch.Tensor | None,
         num_hashes: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One new position (``(batch, 1, hidden)``, normalised) against the cached normalised inputs ``past_states``
         ``(batch, past_len, hidden)`` and their buckets ``(batch, heads, rounds, past_len)`` (None while the sequence
         was no longer than a chunk), as transformers decodes with ``past_buckets_states``: the new query is hashed,
         sorted in among the cached buckets of each round, and attends to the ``(before + 1 + after)`` chunks of sorted
         positions around it (keys and values recomputed from the cached states). Returns the context
         ``(batch, 1, heads * head_dim)`` and the buckets to cache (all positions' when they are first computed,
-        else the new position's ``(batch, heads, rounds, 1)``; None while none are kept)."""
+        else the new position's ``(batch, heads, rounds, 1)``; None while none are kept) and, with
+        ``output_attentions``, the probabilities over every position so far ``(batch, heads, 1, past_len + 1)``
+        (summed over the hashing rounds with their weights; 0 outside the attended chunks)."""
         num_hashes = self.num_hashes if num_hashes is None else num_hashes
         states = torch.cat([past_states, hidden_states], dim=1)
         batch, length, hidden = states.shape
@@ -360,9 +366,10 @@ class HfxLSHSelfAttention(nn.Module):
             v = split_heads(self.value(states), self.num_heads)
             scores = torch.matmul(q, (unit_rms(qk) / math.sqrt(self.head_dim)).transpose(-1, -2))
             scores[..., -1] = self_mask_value(scores.dtype)
-            context = torch.matmul(torch.softmax(scores, dim=-1), v)
+            probs = torch.softmax(scores, dim=-1)
+            context = torch.matmul(probs, v)
             new_buckets = self.bucket(self.hash_input(states, qk), num_hashes) if length >= self.chunk_length else None
-            return merge_heads(context), new_buckets
+            return merge_heads(context), new_buckets, (probs if output_attentions else None)
         query_buckets = self.bucket(self.hash_input(hidden_states, q), num_hashes)  # (batch, heads, rounds, 1)
         order = torch.argsort(torch.cat([past_buckets, query_buckets], dim=-1), dim=-1, stable=True)
         where_new = (order == length - 1).to(torch.int64).argmax(-1, keepdim=True)  # (batch, heads, rounds, 1)
@@ -392,7 +399,13 @@ class HfxLSHSelfAttention(nn.Module):
             weights = torch.softmax(log_norm, dim=2)
         context = torch.matmul(probs.to(v.dtype), v)  # (batch, heads, rounds, 1, d)
         context = (context * weights.to(context.dtype)).sum(2)
-        return merge_heads(context), query_buckets
+        attentions = None
+        if output_attentions:
+            # A position may sit in the window more than once (the window wraps around): its weights add up.
+            weighted = (probs * weights).squeeze(-2).to(v.dtype)  # (batch, heads, rounds, window)
+            attentions = weighted.new_zeros(batch, self.num_heads, length)
+            attentions = attentions.scatter_add(-1, token.flatten(2), weighted.flatten(2))[:, :, None]
+        return merge_heads(context), query_buckets, attentions
 
 
 __all__ = ["HfxLSHSelfAttention", "draw_rotations", "hash_buckets", "SELF_MASK_VALUE", "self_mask_value"]

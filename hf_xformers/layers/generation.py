@@ -13,7 +13,8 @@ of earlier positions, the Universal Transformer keys and values per recurrent st
 * assisted decoding and prompt lookup are refused by transformers itself (``_is_stateful``): they need to roll the
   cache back to an earlier token, which a recurrent state or memories cannot do.
 
-A model sets :attr:`generation_cache_argument` (the ``forward`` argument that takes its cache) and, where the defaults
+Put the mixin before the ``PreTrainedModel`` subclass in a model's bases (``PreTrainedModel`` sets ``_is_stateful =
+False``). A model sets :attr:`generation_cache_argument` (the ``forward`` argument that takes its cache) and, where the defaults
 do not fit, overrides :meth:`_new_generation_cache`, :meth:`_unseen_tokens` and :meth:`_cache_of_output`.
 """
 

@@ -254,7 +254,7 @@ class HfxPerformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxPer
     base_model_class = HfxPerformerModel
 
 
-class HfxPerformerForCausalLM(HfxLMHeadMixin, HfxPerformerPreTrainedModel, HfxGenerationMixin):
+class HfxPerformerForCausalLM(HfxLMHeadMixin, HfxGenerationMixin, HfxPerformerPreTrainedModel):
     """Left-to-right language model on causal FAVOR+ attention; the decoder is tied to the input embeddings.
 
     The model is always causal: a config with ``is_decoder=False`` is copied with ``is_decoder=True`` (the caller's

@@ -286,12 +286,16 @@ class HfxReformerEncoder(nn.Module):
                 normed = layer.attention.layer_norm(x2)
                 attention = layer.attention.self_attention
                 if isinstance(attention, HfxLSHSelfAttention):
-                    context, buckets = attention.decode_step(normed, cache.states[i], cache.buckets[i], num_hashes)
+                    context, buckets, probs = attention.decode_step(
+                        normed, cache.states[i], cache.buckets[i], num_hashes, output_attentions
+                    )
                     if buckets is not None:
                         full = cache.buckets[i] is None or buckets.shape[-1] == cache.states[i].shape[1] + 1
                         cache.buckets[i] = buckets if full else torch.cat([cache.buckets[i], buckets], dim=-1)
                 else:
-                    context = attention.decode_step(normed, cache.states[i])
+                    context, probs = attention.decode_step(normed, cache.states[i], output_attentions)
+                if output_attentions:
+                    all_attn.append(probs)
                 cache.states[i] = torch.cat([cache.states[i], normed], dim=1)
                 x1 = x1 + layer.attention.output(context)
                 x2 = x2 + layer.feed_forward(x1)
@@ -512,8 +516,9 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             past_buckets_states=cache if use_cache else None,
             # Already cut inside the encoder (on the autograd path) where the input was padded; a no-op otherwise.
             hidden_states=tuple(cut_to_length(h, 1, seq_len) for h in all_hidden) if output_hidden_states else None,
+            # (A cached step's probabilities cover every position so far: only its one query row is new.)
             attentions=(
-                tuple(cut_to_length(cut_to_length(a, 2, seq_len), 3, seq_len) for a in all_attn)
+                tuple(cut_to_length(cut_to_length(a, 2, seq_len), 3, start + seq_len) for a in all_attn)
                 if output_attentions
                 else None
             ),
@@ -588,7 +593,7 @@ class HfxReformerForQuestionAnswering(_ReformerHeadSizes, HfxQuestionAnsweringHe
     base_model_class = HfxReformerModel
 
 
-class HfxReformerForCausalLM(HfxReformerPreTrainedModel, HfxGenerationMixin):
+class HfxReformerForCausalLM(HfxGenerationMixin, HfxReformerPreTrainedModel):
     """Left-to-right language model (transformers' ``ReformerModelWithLMHead``).
 
     The model is always causal: a config with ``is_decoder=False`` is copied with ``is_decoder=True``. ``labels``

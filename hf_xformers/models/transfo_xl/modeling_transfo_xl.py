@@ -333,7 +333,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         return tuple(new)
 
 
-class HfxTransfoXLForCausalLM(HfxTransfoXLPreTrainedModel, HfxGenerationMixin):
+class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel):
     """Transformer-XL language model: the base model and an adaptive softmax tied to the adaptive embeddings.
 
     ``labels`` ``(batch, seq_len)`` are the input ids themselves (-100 where no loss is wanted), shifted inside: the

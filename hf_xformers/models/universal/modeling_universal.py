@@ -491,7 +491,7 @@ class _HfxUniversalGenerationMixin(HfxGenerationMixin):
         return HfxUniversalCache()
 
 
-class HfxUniversalForCausalLM(HfxLMHeadMixin, HfxUniversalPreTrainedModel, _HfxUniversalGenerationMixin):
+class HfxUniversalForCausalLM(HfxLMHeadMixin, _HfxUniversalGenerationMixin, HfxUniversalPreTrainedModel):
     """Decoder-only language model: causal self-attention (and causal separable convolutions), the LM head tied to
     the input embeddings. The config is copied with ``is_decoder=True`` (the caller's object is left as it is).
 
@@ -556,7 +556,7 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     return shifted.masked_fill(shifted == -100, pad_token_id)
 
 
-class HfxUniversalForSeq2SeqLM(HfxUniversalPreTrainedModel, _HfxUniversalGenerationMixin):
+class HfxUniversalForSeq2SeqLM(_HfxUniversalGenerationMixin, HfxUniversalPreTrainedModel):
     """Encoder-decoder Universal Transformer (the paper's translation setting): a bidirectional encoder, a causal decoder
     whose block also attends to the encoder output, each with its own ACT (or fixed steps), shared word embeddings
     and an LM head tied to them.

@@ -1,0 +1,226 @@
+"""The generation conformance suite: what transformers' own generation tests expect, for every generating class.
+
+Every class registered as ``AutoModelForCausalLM`` or ``AutoModelForSeq2SeqLM`` (``tests/test_generation.py``'s
+``CASES``) runs each test: greedy, sampling and beam search give the same tokens with and without the cache; left
+padding under ``attention_mask``; ``output_scores`` / ``output_attentions`` / ``output_hidden_states`` under
+``return_dict_in_generate`` (and the cached step's attention row equals the full forward's last row); length controls
+(``max_new_tokens``, ``min_new_tokens``, stopping criteria, ``num_return_sequences``); ``generate()`` without a prompt;
+keyword arguments such as ``token_type_ids`` reaching ``forward``; assisted decoding and prompt lookup refused with
+transformers' error for stateful models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from .test_generation import CASES, TINY_CONFIGS, VOCAB, _model, _prompt
+
+PAD = 1
+IDS = [f"{t}-{c.__name__}" for t, _, c in CASES]
+CAUSAL = [case for case in CASES if case[1] == "AutoModelForCausalLM"]
+CAUSAL_IDS = [f"{t}-{c.__name__}" for t, _, c in CAUSAL]
+# Reformer's positions count from the first slot, padding included (as in transformers' Reformer), so a left-padded
+# prompt is a different input; everywhere else positions (or relative distances) ignore padding.
+POSITIONS_FROM_FIRST_SLOT = {"hfx-reformer"}
+# Cached FAVOR+ keeps running sums, not keys: a cached step cannot form attention probabilities.
+NO_CACHED_ATTENTIONS = {"hfx-performer"}
+
+
+def _generate(model, prompt, **kwargs):
+    kwargs = {"max_new_tokens": 5, "pad_token_id": PAD, "eos_token_id": None, **kwargs}
+    return model.generate(prompt, **kwargs)
+
+
+def _new_tokens(model, out: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+    """The generated part of ``generate()``'s sequences (seq2seq outputs start with the decoder start token)."""
+    return out[:, 1:] if model.config.is_encoder_decoder else out[:, prompt.shape[1] :]
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CASES, ids=IDS)
+@pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
+def test_cache_gives_the_same_tokens(model_type, task, model_class, mode):
+    model = _model(model_type, model_class)
+    prompt = _prompt(2, 6)
+    kwargs = {
+        "greedy": dict(do_sample=False),
+        "sample": dict(do_sample=True, top_k=0, temperature=1.0),
+        "beam": dict(do_sample=False, num_beams=3, num_return_sequences=2),
+    }[mode]
+    outs = []
+    for use_cache in (True, False):
+        torch.manual_seed(7)
+        outs.append(_generate(model, prompt, use_cache=use_cache, **kwargs))
+    assert torch.equal(outs[0], outs[1])
+    rows = 4 if mode == "beam" else 2
+    assert outs[0].shape[0] == rows and _new_tokens(model, outs[0], prompt).shape[1] == 5
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CASES, ids=IDS)
+def test_left_padding_with_attention_mask(model_type, task, model_class):
+    """A batch of a long and a left-padded short prompt: the ids under the mask never matter, the unpadded row is
+    generated as it is alone, and (positions ignoring padding) so is the padded one."""
+    model = _model(model_type, model_class)
+    long, short = _prompt(1, 8)[0], _prompt(1, 5)[0].flip(0)
+    batch = torch.stack([long, torch.cat([torch.full((3,), PAD), short])])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    out = _new_tokens(model, _generate(model, batch, attention_mask=mask, do_sample=False), batch)
+    other = batch.clone()
+    other[1, :3] = 7  # other ids under the mask
+    assert torch.equal(_new_tokens(model, _generate(model, other, attention_mask=mask, do_sample=False), other), out)
+    alone_long = _new_tokens(model, _generate(model, long[None], do_sample=False), long[None])
+    assert torch.equal(out[0], alone_long[0])
+    if model_type not in POSITIONS_FROM_FIRST_SLOT:
+        alone_short = _new_tokens(model, _generate(model, short[None], do_sample=False), short[None])
+        assert torch.equal(out[1], alone_short[0])
+
+
+def _per_step(outputs, name: str):
+    """``attentions`` / ``hidden_states`` of a causal LM, ``decoder_*`` of a seq2seq model: one tuple per step."""
+    return outputs.get(name) if name in outputs else outputs.get(f"decoder_{name}")
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CASES, ids=IDS)
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cached", "uncached"])
+def test_dict_outputs(model_type, task, model_class, use_cache):
+    model = _model(model_type, model_class)
+    prompt = _prompt(2, 6)
+    kwargs = dict(
+        do_sample=False, use_cache=use_cache, return_dict_in_generate=True, output_scores=True, output_logits=True,
+        output_attentions=True, output_hidden_states=True,
+    )  # fmt: skip
+    if use_cache and model_type in NO_CACHED_ATTENTIONS:
+        with pytest.raises(ValueError, match="use_cache=False"):
+            _generate(model, prompt, **kwargs)
+        kwargs["output_attentions"] = False
+    out = _generate(model, prompt, **kwargs)
+    steps = 5
+    assert len(out.scores) == len(out.logits) == steps
+    assert all(s.shape == (2, VOCAB) for s in out.scores)
+    # Greedy: each step's token is the argmax of its scores.
+    assert torch.equal(torch.stack([s.argmax(-1) for s in out.scores], 1), _new_tokens(model, out.sequences, prompt))
+    seen = 1 if model.config.is_encoder_decoder else prompt.shape[1]  # decoder tokens before the first step
+    hidden = _per_step(out, "hidden_states")
+    assert len(hidden) == steps
+    for step, layers in enumerate(hidden):
+        queries = seen + step if (step == 0 or not use_cache) else 1
+        assert len(layers) >= 2 and all(h.shape == (2, queries, model.config.hidden_size) for h in layers)
+    if not kwargs["output_attentions"]:
+        return
+    attentions = _per_step(out, "attentions")
+    assert len(attentions) == steps
+    for step, layers in enumerate(attentions):
+        queries = seen + step if (step == 0 or not use_cache) else 1
+        assert len(layers) >= 1
+        for a in layers:
+            assert a.shape[0] == 2 and a.shape[-2:] == (queries, seen + step)
+            torch.testing.assert_close(a.sum(-1), torch.ones_like(a.sum(-1)), atol=1e-5, rtol=0)
+    if model.config.is_encoder_decoder:
+        assert len(out.encoder_attentions) >= 1 and len(out.cross_attentions) == steps
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CAUSAL, ids=CAUSAL_IDS)
+def test_cached_step_attends_as_the_full_forward(model_type, task, model_class):
+    """The attention probabilities of a cached step equal the last row of a full forward over the same tokens."""
+    if model_type in NO_CACHED_ATTENTIONS:
+        pytest.skip("cached FAVOR+ forms no attention probabilities")
+    model = _model(model_type, model_class)
+    prompt = _prompt(2, 7)
+    out = _generate(
+        model, prompt, max_new_tokens=2, do_sample=False, return_dict_in_generate=True, output_attentions=True
+    )
+    with torch.no_grad():
+        full = model(input_ids=out.sequences[:, :-1], output_attentions=True).attentions
+    cached = out.attentions[1]  # the step that fed one token
+    assert len(cached) == len(full)
+    for step_probs, full_probs in zip(cached, full):
+        torch.testing.assert_close(step_probs[..., 0, :], full_probs[..., -1, :], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CASES, ids=IDS)
+def test_length_controls(model_type, task, model_class):
+    model = _model(model_type, model_class)
+    prompt = _prompt(2, 6)
+    free = _new_tokens(model, _generate(model, prompt, max_new_tokens=6, do_sample=False), prompt)
+    assert free.shape[1] == 6
+    # The first generated token of row 0 as eos: row 0 stops at once (then pads), unless min_new_tokens holds it.
+    eos = int(free[0, 0])
+    stopped = _new_tokens(model, _generate(model, prompt, max_new_tokens=6, do_sample=False, eos_token_id=eos), prompt)
+    assert int(stopped[0, 0]) == eos and bool((stopped[0, 1:] == PAD).all())
+    held = _new_tokens(
+        model, _generate(model, prompt, max_new_tokens=6, min_new_tokens=3, do_sample=False, eos_token_id=eos), prompt
+    )
+    assert bool((held[:, :3] != eos).all())
+
+    class StopAfter(StoppingCriteria):
+        def __init__(self, length: int) -> None:
+            self.length = length
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+    start = 1 if model.config.is_encoder_decoder else prompt.shape[1]
+    cut = _generate(
+        model, prompt, max_new_tokens=6, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter(start + 2)])
+    )
+    assert torch.equal(_new_tokens(model, cut, prompt), free[:, :2])
+    torch.manual_seed(0)
+    several = _generate(model, prompt, max_new_tokens=3, do_sample=True, num_return_sequences=3)
+    assert several.shape[0] == 6
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CAUSAL, ids=CAUSAL_IDS)
+def test_generate_without_a_prompt(model_type, task, model_class):
+    """From the config's ``bos_token_id`` (or one given to generate(); without either, transformers' error)."""
+    model = _model(model_type, model_class)
+    bos = model.config.bos_token_id
+    if bos is None:
+        with pytest.raises(ValueError, match="bos_token_id"):
+            model.generate(max_new_tokens=3, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+        bos = 2
+    out = model.generate(max_new_tokens=3, do_sample=False, pad_token_id=PAD, eos_token_id=None, bos_token_id=bos)
+    assert out.shape == (1, 4) and int(out[0, 0]) == bos
+    with torch.no_grad():
+        ids = out[:, :1]
+        for _ in range(3):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, ids)
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CAUSAL, ids=CAUSAL_IDS)
+def test_forward_keywords_reach_the_model(model_type, task, model_class):
+    """Keyword arguments given to generate() that forward accepts (token types here) are used at every step."""
+    import inspect
+
+    if "token_type_ids" not in inspect.signature(model_class.forward).parameters:
+        pytest.skip("no token types in this architecture")
+    config_class = _model(model_type, model_class).config_class
+    torch.manual_seed(0)
+    model = model_class(config_class(vocab_size=VOCAB, type_vocab_size=2, **TINY_CONFIGS[model_type])).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    prompt = _prompt(2, 6)
+    types = torch.ones_like(prompt)
+    out = _generate(model, prompt, token_type_ids=types, do_sample=False, max_new_tokens=4)
+    with torch.no_grad():
+        ids, t = prompt, types
+        for _ in range(4):
+            ids = torch.cat([ids, model(input_ids=ids, token_type_ids=t).logits[:, -1].argmax(-1, keepdim=True)], 1)
+            t = torch.cat([t, t[:, -1:]], 1)  # generate() repeats the last token type
+    assert torch.equal(out, ids)
+    assert not torch.equal(out, _generate(model, prompt, do_sample=False, max_new_tokens=4))
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CASES, ids=IDS)
+def test_assisted_decoding_is_refused(model_type, task, model_class):
+    """Assisted decoding and prompt lookup roll the cache back to the accepted tokens, which our caches (recurrent
+    states, memories, buckets) cannot do: transformers' own refusal for stateful models."""
+    model = _model(model_type, model_class)
+    prompt = _prompt(1, 6)
+    with pytest.raises(ValueError, match="stateful"):
+        _generate(model, prompt, do_sample=False, prompt_lookup_num_tokens=2)
+    with pytest.raises(ValueError, match="stateful"):
+        _generate(model, prompt, do_sample=False, assistant_model=model)
