@@ -959,3 +959,26 @@ def test_seq2seq_checkpoint_still_round_trips(tmp_path):
             loaded.eval()(ids, decoder_input_ids=target).logits, model(ids, decoder_input_ids=target).logits,
             atol=2e-6, rtol=0,
         )  # fmt: skip
+
+
+def test_seq2seq_base_model_is_its_encoder(tmp_path):
+    """base_model_prefix names a real attribute (the encoder, an HfxUniversalModel), and a seq2seq checkpoint loads
+    its encoder into the base model and the encoder heads, as BART's does."""
+    seq2seq = _randomised(HfxUniversalForSeq2SeqLM(config()).eval())
+    assert seq2seq.base_model is seq2seq.encoder is getattr(seq2seq, seq2seq.base_model_prefix)
+    assert isinstance(seq2seq.base_model, HfxUniversalModel)
+    seq2seq.save_pretrained(tmp_path)
+    expected = seq2seq.encoder.state_dict()
+    base, info = HfxUniversalModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert not base.config.is_encoder_decoder
+    assert set(info["missing_keys"]) <= {k for k in base.state_dict() if k.startswith("pooler.")}, info
+    for name, tensor in expected.items():
+        assert torch.equal(base.state_dict()[name], tensor), name
+    ids = _ids(2, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            base.eval()(ids).last_hidden_state, seq2seq.encoder(ids).last_hidden_state, atol=1e-6, rtol=0
+        )
+    head = HfxUniversalForMaskedLM.from_pretrained(tmp_path)
+    for name, tensor in expected.items():
+        assert torch.equal(head.universal.state_dict()[name], tensor), name

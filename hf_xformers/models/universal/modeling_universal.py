@@ -195,6 +195,24 @@ class HfxUniversalPreTrainedModel(HfxPreTrainedModel):
     base_model_prefix = "universal"
     _no_split_modules = ["HfxUniversalLayer"]
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained``; an encoder-only class (the base model or an encoder head) also loads the
+        encoder of a seq2seq checkpoint (:class:`HfxUniversalForSeq2SeqLM`, ``config.is_encoder_decoder``), as
+        ``BartModel``'s encoder loads from a BART checkpoint: ``encoder.*`` becomes the base model's names, the
+        decoder and the LM head are left out. A ``key_mapping`` or ``config`` passed by the caller wins."""
+        if cls is not HfxUniversalForSeq2SeqLM and "key_mapping" not in kwargs and "config" not in kwargs:
+            hub = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+            probe = cls.config_class.from_pretrained(
+                pretrained_model_name_or_path, **{k: kwargs[k] for k in hub if k in kwargs}
+            )
+            if probe.is_encoder_decoder:
+                probe.is_encoder_decoder = False
+                kwargs["config"] = probe
+                own = "" if cls is HfxUniversalModel else f"{cls.base_model_prefix}."
+                kwargs["key_mapping"] = {r"^encoder\.": own}
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -585,6 +603,9 @@ class HfxUniversalForSeq2SeqLM(_HfxUniversalGenerationMixin, HfxUniversalPreTrai
         self.lm_head = HfxUniversalLMHead(config)
         self.post_init()
 
+    # The base model (HfxUniversalModel, what AutoModel builds for this model type) is the encoder: a real attribute,
+    # as transformers expects of base_model_prefix (`model.base_model`, loading a base checkpoint and the reverse).
+    base_model_prefix = "encoder"
     # What a base / other-head checkpoint has that the seq2seq model does not (its encoder has no pooler).
     _keys_to_ignore_on_load_unexpected = [r"^encoder\.pooler\.", r"^(classifier|qa_outputs)\."]
 
