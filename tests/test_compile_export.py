@@ -2,7 +2,7 @@
 
 * ``torch.export.export`` with a dynamic batch and sequence length (Swin: height and width); the exported program
   equals eager at lengths other than the traced one, including lengths that need internal padding to a
-  window / block / chunk multiple, with padded rows in the batch.
+  window / block / chunk multiple, with padded rows in the batch; Longformer also with a static batch (1 or 2).
 * ``torch.onnx.export(..., dynamo=True)`` of that program, run by onnxruntime at such lengths: equal to eager to 1e-4.
 * ``torch.compile(fullgraph=True, dynamic=True)``: one graph for every length, no recompilation for a new length or
   one seen before (dynamo's counters).
@@ -218,6 +218,56 @@ def test_longformer_export_needs_more_than_one_query_block(window, min_length):
         torch.testing.assert_close(
             real_rows("longformer", inputs, got), real_rows("longformer", inputs, expected), atol=ATOL, rtol=0
         )
+
+
+@pytest.mark.parametrize(("batch", "with_globals"), [(1, False), (2, False), (1, True)])
+def test_longformer_exports_with_a_static_batch(batch, with_globals):
+    """The serving shape: a static batch and a dynamic length from README's bound (``min=9`` for window 16).
+
+    Reshapes that merged the static batch ``B`` with the symbolic query-block count ``ceil(L / 8)`` made the tracer
+    decide ``B % (B * ceil(L / 8)) != 0``, which export refused as a guard on the length (a dynamic batch hid it). The
+    program must equal eager at lengths with and without internal padding up to the position table's limit, with a
+    padded row (batch 2) and with global tokens (traced as one slot per position).
+    """
+    torch.manual_seed(0)
+    config = H.HfxLongformerConfig(**test_longformer.TINY, attention_window=16)
+    model = H.HfxLongformerModel(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.eval()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, global_attention_mask=None):
+            return self.model(input_ids, attention_mask, global_attention_mask).last_hidden_state
+
+    def inputs(length: int) -> tuple:
+        ids, mask = text_inputs(length, batch=batch)
+        if not with_globals:
+            return ids, mask
+        globals_ = torch.zeros_like(mask)
+        globals_[:, 0] = 1
+        globals_[0, length // 2] = 1
+        return ids, mask, globals_
+
+    module = Encoder()
+    max_length = config.max_position_embeddings - 2  # RoBERTa's position offset
+    length = Dim("length", min=9, max=max_length)
+    shapes = {"input_ids": {1: length}, "attention_mask": {1: length}}
+    if with_globals:
+        shapes["global_attention_mask"] = {1: length}
+    program = torch.export.export(module, inputs(23), dynamic_shapes=shapes).module()
+    # Query blocks of 8: 9, 23, 37 and the maximum (126) are padded inside, 16 and 64 are whole blocks.
+    for n in (9, 16, 23, 37, 64, max_length):
+        args = inputs(n)
+        with torch.no_grad():
+            expected, got = module(*args), program(*args)
+        assert got.shape == expected.shape == (batch, n, config.hidden_size)
+        torch.testing.assert_close(got * args[1][..., None], expected * args[1][..., None], atol=1e-5, rtol=0)
 
 
 def test_transfo_xl_exports_with_memories():

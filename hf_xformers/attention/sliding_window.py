@@ -40,6 +40,47 @@ def _neighbourhoods(x: torch.Tensor, span: int, step: int) -> torch.Tensor:
     return x.unfold(1, span, step).movedim(-1, 2)
 
 
+def _fold_blocks(x: torch.Tensor) -> torch.Tensor:
+    """The blocks of every example as one batch dimension: ``(batch, nb, *rest)`` -> ``(batch * nb, *rest)``.
+
+    Eager mode reshapes (a view where the strides allow it; the overlapping key neighbourhoods of several examples are
+    copied). While tracing, a reshape that merges a *static* batch size ``B`` with the block count ``nb = ceil(L / b)``
+    of a symbolic length makes the tracer decide ``B % (B * nb) != 0`` (true for every ``nb >= 2``, but it cannot
+    bound a floor division), which ``torch.export`` rejects as a guard on the length (with a dynamic batch the guard
+    is on two symbols, which export does not check). So one static example is selected (a view, as in eager mode),
+    and anything else is made contiguous and viewed through one flat dimension: flattening needs no check, and
+    splitting the flat dimension only divisibility that the tracer proves. The same numbers either way.
+    """
+    if not torch.compiler.is_compiling():
+        return x.reshape(-1, *x.shape[2:])
+    if isinstance(x.shape[0], int) and x.shape[0] == 1:
+        return x[0]
+    return x.contiguous().view(-1).view(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _block_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a`` ``(n, heads, rows, k)`` @ ``b`` ``(n, heads, k, cols)`` -> ``(n, heads, rows, cols)``, ``n = batch * nb``.
+
+    ``torch.matmul`` merges ``n`` with ``heads`` for its batched product, the reshape :func:`_fold_blocks` describes
+    (``nb % (heads * nb)`` for one example); while tracing both sides are folded first with its flat view.
+    """
+    if not torch.compiler.is_compiling():
+        return torch.matmul(a, b)
+    return torch.bmm(_fold_blocks(a), _fold_blocks(b)).view(*a.shape[:-1], b.shape[-1])
+
+
+def _project_rows(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear`` applied to ``x`` ``(batch, n, hidden)`` -> ``(batch, n, out)``, where ``n`` is block-rounded.
+
+    A 3-D input makes ``F.linear`` merge ``batch`` with ``n`` for its matrix product; with ``n = nb * b`` that is the
+    reshape :func:`_fold_blocks` describes. While tracing the rows are folded to 2-D first, with the guard-free flat
+    view; eager mode calls the module on ``x`` as it is (the same kernels, hence the same numbers, as before).
+    """
+    if not torch.compiler.is_compiling():
+        return linear(x)
+    return linear(_fold_blocks(x)).view(x.shape[0], x.shape[1], -1)
+
+
 def global_slots_of(is_global: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Where the global tokens are: ``is_global`` ``(batch, seq_len)`` bool -> ``(batch, G)`` positions (each
     example's global positions first, in order) and ``(batch, G)`` bool validity, ``G`` = most globals of any example.
@@ -167,6 +208,12 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         batch, length, hidden = hidden_states.shape
         heads, dim, w, b = self.num_heads, self.head_dim, self.one_sided_window, self.query_block
         nb = ceil_div(length, b)
+        if is_tracing():
+            # A traced graph is specialised on more than one query block: the tracer's contiguity checks of the block
+            # views ask whether nb == 1, a guard that torch.export cannot turn into a bound on the length. Asked here
+            # first as nb >= 2 (a guard, not a check: torch.compile retraces a single-block input), the bound is
+            # what export suggests for a Dim that starts lower (min = b + 1).
+            bool(nb >= 2)
         span = b + 2 * w
         # w rows of padding before and w (plus the tail to a whole block) after: every query block then has
         # its full neighbourhood, and the padded keys are masked below. Projecting the padding costs 2w rows,
@@ -174,12 +221,13 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         padded = F.pad(hidden_states, (0, 0, w, w + nb * b - length))
         k = self.key(padded).view(batch, nb * b + 2 * w, heads, dim)
         v = self.value(padded).view(batch, nb * b + 2 * w, heads, dim)
-        q = self.query(padded[:, w : w + nb * b])
+        q = _project_rows(self.query, padded[:, w : w + nb * b])
 
-        # Zero-copy views: (batch * nb, heads, b, dim) queries and (batch * nb, heads, span, dim) keys/values.
-        qb = q.view(batch, nb, b, heads, dim).permute(0, 1, 3, 2, 4).reshape(batch * nb, heads, b, dim)
-        kb = _neighbourhoods(k, span, b).permute(0, 1, 3, 2, 4).reshape(batch * nb, heads, span, dim)
-        vb = _neighbourhoods(v, span, b).permute(0, 1, 3, 2, 4).reshape(batch * nb, heads, span, dim)
+        # (batch * nb, heads, b, dim) queries and (batch * nb, heads, span, dim) keys/values: views of q, k and v,
+        # except the overlapping key/value neighbourhoods of several examples (no single stride steps over both).
+        qb = _fold_blocks(q.view(batch, nb, b, heads, dim).permute(0, 1, 3, 2, 4))
+        kb = _fold_blocks(_neighbourhoods(k, span, b).permute(0, 1, 3, 2, 4))
+        vb = _fold_blocks(_neighbourhoods(v, span, b).permute(0, 1, 3, 2, 4))
 
         # Additive mask, 0 where a query may look and -inf elsewhere: a band |offset| <= w (key column c of
         # block-local query row r sits at offset c - w - r) and real, non-global local keys (global keys come
@@ -189,12 +237,12 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         local_key = real if is_global is None else real & ~is_global
         local_key = F.pad(local_key, (w, w + nb * b - length), value=False)
         neg_inf = torch.tensor(float("-inf"), dtype=qb.dtype, device=qb.device)
-        key_bias = torch.where(_neighbourhoods(local_key, span, b), 0.0, neg_inf).reshape(batch * nb, 1, 1, span)
+        key_bias = _fold_blocks(torch.where(_neighbourhoods(local_key, span, b), 0.0, neg_inf)[:, :, None, None])
         offset = torch.arange(span, device=qb.device)[None, :] - w - torch.arange(b, device=qb.device)[:, None]
         bias = key_bias + torch.where(offset.abs() <= w, 0.0, neg_inf)
         # A padding query can be left with no key at all (NaN); let it see its whole neighbourhood instead,
         # its output is zeroed later.
-        query_pad = ~F.pad(real, (0, nb * b - length), value=False).view(batch * nb, 1, b, 1)
+        query_pad = _fold_blocks(~F.pad(real, (0, nb * b - length), value=False).view(batch, nb, 1, b, 1))
         if attention_mask is not None or is_tracing() or nb * b != length:
             bias.masked_fill_(query_pad, 0.0)
 
@@ -204,18 +252,17 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             gk = k.gather(1, (global_idx + w)[..., None, None].expand(-1, -1, heads, dim)).transpose(1, 2)
             gv = v.gather(1, (global_idx + w)[..., None, None].expand(-1, -1, heads, dim)).transpose(1, 2)
             expand = (batch, nb, heads, num_global, dim)
-            gk = gk[:, None].expand(expand).reshape(batch * nb, heads, num_global, dim)
-            gv = gv[:, None].expand(expand).reshape(batch * nb, heads, num_global, dim)
+            gk, gv = _fold_blocks(gk[:, None].expand(expand)), _fold_blocks(gv[:, None].expand(expand))
             kb, vb = torch.cat([gk, kb], dim=2), torch.cat([gv, vb], dim=2)
             global_bias = torch.where(global_valid, 0.0, neg_inf)[:, None, None, :].expand(batch, nb, b, num_global)
-            bias = torch.cat([global_bias.reshape(batch * nb, 1, b, num_global), bias], -1)
+            bias = torch.cat([_fold_blocks(global_bias[:, :, None]), bias], -1)
 
         dropout = self.dropout_p if self.training else 0.0
         probs = None
         if not output_attentions:
             out = attention(qb, kb, vb, bias, dropout)
         else:
-            scores = torch.matmul(qb, kb.transpose(-1, -2)) * dim**-0.5 + bias
+            scores = _block_matmul(qb, kb.transpose(-1, -2)) * dim**-0.5 + bias
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).masked_fill(query_pad, 0.0).to(q.dtype)
             probs = self._to_band_layout(weights, batch, nb, num_global, length)
             if is_global is not None:
