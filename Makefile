@@ -15,7 +15,7 @@ export HF_EVALUATE_OFFLINE := 1
 # transformers we support (pyproject.toml's floor), each in its own virtual environment.
 VENV_NEWEST ?= .venv-newest
 VENV_LOWEST ?= .venv-lowest
-LOWEST_TRANSFORMERS ?= 5.0.0
+LOWEST_TRANSFORMERS ?= 5.18.0
 # What the compatibility run tests: transformers' integration points (the conformance suite and parity tests of each
 # of the eight, generation and pipelines, PEFT, Hub export and cards, Auto classes, importers, mixed precision, the
 # example scripts' smoke tests); the pinned run (make test) runs everything. Left out here for time (CI has 2 cores):

@@ -43,6 +43,7 @@ from hf_xformers import (  # noqa: E402
     HfxTransfoXLConfig,
     HfxTransfoXLForCausalLM,
 )
+from hf_xformers.layers.compat import checkpointing_argv  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # utils_examples.py sits next to this file
 
@@ -139,7 +140,7 @@ def load_saved_model(source: Path) -> tuple[HfxTransfoXLForCausalLM, dict[str, i
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments, HubArguments), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model_args, data_args, training_args, hub_args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, training_args, hub_args = parser.parse_args_into_dataclasses(args=checkpointing_argv(sys.argv[1:] if argv is None else argv))
     if not model_args.model_name_or_path:
         apply_scratch_defaults(training_args, argv, SCRATCH_TRAINING, logger)
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)

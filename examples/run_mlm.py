@@ -273,6 +273,9 @@ def mask_once(blocks: Dataset, tokenizer: PreTrainedTokenizerBase, probability: 
         return Dataset.from_dict({"input_ids": [], "labels": []})
     # One call over all the blocks: the collator's own generator, seeded, draws every mask.
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=probability, seed=seed)
+    # transformers < 5.19 skips seeding for seed=0 (`if self.seed and ...`) and draws from the global RNG: set the
+    # generator its create_rng() would make (the same numbers on every release).
+    collator.generator = torch.Generator().manual_seed(seed)
     batch = collator([{"input_ids": ids, "special_tokens_mask": special}
                       for ids, special in zip(blocks["input_ids"], blocks["special_tokens_mask"])])  # fmt: skip
     return Dataset.from_dict({"input_ids": batch["input_ids"].tolist(), "labels": batch["labels"].tolist()})

@@ -148,6 +148,10 @@ class WikiHopModel(nn.Module):
         """Lets ``--activation_checkpointing`` reach the encoder (Trainer calls this on the model it gets)."""
         self.encoder.activation_checkpointing_enable(**kwargs)
 
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        """The same for transformers < 5.23, whose Trainer calls ``gradient_checkpointing_enable``."""
+        self.encoder.gradient_checkpointing_enable(**kwargs)
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -26,6 +26,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from hf_xformers.card import hub_model_id, save_card_data, write_model_card
 from hf_xformers.export import export_for_hub
+from hf_xformers.layers.compat import checkpointing_argv
 from hf_xformers.registration import REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def parse_script_args(dataclass_types: tuple, argv: list[str] | None = None, des
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and argv[0].endswith(".json"):
         return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
-    return parser.parse_args_into_dataclasses(args=argv)
+    return parser.parse_args_into_dataclasses(args=checkpointing_argv(argv))
 
 
 def launched_processes() -> int:

@@ -1,4 +1,4 @@
-"""What differs between the transformers releases we support (``pyproject.toml``: ``transformers>=5,<6``).
+"""What differs between the transformers releases we support (``pyproject.toml``: ``transformers>=5.18,<6``).
 
 Everything that reads a version-dependent name of transformers goes through here, so one code base runs on the
 lowest supported release and on the newest one, and a new rename is absorbed in one place.
@@ -12,16 +12,26 @@ lowest supported release and on the newest one, and a new rename is absorbed in 
   ``**{CACHE_NAME: cache}``.
   Our ``forward`` methods keep their ``past_key_values`` argument (what every earlier caller passes) and also take
   ``cache``; :func:`resolve_cache_argument` merges the two.
+* Activation checkpointing. transformers 5.23 renamed gradient checkpointing to activation checkpointing:
+  ``TrainingArguments.activation_checkpointing`` / ``activation_checkpointing_kwargs`` and
+  ``PreTrainedModel.activation_checkpointing_enable()`` (the ``gradient_checkpointing`` names stay as deprecated
+  aliases). :data:`ACTIVATION_CHECKPOINTING` says whether this release has the new names, and
+  :func:`checkpointing_argv` spells a command line's ``--activation_checkpointing`` the old way before 5.23.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # "cache" from transformers 5.24 on, "past_key_values" before.
 CACHE_NAME: str = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+# True from transformers 5.23 on: `--activation_checkpointing` and `activation_checkpointing_enable()`; before, only
+# the `gradient_checkpointing` names exist.
+ACTIVATION_CHECKPOINTING: bool = hasattr(PreTrainedModel, "activation_checkpointing_enable")
 
 # Every name under which generate() may hand a cache to prepare_inputs_for_generation, on any supported release.
 CACHE_ARGUMENT_NAMES: tuple[str, ...] = ("cache", "past_key_values", "cache_params")
@@ -40,6 +50,24 @@ def cache_field(cls: type) -> type:
     setattr(cls, CACHE_NAME, cls.__dict__["cache"])
     delattr(cls, "cache")
     return cls
+
+
+def checkpointing_argv(argv: list[str]) -> list[str]:
+    """Command-line arguments for ``HfArgumentParser(TrainingArguments)``: before transformers 5.23, whose
+    TrainingArguments know only ``--gradient_checkpointing[_kwargs]``, ``--activation_checkpointing[_kwargs]`` is
+    spelled that way; from 5.23 on the arguments are returned unchanged."""
+    if ACTIVATION_CHECKPOINTING:
+        return list(argv)
+    new_prefix = "__activation_checkpointing"  # the option name with its dashes as underscores
+
+    def old_spelling(arg: str) -> str:
+        name, equals, value = arg.partition("=")
+        name = name.replace("-", "_")
+        if not name.startswith(new_prefix):
+            return arg
+        return "--gradient_checkpointing" + name[len(new_prefix) :] + equals + value
+
+    return [old_spelling(arg) for arg in argv]
 
 
 def resolve_cache_argument(past_key_values: Any = None, cache: Any = None) -> Any:
@@ -69,4 +97,13 @@ def output_cache(output: Any) -> Any:
     return getattr(output, CACHE_NAME, None)
 
 
-__all__ = ["CACHE_ARGUMENT_NAMES", "CACHE_NAME", "cache_field", "cache_from_kwargs", "output_cache", "resolve_cache_argument"]
+__all__ = [
+    "ACTIVATION_CHECKPOINTING",
+    "CACHE_ARGUMENT_NAMES",
+    "CACHE_NAME",
+    "cache_field",
+    "cache_from_kwargs",
+    "checkpointing_argv",
+    "output_cache",
+    "resolve_cache_argument",
+]
