@@ -39,6 +39,7 @@ from .device_checks import (
     DefaultDeviceRecorder,
     HostReadCounter,
     buffer_mismatches,
+    check_auto_dtype_load,
     default_dtype,
     deviation,
 )
@@ -444,14 +445,9 @@ class TextModelConformance:
                 saved = self.main_output(auto_name, model(**inputs))
             model.save_pretrained(tmp_path / auto_name)
             loaded = getattr(transformers, auto_name).from_pretrained(tmp_path / auto_name, dtype="auto")
-            assert type(loaded) is cls and loaded.dtype == torch.bfloat16, (auto_name, type(loaded), loaded.dtype)
-            wrong = [n for n, p in loaded.named_parameters() if p.dtype != torch.bfloat16]
-            assert not wrong, f"{auto_name}: parameters not in bfloat16: {wrong[:5]}"
-            bad = buffer_mismatches(loaded, model)
-            assert not bad, f"{auto_name}: buffers that differ from the saved model's: {bad[:5]}"
             with torch.no_grad():
                 again = self.main_output(auto_name, loaded.eval().to(self.device)(**inputs))
-            assert torch.equal(again, saved), f"{auto_name}: {deviation(again, saved):.2e} from the saved model"
+            check_auto_dtype_load(auto_name, cls, loaded, model, again, saved)
 
     def test_builds_under_a_bfloat16_default_dtype(self):
         """Built under ``torch.set_default_dtype(torch.bfloat16)`` (then restored): parameters in bfloat16, seeded

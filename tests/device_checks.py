@@ -92,6 +92,17 @@ def buffer_mismatches(model: torch.nn.Module, reference: torch.nn.Module) -> lis
     return bad
 
 
+def check_auto_dtype_load(auto_name: str, cls: type, loaded, saved_model, again: torch.Tensor, saved: torch.Tensor):
+    """A bfloat16 checkpoint loaded with ``dtype="auto"``: the registered class, every parameter in bfloat16, the
+    saved model's buffers, and eval outputs ``again`` bit-identical to the saved model's ``saved``."""
+    assert type(loaded) is cls and loaded.dtype == torch.bfloat16, (auto_name, type(loaded), loaded.dtype)
+    wrong = [n for n, p in loaded.named_parameters() if p.dtype != torch.bfloat16]
+    assert not wrong, f"{auto_name}: parameters not in bfloat16: {wrong[:5]}"
+    bad = buffer_mismatches(loaded, saved_model)
+    assert not bad, f"{auto_name}: buffers that differ from the saved model's: {bad[:5]}"
+    assert torch.equal(again, saved), f"{auto_name}: {deviation(again, saved):.2e} from the saved model"
+
+
 class DefaultDeviceRecorder(TorchDispatchMode):
     """Use inside ``with torch.device("meta")`` around a forward on real tensors: a tensor that some op makes on the
     *default* device (a factory call without ``device=``, which on a GPU run would be a CPU tensor) comes out on
