@@ -39,8 +39,8 @@ from .device_checks import (
     DefaultDeviceRecorder,
     HostReadCounter,
     buffer_mismatches,
+    build_under_bfloat16_default,
     check_auto_dtype_load,
-    default_dtype,
     deviation,
 )
 
@@ -455,12 +455,7 @@ class TextModelConformance:
         finite and close to float32."""
         for auto_name, cls in self.registered_heads().items():
             reference, ref_out = self._float32_reference(auto_name, cls)
-            with default_dtype(torch.bfloat16):
-                torch.manual_seed(0)
-                model = cls(self.make_config())
-            assert torch.get_default_dtype() == torch.float32
-            bad = buffer_mismatches(model, reference)
-            assert not bad, f"{auto_name}: buffers that are not the float32 model's (rounded): {bad[:5]}"
+            model = build_under_bfloat16_default(auto_name, cls, self.make_config(), reference)
             # Construction's own (random) initialisation is not compared: only seeded tables must match, so the
             # parameters are made the float32 model's before comparing outputs (load_state_dict casts them).
             model.load_state_dict(reference.state_dict())

@@ -45,8 +45,8 @@ from .device_checks import (
     MIXED_PRECISION_TOLERANCE,
     HostReadCounter,
     buffer_mismatches,
+    build_under_bfloat16_default,
     check_auto_dtype_load,
-    default_dtype,
     deviation,
 )
 
@@ -551,12 +551,7 @@ class VisionModelConformance:
         float32."""
         for auto_name, cls in self.registered_heads().items():
             reference, inputs, ref_out = self._float32_reference(auto_name, cls)
-            with default_dtype(torch.bfloat16):
-                torch.manual_seed(0)
-                model = cls(self.make_config())
-            assert torch.get_default_dtype() == torch.float32
-            bad = buffer_mismatches(model, reference)
-            assert not bad, f"{auto_name}: buffers that are not the float32 model's (rounded): {bad[:5]}"
+            model = build_under_bfloat16_default(auto_name, cls, self.make_config(), reference)
             # Construction's own random initialisation is not compared: the weights are made the float32 model's
             # (load_state_dict casts them) before comparing outputs.
             model.load_state_dict(reference.state_dict())

@@ -103,6 +103,18 @@ def check_auto_dtype_load(auto_name: str, cls: type, loaded, saved_model, again:
     assert torch.equal(again, saved), f"{auto_name}: {deviation(again, saved):.2e} from the saved model"
 
 
+def build_under_bfloat16_default(auto_name: str, cls: type, config, reference: torch.nn.Module) -> torch.nn.Module:
+    """``cls(config)`` built under ``torch.set_default_dtype(torch.bfloat16)``: the default is float32 again after it,
+    and its buffers are ``reference``'s (the float32 model of the same config), rounded."""
+    with default_dtype(torch.bfloat16):
+        torch.manual_seed(0)
+        model = cls(config)
+    assert torch.get_default_dtype() == torch.float32
+    bad = buffer_mismatches(model, reference)
+    assert not bad, f"{auto_name}: buffers that are not the float32 model's (rounded): {bad[:5]}"
+    return model
+
+
 class DefaultDeviceRecorder(TorchDispatchMode):
     """Use inside ``with torch.device("meta")`` around a forward on real tensors: a tensor that some op makes on the
     *default* device (a factory call without ``device=``, which on a GPU run would be a CPU tensor) comes out on

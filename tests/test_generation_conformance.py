@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from .generation_checks import greedy_by_hand
 from .test_generation import CASES, TINY_CONFIGS, VOCAB, _model, _prompt
 
 PAD = 1
@@ -182,11 +183,7 @@ def test_generate_without_a_prompt(model_type, task, model_class):
         bos = 2
     out = model.generate(max_new_tokens=3, do_sample=False, pad_token_id=PAD, eos_token_id=None, bos_token_id=bos)
     assert out.shape == (1, 4) and int(out[0, 0]) == bos
-    with torch.no_grad():
-        ids = out[:, :1]
-        for _ in range(3):
-            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(out, ids)
+    assert torch.equal(out, greedy_by_hand(model, out[:, :1], 3))
 
 
 @pytest.mark.parametrize(("model_type", "task", "model_class"), CAUSAL, ids=CAUSAL_IDS)
@@ -205,12 +202,7 @@ def test_forward_keywords_reach_the_model(model_type, task, model_class):
     prompt = _prompt(2, 6)
     types = torch.ones_like(prompt)
     out = _generate(model, prompt, token_type_ids=types, do_sample=False, max_new_tokens=4)
-    with torch.no_grad():
-        ids, t = prompt, types
-        for _ in range(4):
-            ids = torch.cat([ids, model(input_ids=ids, token_type_ids=t).logits[:, -1].argmax(-1, keepdim=True)], 1)
-            t = torch.cat([t, t[:, -1:]], 1)  # generate() repeats the last token type
-    assert torch.equal(out, ids)
+    assert torch.equal(out, greedy_by_hand(model, prompt, 4, token_type_ids=types))
     assert not torch.equal(out, _generate(model, prompt, do_sample=False, max_new_tokens=4))
 
 

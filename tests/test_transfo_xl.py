@@ -33,6 +33,7 @@ from hf_xformers import (  # noqa: E402
 from hf_xformers.attention.relative_memory import sinusoid_positions  # noqa: E402
 from hf_xformers.layers.adaptive import HfxAdaptiveLogSoftmax  # noqa: E402
 from tests.conformance import NUM_LABELS, SEQ_LEN, VOCAB, TextModelConformance, _ids  # noqa: E402
+from tests.generation_checks import greedy_by_hand  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "transfo_xl"
 TINY = dict(
@@ -404,19 +405,11 @@ def test_generate_carries_memories():
     prompt = _ids(2, 5, seed=6)
     out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 11)
-    ids = prompt
-    with torch.no_grad():
-        for _ in range(6):
-            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(out, ids)
+    assert torch.equal(out, greedy_by_hand(model, prompt, 6))
     # Without a memory there is nothing to carry: every step recomputes the whole sequence, with the same tokens.
     no_memory = lm(mem_len=0, same_length=False)
     out = no_memory.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    ids = prompt
-    with torch.no_grad():
-        for _ in range(3):
-            ids = torch.cat([ids, no_memory(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(out, ids)
+    assert torch.equal(out, greedy_by_hand(no_memory, prompt, 3))
 
 
 # ----- streams and the recurrent Trainer -------------------------------------------------------------------------

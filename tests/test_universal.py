@@ -44,6 +44,7 @@ from hf_xformers.layers.act import (
 from hf_xformers.layers.recurrent_block import HfxUniversalCache, attention_mask_4d, timing_signal
 
 from .conformance import _TINY, NUM_LABELS, SEQ_LEN, VOCAB, HostReadCounter, TextModelConformance, _ids
+from .generation_checks import greedy_by_hand
 
 REPO = Path(__file__).resolve().parents[1]
 ATOL = 1e-5
@@ -696,12 +697,7 @@ def test_causal_lm_cache_equals_full_forward(overrides):
     assert torch.equal(cached, plain) and cached.shape == (2, 20)
     assert len(set(cached[1, 14:].tolist())) > 1  # not a constant continuation
     # Greedy by hand (full recomputation each step) gives the same tokens.
-    seq, m = ids, mask
-    with torch.no_grad():
-        for _ in range(6):
-            nxt = model(input_ids=seq, attention_mask=m).logits[:, -1].argmax(-1, keepdim=True)
-            seq, m = torch.cat([seq, nxt], 1), torch.cat([m, torch.ones_like(nxt)], 1)
-    assert torch.equal(seq, cached)
+    assert torch.equal(greedy_by_hand(model, ids, 6, attention_mask=mask), cached)
 
 
 def test_causal_lm_padding_batch_invariance_and_save_load(tmp_path):

@@ -20,6 +20,7 @@ do not fit, overrides :meth:`_new_generation_cache`, :meth:`_unseen_tokens` and 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -27,6 +28,13 @@ import torch
 from transformers import GenerationMixin
 
 from .compat import CACHE_ARGUMENT_NAMES, CACHE_NAME, cache_from_kwargs, output_cache
+
+
+@functools.cache
+def _parameter_names(forward) -> frozenset[str]:
+    """The parameter names of a class's ``forward`` (read once per class, not at every decoding step)."""
+    return frozenset(inspect.signature(forward).parameters)
+
 
 # generate() keeps these in its model kwargs; they never reach forward.
 _NOT_FORWARDED = ("labels", "next_sequence_length", "is_first_iteration", "cache_position")
@@ -61,7 +69,7 @@ class HfxGenerationMixin(GenerationMixin):
 
     # ----- generate() plumbing ---------------------------------------------------------------------------------
     def _forward_parameters(self) -> frozenset[str]:
-        return frozenset(inspect.signature(self.forward).parameters)
+        return _parameter_names(type(self).forward)
 
     def prepare_inputs_for_generation(
         self,
