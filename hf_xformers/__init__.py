@@ -1,88 +1,26 @@
 """hf_xformers: efficient and long-context Transformers for the Hugging Face ecosystem.
 
-Importing the package registers every architecture with ``AutoConfig`` and the ``AutoModel*`` classes.
+Importing the package registers every architecture with ``AutoConfig`` and the ``AutoModel*`` classes, and exports
+the classes each architecture declares (``models/<arch>/__init__.py``: ``ARCHITECTURE``), e.g.
+``from hf_xformers import HfxLongformerForSequenceClassification``.
 """
 
-from .models.bigbird import (
-    HfxBigBirdConfig,
-    HfxBigBirdForMaskedLM,
-    HfxBigBirdForMultipleChoice,
-    HfxBigBirdForQuestionAnswering,
-    HfxBigBirdForSequenceClassification,
-    HfxBigBirdForTokenClassification,
-    HfxBigBirdModel,
-)
-from .models.linformer import (
-    HfxLinformerConfig,
-    HfxLinformerForMaskedLM,
-    HfxLinformerForMultipleChoice,
-    HfxLinformerForQuestionAnswering,
-    HfxLinformerForSequenceClassification,
-    HfxLinformerForTokenClassification,
-    HfxLinformerModel,
-)
-from .models.longformer import (
-    HfxLongformerConfig,
-    HfxLongformerForMaskedLM,
-    HfxLongformerForMultipleChoice,
-    HfxLongformerForQuestionAnswering,
-    HfxLongformerForSequenceClassification,
-    HfxLongformerForTokenClassification,
-    HfxLongformerModel,
-)
-from .models.performer import (
-    HfxPerformerCache,
-    HfxPerformerConfig,
-    HfxPerformerForCausalLM,
-    HfxPerformerForMaskedLM,
-    HfxPerformerForMultipleChoice,
-    HfxPerformerForQuestionAnswering,
-    HfxPerformerForSequenceClassification,
-    HfxPerformerForTokenClassification,
-    HfxPerformerModel,
-)
-from .models.reformer import (
-    HfxReformerCache,
-    HfxReformerConfig,
-    HfxReformerForCausalLM,
-    HfxReformerForMaskedLM,
-    HfxReformerForQuestionAnswering,
-    HfxReformerForSequenceClassification,
-    HfxReformerModel,
-)
-from .models.swin import (
-    HfxSwinBackbone,
-    HfxSwinConfig,
-    HfxSwinForImageClassification,
-    HfxSwinForMaskedImageModeling,
-    HfxSwinImageProcessor,
-    HfxSwinModel,
-)
-from .models.transfo_xl import (
-    HfxRecurrentTrainer,
-    HfxStreamSegments,
-    HfxTransfoXLConfig,
-    HfxTransfoXLForCausalLM,
-    HfxTransfoXLForSequenceClassification,
-    HfxTransfoXLModel,
-)
-from .models.universal import (
-    HfxUniversalConfig,
-    HfxUniversalForCausalLM,
-    HfxUniversalForMaskedLM,
-    HfxUniversalForSeq2SeqLM,
-    HfxUniversalForSequenceClassification,
-    HfxUniversalForTokenClassification,
-    HfxUniversalModel,
-)
+from .models import ARCHITECTURES
+from .moved_modules import install_aliases
 from .peft_support import register_with_peft
 from .registration import REGISTRY, register_all
 
 register_all()
 # With peft installed, LoraConfig(task_type=...) then finds our attention projections without target_modules.
 register_with_peft()
+# Module paths of the earlier layout (hf_xformers.layers.act, ...) name the modules that hold that code now.
+install_aliases()
 
 __version__ = "0.1.0"
+
+# Every architecture's public classes, from its declaration (no hand-kept list to forget a class in).
+_EXPORTS: dict[str, type] = {name: cls for arch in ARCHITECTURES for name, cls in arch.exports.items()}
+globals().update(_EXPORTS)
 
 # The Hub tools load lazily (PEP 562): `python -m hf_xformers.export` would otherwise find its own module already
 # imported by the package (a RuntimeWarning), and model code need not import huggingface_hub's card machinery.
@@ -98,65 +36,11 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "ARCHITECTURES",
     "REGISTRY",
     "register_all",
     "register_with_peft",
     "export_for_hub",
     "write_model_card",
-    "HfxBigBirdConfig",
-    "HfxBigBirdModel",
-    "HfxBigBirdForMaskedLM",
-    "HfxBigBirdForSequenceClassification",
-    "HfxBigBirdForMultipleChoice",
-    "HfxBigBirdForQuestionAnswering",
-    "HfxBigBirdForTokenClassification",
-    "HfxLongformerConfig",
-    "HfxLongformerModel",
-    "HfxLongformerForMaskedLM",
-    "HfxLongformerForSequenceClassification",
-    "HfxLongformerForMultipleChoice",
-    "HfxLongformerForQuestionAnswering",
-    "HfxLongformerForTokenClassification",
-    "HfxSwinConfig",
-    "HfxSwinImageProcessor",
-    "HfxSwinModel",
-    "HfxSwinForImageClassification",
-    "HfxSwinForMaskedImageModeling",
-    "HfxSwinBackbone",
-    "HfxLinformerConfig",
-    "HfxLinformerForMaskedLM",
-    "HfxLinformerForMultipleChoice",
-    "HfxLinformerForQuestionAnswering",
-    "HfxLinformerForSequenceClassification",
-    "HfxLinformerForTokenClassification",
-    "HfxLinformerModel",
-    "HfxPerformerCache",
-    "HfxPerformerConfig",
-    "HfxPerformerForCausalLM",
-    "HfxPerformerForMaskedLM",
-    "HfxPerformerForMultipleChoice",
-    "HfxPerformerForQuestionAnswering",
-    "HfxPerformerForSequenceClassification",
-    "HfxPerformerForTokenClassification",
-    "HfxPerformerModel",
-    "HfxReformerCache",
-    "HfxReformerConfig",
-    "HfxReformerModel",
-    "HfxReformerForCausalLM",
-    "HfxReformerForMaskedLM",
-    "HfxReformerForSequenceClassification",
-    "HfxReformerForQuestionAnswering",
-    "HfxTransfoXLConfig",
-    "HfxTransfoXLModel",
-    "HfxTransfoXLForCausalLM",
-    "HfxTransfoXLForSequenceClassification",
-    "HfxRecurrentTrainer",
-    "HfxStreamSegments",
-    "HfxUniversalConfig",
-    "HfxUniversalModel",
-    "HfxUniversalForMaskedLM",
-    "HfxUniversalForSequenceClassification",
-    "HfxUniversalForTokenClassification",
-    "HfxUniversalForCausalLM",
-    "HfxUniversalForSeq2SeqLM",
+    *_EXPORTS,
 ]

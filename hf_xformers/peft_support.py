@@ -9,49 +9,19 @@ installed (hf_xformers does not depend on peft).
 
 Names are suffixes of module names, as in peft's own rows. The defaults follow peft's choices for BERT / RoBERTa
 (LoRA on the query and value projections; IA3 on keys, values and the feed-forward output), translated to each
-architecture's own projection names.
+architecture's own projection names, declared in its ``models/<arch>/__init__.py``.
 """
 
 from __future__ import annotations
 
-# LoRA: the query and value projections of every attention layer.
-LORA_TARGET_MODULES: dict[str, list[str]] = {
-    # Global tokens have their own projections; a classification head reads the (global) first token, so they adapt too.
-    "hfx-longformer": ["query", "value", "query_global", "value_global"],
-    "hfx-bigbird": ["query", "value"],
-    "hfx-linformer": ["query", "value"],
-    "hfx-performer": ["query", "value"],
-    # LSH layers share one projection for queries and keys (query_key); local layers have query, key and value.
-    "hfx-reformer": ["query_key", "query", "value"],
-    # One fused projection makes queries, keys and values (as GPT-2's c_attn, which peft targets whole).
-    "hfx-transfo-xl": ["qkv_net"],
-    # The one shared block: its adapters are shared across depth as the weights are.
-    "hfx-universal": ["query", "value"],
-    "hfx-swin": ["query", "value"],
-}
+from .models import ARCHITECTURES
 
+# LoRA: the query and value projections of every attention layer (each architecture's declaration says which).
+LORA_TARGET_MODULES: dict[str, list[str]] = {a.model_type: list(a.lora_target_modules) for a in ARCHITECTURES}
 # IA3: the modules whose activations get a learned scale; the feed-forward ones (scaled on their input) are listed
 # again in IA3_FEEDFORWARD_MODULES, which peft requires to be a subset.
-IA3_TARGET_MODULES: dict[str, list[str]] = {
-    "hfx-longformer": ["key", "value", "key_global", "value_global", "output.dense"],
-    "hfx-bigbird": ["key", "value", "output.dense"],
-    "hfx-linformer": ["key", "value", "output.dense"],
-    "hfx-performer": ["key", "value", "output.dense"],
-    "hfx-reformer": ["query_key", "key", "value", "feed_forward.output.dense"],
-    "hfx-transfo-xl": ["qkv_net", "ff_out"],
-    "hfx-universal": ["key", "value", "output.dense"],
-    "hfx-swin": ["key", "value", "output.dense"],
-}
-IA3_FEEDFORWARD_MODULES: dict[str, list[str]] = {
-    "hfx-longformer": ["output.dense"],
-    "hfx-bigbird": ["output.dense"],
-    "hfx-linformer": ["output.dense"],
-    "hfx-performer": ["output.dense"],
-    "hfx-reformer": ["feed_forward.output.dense"],
-    "hfx-transfo-xl": ["ff_out"],
-    "hfx-universal": ["output.dense"],
-    "hfx-swin": ["output.dense"],
-}
+IA3_TARGET_MODULES: dict[str, list[str]] = {a.model_type: list(a.ia3_target_modules) for a in ARCHITECTURES}
+IA3_FEEDFORWARD_MODULES: dict[str, list[str]] = {a.model_type: list(a.ia3_feedforward_modules) for a in ARCHITECTURES}
 
 # peft's table name -> our rows. A table missing from the installed peft version is skipped.
 _TABLES = {

@@ -49,11 +49,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..layers.input_checks import is_tracing
-from .base import AttentionOutput, ceil_div, cut_to_length, merge_heads, split_heads, unblock
+from ..ops.input_checks import is_tracing
+from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
+from .base import AttentionOutput
 from .full import HfxFullSelfAttention
-
-ATTENTION_TYPES = ("block_sparse", "original_full")
 
 
 class BlockPlan(NamedTuple):

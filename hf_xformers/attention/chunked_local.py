@@ -19,9 +19,10 @@ import math
 import torch
 from torch import nn
 
-from ..layers.fast_dropout import HfxDropout
-from ..layers.precision import mask_value
-from .base import AttentionOutput, merge_heads, plain_linears, split_heads, unblock
+from ..ops.fast_dropout import HfxDropout
+from ..ops.precision import mask_value
+from ..ops.shapes import merge_heads, split_heads, unblock
+from .base import AttentionOutput, plain_linears
 
 # Masked keys get `mask_value(scores.dtype)`, the most negative finite value of the scores' dtype: finite (as
 # transformers' -1e9 in float32 and -1e4 in float16), so a row with every key masked stays finite, and representable

@@ -63,11 +63,13 @@ import math
 
 import torch
 
-from ..layers.input_checks import is_tracing
-from ..layers.precision import float32_autocast_off
-from .base import AttentionOutput, QKVProjection, ceil_div, merge_heads, split_heads, unblock
+from ..configs.choices import FAVOR_KERNELS
+from ..ops.input_checks import is_tracing
+from ..ops.precision import float32_autocast_off
+from ..ops.shapes import ceil_div, merge_heads, split_heads, unblock
+from .base import AttentionOutput, QKVProjection
 
-KERNELS = ("softmax", "relu")
+KERNELS = FAVOR_KERNELS
 QUERY_EPS = 1e-6
 RELU_EPS = 1e-3
 CAUSAL_CHUNK_SIZE = 64

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionOutput, QKVProjection, merge_heads, split_heads
-from .kernels import attention
+from ..ops.kernels import attention
+from ..ops.shapes import merge_heads, split_heads
+from .base import AttentionOutput, QKVProjection
 
 
 class HfxFullSelfAttention(QKVProjection):

@@ -42,11 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.input_checks import is_tracing
-from .base import AttentionOutput, QKVProjection, merge_heads, plain_linears, split_heads
-from .kernels import attention
+from ..configs.choices import LINFORMER_SHARING_MODES
+from ..ops.input_checks import is_tracing
+from ..ops.kernels import attention
+from ..ops.shapes import merge_heads, split_heads
+from .base import AttentionOutput, QKVProjection, plain_linears
 
-SHARING_MODES = ("none", "headwise", "kv", "layerwise")
+SHARING_MODES = LINFORMER_SHARING_MODES
 
 
 def linformer_max_length(config) -> int:

@@ -26,9 +26,10 @@ import math
 import torch
 from torch import nn
 
-from ..layers.fast_dropout import HfxDropout
-from ..layers.precision import float32_autocast_off, mask_value
-from .base import AttentionOutput, merge_heads, plain_linears, split_heads
+from ..ops.fast_dropout import HfxDropout
+from ..ops.precision import float32_autocast_off, mask_value
+from ..ops.shapes import merge_heads, split_heads
+from .base import AttentionOutput, plain_linears
 from .chunked_local import (
     corner_on_graph,
     dense_probabilities,

@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import AttentionOutput, QKVProjection, ceil_div
+from ..ops.shapes import ceil_div
+from .base import AttentionOutput, QKVProjection
 
 SHIFT_MASK_VALUE = -100.0
 """Score added between tokens of different shift regions (the original implementation's value)."""

@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.input_checks import is_tracing
-from .base import AttentionOutput, QKVProjection, ceil_div, cut_to_length, merge_heads, split_heads, unblock
-from .kernels import attention
+from ..ops.input_checks import is_tracing
+from ..ops.kernels import attention
+from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
+from .base import AttentionOutput, QKVProjection
 
 
 def _neighbourhoods(x: torch.Tensor, span: int, step: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .fast_dropout import HfxDropout
+from ..ops.fast_dropout import HfxDropout
 
 
 def position_ids_from_input_ids(input_ids: torch.Tensor, padding_idx: int) -> torch.Tensor:

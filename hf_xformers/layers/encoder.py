@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from .fast_dropout import HfxDropout
+from ..ops.fast_dropout import HfxDropout
 
 
 @dataclass
@@ -56,7 +56,7 @@ class HfxAttentionBlock(nn.Module):
 
 
 # Activations with an in-place ATen form, used when no gradient is recorded (exact same numbers).
-_INPLACE_ACTIVATIONS = {
+INPLACE_ACTIVATIONS = {
     "gelu": torch.ops.aten.gelu_,
     "relu": torch.relu_,
     "gelu_pytorch_tanh": functools.partial(torch.ops.aten.gelu_, approximate="tanh"),
@@ -78,7 +78,7 @@ class HfxIntermediate(nn.Module):
         name = config.hidden_act
         name = _FUSED_ACTIVATIONS.get(name, name) if isinstance(name, str) else name
         self.act = ACT2FN[name]
-        self.act_inplace = _INPLACE_ACTIVATIONS.get(name) if isinstance(name, str) else None
+        self.act_inplace = INPLACE_ACTIVATIONS.get(name) if isinstance(name, str) else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden = self.dense(hidden_states)

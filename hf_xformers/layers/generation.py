@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers import GenerationMixin
 
-from .compat import CACHE_ARGUMENT_NAMES, CACHE_NAME, cache_from_kwargs, output_cache
+from ..ops.compat import CACHE_ARGUMENT_NAMES, CACHE_NAME, cache_from_kwargs, output_cache
 
 
 @functools.cache

@@ -1,6 +1,6 @@
-"""Base classes shared by the encoder-only text architectures: ``PreTrainedModel`` defaults and the base model.
+"""``HfxTextModel``: the base model of the encoder-only text architectures (embeddings -> encoder -> pooler).
 
-An architecture subclasses :class:`HfxPreTrainedModel` (sets ``config_class`` and ``base_model_prefix``) and
+An architecture subclasses :class:`~hf_xformers.layers.pretrained.HfxPreTrainedModel` and
 builds its base model as ``class XModel(HfxTextModel, XPreTrainedModel)`` with ``attention_class`` set.
 """
 
@@ -10,44 +10,11 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
+from ..ops.input_checks import check_not_empty, check_token_ids, check_type_ids, is_tracing, unpadded_to_none
 from .embeddings import HfxTextEmbeddings
 from .encoder import HfxEncoder, HfxModelOutput, HfxPooler
-from .heads import HfxLMHead
-from .input_checks import check_not_empty, check_token_ids, check_type_ids, is_tracing, unpadded_to_none
-
-
-class HfxPreTrainedModel(PreTrainedModel):
-    """Defaults common to every hf_xformers model."""
-
-    supports_gradient_checkpointing = True
-    _supports_sdpa = True
-    # Our forward passes take **kwargs only to pass them on; losses are plain means. Without this, Trainer
-    # multiplies the loss by the world size under DDP (see the team notes on transformers v5).
-    accepts_loss_kwargs = False
-
-    @torch.no_grad()
-    def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, HfxLMHead):
-            nn.init.zeros_(module.decoder.bias)
-
-    def _finish(self, output, return_dict: bool | None):
-        """``output`` (a ModelOutput) as it is, or as a tuple when ``return_dict`` (None: ``config.return_dict``)
-        is False."""
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-        return output if return_dict else output.to_tuple()
-
-    def default_global_attention_mask(
-        self, task: str, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """Global-attention mask a task head uses when the caller gives none (None: no global tokens).
-
-        ``task`` is one of ``"sequence_classification"``, ``"multiple_choice"``, ``"question_answering"``,
-        ``"token_classification"``, ``"masked_lm"``. Architectures with global attention override this.
-        """
-        return None
+from .pretrained import HfxPreTrainedModel  # noqa: F401 (its old import path)
 
 
 class HfxTextModel:

@@ -1,3 +1,7 @@
+"""``hfx-bigbird``: RoBERTa with BigBird's block-sparse attention (Zaheer et al., 2020): window, global and random
+blocks."""
+
+from ...configs.architecture import Architecture
 from .configuration_bigbird import HfxBigBirdConfig
 from .modeling_bigbird import (
     HfxBigBirdEmbeddings,
@@ -11,15 +15,20 @@ from .modeling_bigbird import (
     HfxBigBirdPreTrainedModel,
 )
 
-__all__ = [
-    "HfxBigBirdConfig",
-    "HfxBigBirdEmbeddings",
-    "HfxBigBirdLMHead",
-    "HfxBigBirdModel",
-    "HfxBigBirdPreTrainedModel",
-    "HfxBigBirdForMaskedLM",
-    "HfxBigBirdForSequenceClassification",
-    "HfxBigBirdForMultipleChoice",
-    "HfxBigBirdForQuestionAnswering",
-    "HfxBigBirdForTokenClassification",
-]
+ARCHITECTURE = Architecture(
+    config_class=HfxBigBirdConfig,
+    auto_classes={
+        "AutoModel": HfxBigBirdModel,
+        "AutoModelForMaskedLM": HfxBigBirdForMaskedLM,
+        "AutoModelForSequenceClassification": HfxBigBirdForSequenceClassification,
+        "AutoModelForMultipleChoice": HfxBigBirdForMultipleChoice,
+        "AutoModelForQuestionAnswering": HfxBigBirdForQuestionAnswering,
+        "AutoModelForTokenClassification": HfxBigBirdForTokenClassification,
+    },
+    lora_target_modules=("query", "value"),
+    ia3_target_modules=("key", "value", "output.dense"),
+    ia3_feedforward_modules=("output.dense",),
+    other_exports=(HfxBigBirdPreTrainedModel, HfxBigBirdEmbeddings, HfxBigBirdLMHead),
+)
+
+__all__ = ["ARCHITECTURE", *ARCHITECTURE.exports]

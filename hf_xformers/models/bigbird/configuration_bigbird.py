@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from ...attention.block_sparse import ATTENTION_TYPES
-from ...layers.text_config import HfxTextConfig
+from ...configs.text_config import HfxTextConfig
+
+# "original_full" is BigBird with dense softmax attention (transformers' name), the reference for the sparse pattern.
+ATTENTION_TYPES = ("block_sparse", "original_full")
 
 
 class HfxBigBirdConfig(HfxTextConfig):

@@ -13,7 +13,6 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ...attention.block_sparse import HfxBlockSparseSelfAttention
-from ...layers.fast_dropout import HfxDropout
 from ...layers.heads import (
     HfxLMHead,
     HfxMaskedLMHeadMixin,
@@ -22,7 +21,9 @@ from ...layers.heads import (
     HfxSequenceClassificationHeadMixin,
     HfxTokenClassificationHeadMixin,
 )
-from ...layers.text_model import HfxPreTrainedModel, HfxTextModel
+from ...layers.pretrained import HfxPreTrainedModel
+from ...layers.text_model import HfxTextModel
+from ...ops.fast_dropout import HfxDropout
 from .configuration_bigbird import HfxBigBirdConfig
 
 

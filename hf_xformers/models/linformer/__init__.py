@@ -1,3 +1,7 @@
+"""``hfx-linformer``: RoBERTa with Linformer's low-rank attention (Wang et al., 2020): keys and values projected along
+the sequence."""
+
+from ...configs.architecture import Architecture
 from .configuration_linformer import HfxLinformerConfig
 from .modeling_linformer import (
     HfxLinformerForMaskedLM,
@@ -9,13 +13,20 @@ from .modeling_linformer import (
     HfxLinformerPreTrainedModel,
 )
 
-__all__ = [
-    "HfxLinformerConfig",
-    "HfxLinformerModel",
-    "HfxLinformerPreTrainedModel",
-    "HfxLinformerForMaskedLM",
-    "HfxLinformerForSequenceClassification",
-    "HfxLinformerForMultipleChoice",
-    "HfxLinformerForQuestionAnswering",
-    "HfxLinformerForTokenClassification",
-]
+ARCHITECTURE = Architecture(
+    config_class=HfxLinformerConfig,
+    auto_classes={
+        "AutoModel": HfxLinformerModel,
+        "AutoModelForMaskedLM": HfxLinformerForMaskedLM,
+        "AutoModelForSequenceClassification": HfxLinformerForSequenceClassification,
+        "AutoModelForMultipleChoice": HfxLinformerForMultipleChoice,
+        "AutoModelForQuestionAnswering": HfxLinformerForQuestionAnswering,
+        "AutoModelForTokenClassification": HfxLinformerForTokenClassification,
+    },
+    lora_target_modules=("query", "value"),
+    ia3_target_modules=("key", "value", "output.dense"),
+    ia3_feedforward_modules=("output.dense",),
+    other_exports=(HfxLinformerPreTrainedModel,),
+)
+
+__all__ = ["ARCHITECTURE", *ARCHITECTURE.exports]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ...attention.low_rank import SHARING_MODES as LINFORMER_SHARING_MODES
-from ...layers.text_config import HfxTextConfig
+from ...configs.choices import LINFORMER_SHARING_MODES
+from ...configs.text_config import HfxTextConfig
 
 
 class HfxLinformerConfig(HfxTextConfig):

@@ -22,8 +22,9 @@ from ...layers.heads import (
     HfxSequenceClassificationHeadMixin,
     HfxTokenClassificationHeadMixin,
 )
-from ...layers.input_checks import is_tracing
-from ...layers.text_model import HfxPreTrainedModel, HfxTextModel
+from ...layers.pretrained import HfxPreTrainedModel
+from ...layers.text_model import HfxTextModel
+from ...ops.input_checks import is_tracing
 from .configuration_linformer import HfxLinformerConfig
 
 

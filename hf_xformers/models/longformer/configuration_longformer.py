@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...layers.text_config import HfxTextConfig
+from ...configs.text_config import HfxTextConfig
 
 
 class HfxLongformerConfig(HfxTextConfig):

@@ -16,7 +16,8 @@ from ...layers.heads import (
     HfxSequenceClassificationHeadMixin,
     HfxTokenClassificationHeadMixin,
 )
-from ...layers.text_model import HfxPreTrainedModel, HfxTextModel
+from ...layers.pretrained import HfxPreTrainedModel
+from ...layers.text_model import HfxTextModel
 from .configuration_longformer import HfxLongformerConfig
 
 

@@ -1,3 +1,7 @@
+"""``hfx-performer``: RoBERTa with FAVOR+ attention (Choromanski et al., 2021), and a causal LM with a recurrent
+cache."""
+
+from ...configs.architecture import Architecture
 from .configuration_performer import HfxPerformerConfig
 from .modeling_performer import (
     HfxPerformerCache,
@@ -11,15 +15,21 @@ from .modeling_performer import (
     HfxPerformerPreTrainedModel,
 )
 
-__all__ = [
-    "HfxPerformerConfig",
-    "HfxPerformerModel",
-    "HfxPerformerPreTrainedModel",
-    "HfxPerformerForMaskedLM",
-    "HfxPerformerForSequenceClassification",
-    "HfxPerformerForMultipleChoice",
-    "HfxPerformerForQuestionAnswering",
-    "HfxPerformerForTokenClassification",
-    "HfxPerformerForCausalLM",
-    "HfxPerformerCache",
-]
+ARCHITECTURE = Architecture(
+    config_class=HfxPerformerConfig,
+    auto_classes={
+        "AutoModel": HfxPerformerModel,
+        "AutoModelForMaskedLM": HfxPerformerForMaskedLM,
+        "AutoModelForSequenceClassification": HfxPerformerForSequenceClassification,
+        "AutoModelForMultipleChoice": HfxPerformerForMultipleChoice,
+        "AutoModelForQuestionAnswering": HfxPerformerForQuestionAnswering,
+        "AutoModelForTokenClassification": HfxPerformerForTokenClassification,
+        "AutoModelForCausalLM": HfxPerformerForCausalLM,
+    },
+    lora_target_modules=("query", "value"),
+    ia3_target_modules=("key", "value", "output.dense"),
+    ia3_feedforward_modules=("output.dense",),
+    other_exports=(HfxPerformerPreTrainedModel, HfxPerformerCache),
+)
+
+__all__ = ["ARCHITECTURE", *ARCHITECTURE.exports]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ...attention.favor import KERNELS as FAVOR_KERNELS
-from ...layers.text_config import HfxTextConfig
+from ...configs.choices import FAVOR_KERNELS
+from ...configs.text_config import HfxTextConfig
 
 
 class HfxPerformerConfig(HfxTextConfig):

@@ -16,7 +16,6 @@ from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ...attention.favor import FavorState, HfxFavorSelfAttention
-from ...layers.compat import CACHE_NAME, cache_field, output_cache, resolve_cache_argument
 from ...layers.encoder import HfxModelOutput
 from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import (
@@ -28,7 +27,9 @@ from ...layers.heads import (
     HfxTokenClassificationHeadMixin,
     causal_lm_loss,
 )
-from ...layers.text_model import HfxPreTrainedModel, HfxTextModel
+from ...layers.pretrained import HfxPreTrainedModel
+from ...layers.text_model import HfxTextModel
+from ...ops.compat import CACHE_NAME, cache_field, output_cache, resolve_cache_argument
 from .configuration_performer import HfxPerformerConfig
 
 

@@ -26,12 +26,9 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import ModelOutput
 
-from ...attention.base import ceil_div, cut_to_length
 from ...attention.chunked_local import HfxLocalSelfAttention
 from ...attention.lsh import HfxLSHSelfAttention
-from ...layers.compat import CACHE_ARGUMENT_NAMES
-from ...layers.encoder import _INPLACE_ACTIVATIONS
-from ...layers.fast_dropout import HfxDropout, fast_dropout
+from ...layers.encoder import INPLACE_ACTIVATIONS
 from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import (
     HfxMaskedLMHeadMixin,
@@ -39,10 +36,13 @@ from ...layers.heads import (
     HfxSequenceClassificationHeadMixin,
     causal_lm_loss,
 )
-from ...layers.input_checks import check_not_empty, check_token_ids, unpadded_to_none
-from ...layers.reversible import reversible_sequence
-from ...layers.text_model import HfxPreTrainedModel
+from ...layers.pretrained import HfxPreTrainedModel
+from ...ops.compat import CACHE_ARGUMENT_NAMES
+from ...ops.fast_dropout import HfxDropout, fast_dropout
+from ...ops.input_checks import check_not_empty, check_token_ids, unpadded_to_none
+from ...ops.shapes import ceil_div, cut_to_length
 from .configuration_reformer import HfxReformerConfig
+from .reversible import reversible_sequence
 
 
 def chunked_over_positions(fn, hidden_states: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -186,7 +186,7 @@ class HfxReformerFeedForward(nn.Module):
         self.output = nn.Module()
         self.output.dense = nn.Linear(config.feed_forward_size, config.hidden_size)
         self.act = ACT2FN[config.hidden_act]
-        self.act_inplace = _INPLACE_ACTIVATIONS.get(config.hidden_act) if isinstance(config.hidden_act, str) else None
+        self.act_inplace = INPLACE_ACTIVATIONS.get(config.hidden_act) if isinstance(config.hidden_act, str) else None
         self.dropout_prob = config.hidden_dropout_prob
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -1,3 +1,6 @@
+"""``hfx-swin``: the Swin Transformer (Liu et al., 2021): shifted-window attention in a four-stage hierarchy."""
+
+from ...configs.architecture import Architecture
 from .configuration_swin import HfxSwinConfig
 from .image_processing_swin import HfxSwinImageProcessor
 from .modeling_swin import (
@@ -8,12 +11,20 @@ from .modeling_swin import (
     HfxSwinPreTrainedModel,
 )
 
-__all__ = [
-    "HfxSwinConfig",
-    "HfxSwinImageProcessor",
-    "HfxSwinModel",
-    "HfxSwinPreTrainedModel",
-    "HfxSwinForImageClassification",
-    "HfxSwinForMaskedImageModeling",
-    "HfxSwinBackbone",
-]
+ARCHITECTURE = Architecture(
+    config_class=HfxSwinConfig,
+    auto_classes={
+        "AutoModel": HfxSwinModel,
+        "AutoModelForImageClassification": HfxSwinForImageClassification,
+        "AutoModelForMaskedImageModeling": HfxSwinForMaskedImageModeling,
+        "AutoBackbone": HfxSwinBackbone,
+        # AutoImageProcessor.register(config, cls) files cls under the "pil" backend.
+        "AutoImageProcessor": HfxSwinImageProcessor,
+    },
+    lora_target_modules=("query", "value"),
+    ia3_target_modules=("key", "value", "output.dense"),
+    ia3_feedforward_modules=("output.dense",),
+    other_exports=(HfxSwinPreTrainedModel,),
+)
+
+__all__ = ["ARCHITECTURE", *ARCHITECTURE.exports]

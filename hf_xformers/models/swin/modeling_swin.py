@@ -37,11 +37,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BackboneOutput
 from transformers.utils import ModelOutput
 
-from ...attention.base import ceil_div
 from ...attention.shifted_window import HfxShiftedWindowSelfAttention
 from ...layers.encoder import HfxIntermediate
 from ...layers.heads import sequence_classification_loss
-from ...layers.text_model import HfxPreTrainedModel
+from ...layers.pretrained import HfxPreTrainedModel
+from ...ops.shapes import ceil_div
 from .configuration_swin import HfxSwinConfig
 
 # LayerNorms whose eps the original checkpoints fix at 1e-5 whatever config.layer_norm_eps says

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-from ...layers.adaptive import validate_cutoffs
+
+def validate_cutoffs(cutoffs: list[int], vocab_size: int) -> None:
+    """Raise ``ValueError`` unless ``cutoffs`` is strictly increasing inside ``(0, vocab_size)``."""
+    bounds = [0, *cutoffs, vocab_size]
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(
+            f"cutoffs must be strictly increasing integers between 0 and vocab_size ({vocab_size}), exclusive; "
+            f"got {cutoffs}. Use e.g. cutoffs=[{vocab_size // 4}, {vocab_size // 2}], or [] for a single softmax. "
+            "When changing vocab_size (e.g. from_pretrained(..., vocab_size=N, ignore_mismatched_sizes=True)), pass "
+            "cutoffs that fit it in the same call."
+        )
 
 
 class HfxTransfoXLConfig(PreTrainedConfig):

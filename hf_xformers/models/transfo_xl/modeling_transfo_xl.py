@@ -27,10 +27,10 @@ from ...attention.relative_memory import (
     relative_distances,
     sinusoid_positions,
 )
-from ...layers.adaptive import HfxAdaptiveEmbedding, HfxAdaptiveLogSoftmax
 from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import pool_tokens, sequence_classification_loss
-from ...layers.input_checks import check_not_empty, check_token_ids, is_tracing, unpadded_to_none
+from ...ops.input_checks import check_not_empty, check_token_ids, is_tracing, unpadded_to_none
+from .adaptive_softmax import HfxAdaptiveEmbedding, HfxAdaptiveLogSoftmax
 from .configuration_transfo_xl import HfxTransfoXLConfig
 
 Memories = tuple[torch.Tensor, ...]

@@ -1,6 +1,9 @@
+"""``hfx-universal``: the Universal Transformer (Dehghani et al., 2019): one shared block applied in depth with
+Adaptive Computation Time; encoder heads, a causal LM and an encoder-decoder LM."""
+
+from ...configs.architecture import Architecture
 from .configuration_universal import HfxUniversalConfig
 from .modeling_universal import (
-    HfxUniversalCache,
     HfxUniversalForCausalLM,
     HfxUniversalForMaskedLM,
     HfxUniversalForSeq2SeqLM,
@@ -10,16 +13,23 @@ from .modeling_universal import (
     HfxUniversalModelOutput,
     HfxUniversalPreTrainedModel,
 )
+from .recurrent_block import HfxUniversalCache
 
-__all__ = [
-    "HfxUniversalConfig",
-    "HfxUniversalCache",
-    "HfxUniversalModel",
-    "HfxUniversalModelOutput",
-    "HfxUniversalPreTrainedModel",
-    "HfxUniversalForMaskedLM",
-    "HfxUniversalForSequenceClassification",
-    "HfxUniversalForTokenClassification",
-    "HfxUniversalForCausalLM",
-    "HfxUniversalForSeq2SeqLM",
-]
+ARCHITECTURE = Architecture(
+    config_class=HfxUniversalConfig,
+    auto_classes={
+        "AutoModel": HfxUniversalModel,
+        "AutoModelForMaskedLM": HfxUniversalForMaskedLM,
+        "AutoModelForSequenceClassification": HfxUniversalForSequenceClassification,
+        "AutoModelForTokenClassification": HfxUniversalForTokenClassification,
+        "AutoModelForCausalLM": HfxUniversalForCausalLM,
+        "AutoModelForSeq2SeqLM": HfxUniversalForSeq2SeqLM,
+    },
+    # The one shared block: its adapters are shared across depth as the weights are.
+    lora_target_modules=("query", "value"),
+    ia3_target_modules=("key", "value", "output.dense"),
+    ia3_feedforward_modules=("output.dense",),
+    other_exports=(HfxUniversalPreTrainedModel, HfxUniversalModelOutput, HfxUniversalCache),
+)
+
+__all__ = ["ARCHITECTURE", *ARCHITECTURE.exports]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from ...layers.recurrent_block import POSITION_EMBEDDING_TYPES, TRANSITIONS
-from ...layers.text_config import HfxTextConfig
+from ...configs.text_config import HfxTextConfig
+
+# The paper's transitions: a position-wise feed-forward block, or separable convolutions over the sequence.
+TRANSITIONS = ("ffn", "sepconv")
+# "sinusoidal": the paper's position signal added at every step; "absolute": a learned table (ALBERT, BERT).
+POSITION_EMBEDDING_TYPES = ("sinusoidal", "absolute")
 
 
 class HfxUniversalConfig(HfxTextConfig):

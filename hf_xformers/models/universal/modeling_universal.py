@@ -29,8 +29,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils import ModelOutput
 
-from ...layers.act import HfxHaltingUnit, ponder_loss
-from ...layers.compat import CACHE_NAME, cache_field, output_cache, resolve_cache_argument
+from ...attention.multi_head import attention_mask_4d
 from ...layers.encoder import HfxPooler
 from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import (
@@ -43,15 +42,16 @@ from ...layers.heads import (
     sequence_classification_loss,
     token_cross_entropy,
 )
-from ...layers.input_checks import check_not_empty, check_token_ids, check_type_ids, unpadded_to_none
-from ...layers.recurrent_block import (
+from ...layers.pretrained import HfxPreTrainedModel
+from ...ops.compat import CACHE_NAME, cache_field, output_cache, resolve_cache_argument
+from ...ops.input_checks import check_not_empty, check_token_ids, check_type_ids, unpadded_to_none
+from .adaptive_computation_time import HfxHaltingUnit, ponder_loss
+from .configuration_universal import HfxUniversalConfig
+from .recurrent_block import (
     HfxSeparableConv1d,
     HfxUniversalCache,
     HfxUniversalRecurrentEncoder,
-    attention_mask_4d,
 )
-from ...layers.text_model import HfxPreTrainedModel
-from .configuration_universal import HfxUniversalConfig
 
 # ----- outputs ---------------------------------------------------------------------------------------------------
 

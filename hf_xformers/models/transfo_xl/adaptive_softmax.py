@@ -24,18 +24,6 @@ def cluster_bounds(cutoffs: list[int], vocab_size: int) -> list[tuple[int, int]]
     return [(ends[i], ends[i + 1]) for i in range(len(ends) - 1)]
 
 
-def validate_cutoffs(cutoffs: list[int], vocab_size: int) -> None:
-    """Raise ``ValueError`` unless ``cutoffs`` is strictly increasing inside ``(0, vocab_size)``."""
-    bounds = [0, *cutoffs, vocab_size]
-    if any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(
-            f"cutoffs must be strictly increasing integers between 0 and vocab_size ({vocab_size}), exclusive; "
-            f"got {cutoffs}. Use e.g. cutoffs=[{vocab_size // 4}, {vocab_size // 2}], or [] for a single softmax. "
-            "When changing vocab_size (e.g. from_pretrained(..., vocab_size=N, ignore_mismatched_sizes=True)), pass "
-            "cutoffs that fit it in the same call."
-        )
-
-
 def check_resizable(cutoffs: list[int], new_vocab_size: int) -> None:
     """Raise ``ValueError`` unless a vocabulary of ``new_vocab_size`` keeps every cluster non-empty."""
     last = cutoffs[-1] if cutoffs else 0

@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .input_checks import is_tracing
-from .precision import float32_autocast_off
+from ...ops.input_checks import is_tracing
+from ...ops.precision import float32_autocast_off
 
 
 class ActBookkeeping(NamedTuple):

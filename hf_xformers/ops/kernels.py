@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..layers.fast_dropout import dropout_mask
-from ..layers.input_checks import is_tracing
+from .fast_dropout import dropout_mask
+from .input_checks import is_tracing
 
 
 def _per_head_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""Dense multi-head attention with a decoding cache: the Universal Transformer's attention.
+
+Self-attention (bidirectional, or causal and extended by the keys and values of earlier tokens) and, with
+``key_value_states``, attention to an encoder's states. The cache is the model's (``HfxUniversalCache`` in
+``models/universal/recurrent_block.py``); this module calls only its ``update(step, keys, values)`` and reads and sets
+its ``cross_key_value``, so any object with those serves.
+
+Unlike the other modules of ``attention/``, this one is not built as ``(config, layer_idx)``: the Universal
+Transformer has one block shared by every step, so the attention is built once, as ``(config)``, and told the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.shapes import merge_heads, split_heads
+from .base import QKVProjection
+
+
+def attention_mask_4d(
+    key_mask: torch.Tensor | None, query_len: int, past_len: int, causal: bool, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean mask ``(batch or 1, 1, query_len, past_len + query_len)``, True where a query may attend.
+
+    Args:
+        key_mask: ``(batch, past_len + query_len)`` bool, False for padding keys, or None (no padding).
+        causal: query ``i`` (absolute position ``past_len + i``) sees keys up to its own position only.
+    A query with no allowed key at all would produce NaN, so a bidirectional padding row sees every key and a causal
+    one always sees itself; those rows are padding and never read.
+    """
+    if not causal:
+        if key_mask is None:
+            return None
+        return (key_mask | ~key_mask.any(-1, keepdim=True))[:, None, None, :]
+    keys = torch.arange(past_len + query_len, device=device)
+    queries = torch.arange(past_len, past_len + query_len, device=device)
+    allowed = keys[None, :] <= queries[:, None]
+    if key_mask is None:
+        return allowed[None, None]
+    own = keys[None, :] == queries[:, None]
+    return allowed & (key_mask[:, None, None, :] | own)
+
+
+class HfxUniversalAttention(QKVProjection):
+    """Multi-head attention of the shared block: self-attention (bidirectional or causal, extended by the cache) or,
+    with ``key_value_states``, attention to the encoder states. ``attentions``: ``(batch, heads, query, keys)``.
+
+    Masks reach SDPA only where something is masked: an unpadded bidirectional pass gets none, and an uncached
+    unpadded causal pass ``is_causal=True`` instead of a ``(query, keys)`` mask, so that SDPA can pick its fused
+    (flash) kernels, which take no explicit mask. Scores and probabilities are in the inputs' dtype (the autocast
+    dtype under autocast); the eager ``output_attentions`` path takes its softmax in float32.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__(config.hidden_size, config.num_attention_heads)
+        self.dropout_p = config.attention_probs_dropout_prob
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        key_value_states: torch.Tensor | None = None,
+        step: int = 0,
+        cache: Any = None,
+        output_attentions: bool = False,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``hidden_states`` ``(batch, query, hidden)``; ``attention_mask`` bool ``(batch or 1, 1, query, keys)`` or
+        None; ``is_causal``: causal self-attention with ``attention_mask`` None and no earlier tokens (query ``i``
+        sees keys ``0..i``). Returns the context ``(batch, query, hidden)`` (before the output projection) and the
+        probabilities or None."""
+        if key_value_states is None:
+            q, k, v = (split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
+            if cache is not None:
+                k, v = cache.update(step, k, v)
+        else:
+            q = split_heads(self.query(hidden_states), self.num_heads)
+            if cache is not None and cache.cross_key_value is not None:
+                k, v = cache.cross_key_value
+            else:
+                k = split_heads(self.key(key_value_states), self.num_heads)
+                v = split_heads(self.value(key_value_states), self.num_heads)
+                if cache is not None:
+                    cache.cross_key_value = (k, v)
+        dropout = self.dropout_p if self.training else 0.0
+        if not output_attentions:
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal
+            )
+            return merge_heads(context), None
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
+        if is_causal:
+            attention_mask = attention_mask_4d(None, q.shape[2], k.shape[2] - q.shape[2], True, q.device)
+        if attention_mask is not None:
+            # -inf fits every dtype, and attention_mask_4d leaves every row at least one key: no NaN rows.
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return merge_heads(torch.matmul(F.dropout(probs, dropout, self.training), v)), probs

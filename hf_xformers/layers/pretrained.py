@@ -1,0 +1,45 @@
+"""``HfxPreTrainedModel``: the ``PreTrainedModel`` defaults every hf_xformers model shares, text and vision.
+
+An architecture subclasses it as ``Hfx<Arch>PreTrainedModel`` (sets ``config_class`` and ``base_model_prefix``); its
+base model and heads derive from that class.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .heads import HfxLMHead
+
+
+class HfxPreTrainedModel(PreTrainedModel):
+    """Defaults common to every hf_xformers model."""
+
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    # Our forward passes take **kwargs only to pass them on; losses are plain means. Without this, Trainer
+    # multiplies the loss by the world size under DDP (see the team notes on transformers v5).
+    accepts_loss_kwargs = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, HfxLMHead):
+            nn.init.zeros_(module.decoder.bias)
+
+    def _finish(self, output, return_dict: bool | None):
+        """``output`` (a ModelOutput) as it is, or as a tuple when ``return_dict`` (None: ``config.return_dict``)
+        is False."""
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return output if return_dict else output.to_tuple()
+
+    def default_global_attention_mask(
+        self, task: str, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Global-attention mask a task head uses when the caller gives none (None: no global tokens).
+
+        ``task`` is one of ``"sequence_classification"``, ``"multiple_choice"``, ``"question_answering"``,
+        ``"token_classification"``, ``"masked_lm"``. Architectures with global attention override this.
+        """
+        return None
