@@ -1,4 +1,5 @@
-"""``generate()`` for our decoders, whose caches are not transformers ``Cache`` objects.
+"""The decoder base: ``generate()`` for our decoders, whose caches are not transformers ``Cache`` objects, and the
+base class of those caches.
 
 Performer keeps the recurrent state of causal linear attention, Reformer the normalised layer inputs and LSH buckets
 of earlier positions, the Universal Transformer keys and values per recurrent step, Transformer-XL its memories.
@@ -13,9 +14,17 @@ of earlier positions, the Universal Transformer keys and values per recurrent st
 * assisted decoding and prompt lookup are refused by transformers itself (``_is_stateful``): they need to roll the
   cache back to an earlier token, which a recurrent state or memories cannot do.
 
+Caches derive from :class:`HfxCache` and name the attributes that hold batch rows (``batch_fields``); beam search
+reorders exactly those, with :func:`select_batch_rows`, which also reorders Transformer-XL's memories (a plain tuple
+of batch-first tensors, the output contract of transformers' TransfoXL that our model keeps).
+
+The causal-LM head that Performer, Reformer and the Universal Transformer share (``layers/heads.py``,
+``HfxCausalLMHeadMixin``) stands on this mixin; Transformer-XL, whose adaptive softmax is no vocabulary head, uses the
+mixin directly.
+
 Put the mixin before the ``PreTrainedModel`` subclass in a model's bases (``PreTrainedModel`` sets ``_is_stateful =
-False``). A model sets :attr:`generation_cache_argument` (the ``forward`` argument that takes its cache) and, where the defaults
-do not fit, overrides :meth:`_new_generation_cache`, :meth:`_unseen_tokens` and :meth:`_cache_of_output`.
+False``). A model sets :attr:`generation_cache_argument` (the ``forward`` argument that takes its cache) and
+:attr:`generation_cache_class` and, where the defaults do not fit, overrides :meth:`_unseen_tokens` and :meth:`_cache_of_output`.
 """
 
 from __future__ import annotations
@@ -32,8 +41,49 @@ from ..ops.compat import CACHE_ARGUMENT_NAMES, CACHE_NAME, cache_from_kwargs, ou
 
 @functools.cache
 def _parameter_names(forward) -> frozenset[str]:
-    """The parameter names of a class's ``forward`` (read once per class, not at every decoding step)."""
     return frozenset(inspect.signature(forward).parameters)
+
+
+def forward_parameters(model_class: type) -> frozenset[str]:
+    """The parameter names of ``model_class.forward`` (read once per class, not at every decoding step)."""
+    return _parameter_names(model_class.forward)
+
+
+def select_batch_rows(value: Any, index: torch.Tensor) -> Any:
+    """``value`` with only the batch rows ``index`` ``(n,)``: a batch-first tensor, or lists, tuples and dicts of them
+    (nested), for beam search. None and non-tensor leaves (counters) come back as they are."""
+    if torch.is_tensor(value):
+        return value.index_select(0, index.to(value.device))
+    if isinstance(value, dict):
+        return {key: select_batch_rows(item, index) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple
+        return type(value)(*(select_batch_rows(item, index) for item in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(select_batch_rows(item, index) for item in value)
+    return value
+
+
+class HfxCache:
+    """Base of our decoding caches (Performer's recurrent state, Reformer's inputs and buckets, the Universal
+    Transformer's per-step keys and values): what ``generate()`` and beam search ask of a cache.
+
+    A subclass holds its state in attributes, lists batch-first ones in :attr:`batch_fields` (tensors or lists,
+    tuples and dicts of them; beam search keeps their rows ``beam_idx``) and says how many tokens it has seen
+    (:meth:`get_seq_length`). Caches are filled in place by ``forward``.
+    """
+
+    # Python containers of changing length: torch.compile must not treat the cache as a static input.
+    is_compileable = False
+    batch_fields: tuple[str, ...] = ()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The number of tokens the cache has seen."""
+        raise NotImplementedError(f"{type(self).__name__} must say how many tokens it has seen (get_seq_length).")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keep the batch rows ``beam_idx`` ``(batch,)`` of every field in :attr:`batch_fields` (beam search)."""
+        for name in self.batch_fields:
+            setattr(self, name, select_batch_rows(getattr(self, name), beam_idx))
 
 
 # generate() keeps these in its model kwargs; they never reach forward.
@@ -48,6 +98,14 @@ class HfxGenerationMixin(GenerationMixin):
     _is_stateful = True
     # The forward argument that takes the cache ("past_key_values", "past_buckets_states", "mems").
     generation_cache_argument: str = "past_key_values"
+    # The cache generate() starts with (an HfxCache subclass), or None where forward makes its own.
+    generation_cache_class: type | None = None
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        # transformers recognises a generative model by a direct base whose name holds "GenerationMixin"; a head that
+        # gets this mixin through another (HfxCausalLMHeadMixin) says so here, or it would get no generation_config.
+        return True
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -56,8 +114,9 @@ class HfxGenerationMixin(GenerationMixin):
 
     # ----- hooks ---------------------------------------------------------------------------------------------
     def _new_generation_cache(self) -> Any:
-        """A fresh cache for the first step (None: the model makes one itself on its first forward)."""
-        return None
+        """A fresh cache for the first step: a :attr:`generation_cache_class` (None: the model makes one itself on its
+        first forward)."""
+        return None if self.generation_cache_class is None else self.generation_cache_class()
 
     def _unseen_tokens(self, input_ids: torch.Tensor, cache: Any) -> int:
         """How many of the last tokens of ``input_ids`` ``(batch, seq_len)`` the cache has not seen."""
@@ -69,7 +128,7 @@ class HfxGenerationMixin(GenerationMixin):
 
     # ----- generate() plumbing ---------------------------------------------------------------------------------
     def _forward_parameters(self) -> frozenset[str]:
-        return _parameter_names(type(self).forward)
+        return forward_parameters(type(self))
 
     def prepare_inputs_for_generation(
         self,
@@ -126,12 +185,12 @@ class HfxGenerationMixin(GenerationMixin):
         return model_kwargs
 
     def _reorder_cache(self, cache: Any, beam_idx: torch.Tensor) -> Any:
-        """Beam search: keep the batch rows ``beam_idx`` of the cache (its own ``reorder_cache``, or a tuple of
-        batch-first tensors)."""
-        if hasattr(cache, "reorder_cache"):
+        """Beam search: keep the batch rows ``beam_idx`` of the cache (an :class:`HfxCache`, in place, or a tuple of
+        batch-first tensors such as Transformer-XL's memories)."""
+        if isinstance(cache, HfxCache):
             cache.reorder_cache(beam_idx)
             return cache
-        return tuple(t.index_select(0, beam_idx.to(t.device)) for t in cache)
+        return select_batch_rows(cache, beam_idx)
 
 
-__all__ = ["HfxGenerationMixin"]
+__all__ = ["HfxCache", "HfxGenerationMixin", "select_batch_rows"]

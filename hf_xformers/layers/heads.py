@@ -1,4 +1,4 @@
-"""Task heads shared by every encoder-only text architecture.
+"""Task heads shared by the text architectures: the encoder tasks, and the causal LM of the decoders.
 
 Each ``Hfx*HeadMixin`` holds the whole ``__init__``/``forward`` of one task; an architecture gets the head by
 mixing it into its ``PreTrainedModel`` subclass and naming its base model class::
@@ -12,17 +12,24 @@ users know from ``transformers``.
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import gelu
 from transformers.modeling_outputs import (
+    CausalLMOutputWithPast,
     MaskedLMOutput,
     MultipleChoiceModelOutput,
     QuestionAnsweringModelOutput,
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
+
+from ..ops.compat import CACHE_NAME, output_cache, resolve_cache_argument
+from .generation import HfxGenerationMixin, forward_parameters
 
 
 class HfxLMHead(nn.Module):
@@ -162,12 +169,22 @@ class HfxHeadMixin:
         setattr(self, self.base_model_prefix, self.base_model_class(config, add_pooling_layer=add_pooling_layer))
 
     def _encode(self, input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, **kw):
-        if global_attention_mask is None and getattr(self.base_model_class.attention_class, "supports_global_attention", False):
+        """Run the base model with ``return_dict=True``. A base model with global attention gets the task's default
+        global mask when the caller gives none; one without is not passed a ``global_attention_mask`` at all (the
+        Universal Transformer's forward has no such argument) unless the caller gave one, which it then refuses."""
+        attention_class = getattr(self.base_model_class, "attention_class", None)
+        if global_attention_mask is None and getattr(attention_class, "supports_global_attention", False):
             global_attention_mask = self.default_global_attention_mask(self.task, input_ids, attention_mask)
+        if global_attention_mask is not None:
+            if "global_attention_mask" not in forward_parameters(self.base_model_class):
+                raise ValueError(
+                    f"{type(self).__name__} has no global attention: drop `global_attention_mask` (only Longformer "
+                    "and BigBird read it)."
+                )
+            kw["global_attention_mask"] = global_attention_mask
         return self.base_model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            global_attention_mask=global_attention_mask,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
@@ -193,6 +210,68 @@ class HfxLMHeadMixin(HfxHeadMixin):
 
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head.decoder = new_embeddings
+
+
+class HfxCausalLMHeadMixin(HfxLMHeadMixin, HfxGenerationMixin):
+    """A left-to-right language model: the base model as a decoder with its cache, a vocabulary head, the next-token
+    loss and ``generate()`` (:class:`~hf_xformers.layers.generation.HfxGenerationMixin`: the cache under the release's
+    name, unseen tokens only, beam reorder). Put it first in the bases::
+
+        class HfxPerformerForCausalLM(HfxCausalLMHeadMixin, HfxPerformerPreTrainedModel):
+            base_model_class = HfxPerformerModel
+
+    The model is always causal: a config with ``is_decoder=False`` is copied with ``is_decoder=True``
+    (:meth:`causal_config`; the caller's object is left as it is). ``labels`` ``(batch, seq_len)`` are the input ids
+    (-100 where no loss is wanted), shifted inside: the logits at position ``t`` are scored against
+    ``labels[:, t + 1]``; ``shift_labels``, already aligned with the positions, take precedence. An architecture whose
+    base model takes other arguments (Reformer's ``num_hashes`` and ``past_buckets_states``) overrides
+    :meth:`forward` and keeps the rest.
+    """
+
+    task = "causal_lm"
+
+    def __init__(self, config) -> None:
+        super().__init__(self.causal_config(config))
+
+    @classmethod
+    def causal_config(cls, config):
+        """``config`` if it is a decoder's, else a copy with ``is_decoder=True``."""
+        if config.is_decoder:
+            return config
+        config = copy.deepcopy(config)
+        config.is_decoder = True
+        return config
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = None,
+        labels: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        cache: Any = None,
+    ) -> CausalLMOutputWithPast | tuple:
+        """Returns ``logits`` ``(batch, seq_len, vocab)`` (of the new tokens when a cache is passed back, as
+        ``cache`` or ``past_key_values``), the cache when one is used (``use_cache=True``), and with ``labels`` or
+        ``shift_labels`` the mean next-token cross-entropy (the sum over ``num_items_in_batch`` when Trainer passes
+        it)."""
+        out = self._encode(
+            input_ids, attention_mask, None, output_attentions, output_hidden_states,
+            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+            past_key_values=resolve_cache_argument(past_key_values, cache), use_cache=use_cache,
+        )  # fmt: skip
+        logits = self.lm_head(out.last_hidden_state)
+        loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
+        result = self._head_result(CausalLMOutputWithPast, out, loss, logits=logits, **{CACHE_NAME: output_cache(out)})
+        return self._finish(result, return_dict)
 
 
 class HfxMaskedLMHeadMixin(HfxLMHeadMixin):
@@ -222,8 +301,7 @@ class HfxMaskedLMHeadMixin(HfxLMHeadMixin):
         loss = None
         if labels is not None:
             loss = token_cross_entropy(logits, labels)
-        result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
-        return self._finish(result, return_dict)
+        return self._finish(self._head_result(MaskedLMOutput, out, loss, logits=logits), return_dict)
 
 
 class HfxSequenceClassificationHeadMixin(HfxHeadMixin):
@@ -258,10 +336,7 @@ class HfxSequenceClassificationHeadMixin(HfxHeadMixin):
         )  # fmt: skip
         logits = self.classifier(out.last_hidden_state, attention_mask)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
-        result = SequenceClassifierOutput(
-            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
-        )
-        return self._finish(result, return_dict)
+        return self._finish(self._head_result(SequenceClassifierOutput, out, loss, logits=logits), return_dict)
 
 
 class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
@@ -312,10 +387,7 @@ class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
             if labels.numel() and (int(labels.max()) >= num_choices or int(labels.min()) < 0):
                 raise ValueError(f"labels must be choice indices in [0, {num_choices - 1}], got {labels.tolist()}.")
             loss = F.cross_entropy(logits, labels.view(-1))
-        result = MultipleChoiceModelOutput(
-            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
-        )
-        return self._finish(result, return_dict)
+        return self._finish(self._head_result(MultipleChoiceModelOutput, out, loss, logits=logits), return_dict)
 
 
 class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
@@ -358,13 +430,10 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
                 token_cross_entropy(start_logits, start, ignore_index=ignored)
                 + token_cross_entropy(end_logits, end, ignore_index=ignored)
             ) / 2
-        result = QuestionAnsweringModelOutput(
-            loss=loss,
-            start_logits=start_logits.contiguous(),
-            end_logits=end_logits.contiguous(),
-            hidden_states=out.hidden_states,
-            attentions=out.attentions,
-        )
+        result = self._head_result(
+            QuestionAnsweringModelOutput, out, loss,
+            start_logits=start_logits.contiguous(), end_logits=end_logits.contiguous(),
+        )  # fmt: skip
         return self._finish(result, return_dict)
 
 
@@ -403,5 +472,4 @@ class HfxTokenClassificationHeadMixin(HfxHeadMixin):
         loss = None
         if labels is not None:
             loss = token_cross_entropy(logits, labels)
-        result = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
-        return self._finish(result, return_dict)
+        return self._finish(self._head_result(TokenClassifierOutput, out, loss, logits=logits), return_dict)

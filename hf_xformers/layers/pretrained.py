@@ -34,6 +34,15 @@ class HfxPreTrainedModel(PreTrainedModel):
         return_dict = self.config.return_dict if return_dict is None else return_dict
         return output if return_dict else output.to_tuple()
 
+    def _head_result(self, output_class: type, base_output, loss: torch.Tensor | None, **fields):
+        """A task head's output: ``output_class(loss=loss, hidden_states=..., attentions=..., **fields)`` with the
+        hidden states and attentions of the base model's output ``base_output``. An architecture whose base model
+        reports more (the Universal Transformer's ponder loss and steps) overrides this, and every head mixin in
+        ``layers/heads.py`` then returns its fuller output."""
+        return output_class(
+            loss=loss, hidden_states=base_output.hidden_states, attentions=base_output.attentions, **fields
+        )
+
     def default_global_attention_mask(
         self, task: str, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
     ) -> torch.Tensor | None:

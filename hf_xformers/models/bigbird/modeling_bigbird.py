@@ -123,16 +123,3 @@ class HfxBigBirdForQuestionAnswering(HfxQuestionAnsweringHeadMixin, HfxBigBirdPr
 
 class HfxBigBirdForTokenClassification(HfxTokenClassificationHeadMixin, HfxBigBirdPreTrainedModel):
     base_model_class = HfxBigBirdModel
-
-
-__all__ = [
-    "HfxBigBirdEmbeddings",
-    "HfxBigBirdLMHead",
-    "HfxBigBirdPreTrainedModel",
-    "HfxBigBirdModel",
-    "HfxBigBirdForMaskedLM",
-    "HfxBigBirdForSequenceClassification",
-    "HfxBigBirdForMultipleChoice",
-    "HfxBigBirdForQuestionAnswering",
-    "HfxBigBirdForTokenClassification",
-]

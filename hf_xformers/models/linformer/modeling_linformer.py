@@ -93,14 +93,3 @@ class HfxLinformerForQuestionAnswering(HfxQuestionAnsweringHeadMixin, HfxLinform
 
 class HfxLinformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxLinformerPreTrainedModel):
     base_model_class = HfxLinformerModel
-
-
-__all__ = [
-    "HfxLinformerPreTrainedModel",
-    "HfxLinformerModel",
-    "HfxLinformerForMaskedLM",
-    "HfxLinformerForSequenceClassification",
-    "HfxLinformerForMultipleChoice",
-    "HfxLinformerForQuestionAnswering",
-    "HfxLinformerForTokenClassification",
-]

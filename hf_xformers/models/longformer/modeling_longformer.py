@@ -95,14 +95,3 @@ class HfxLongformerForQuestionAnswering(HfxQuestionAnsweringHeadMixin, HfxLongfo
 
 class HfxLongformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxLongformerPreTrainedModel):
     base_model_class = HfxLongformerModel
-
-
-__all__ = [
-    "HfxLongformerPreTrainedModel",
-    "HfxLongformerModel",
-    "HfxLongformerForMaskedLM",
-    "HfxLongformerForSequenceClassification",
-    "HfxLongformerForMultipleChoice",
-    "HfxLongformerForQuestionAnswering",
-    "HfxLongformerForTokenClassification",
-]

@@ -7,29 +7,26 @@ with ``generate()`` on :class:`HfxPerformerCache`, the recurrent form of causal 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ...attention.favor import FavorState, HfxFavorSelfAttention
 from ...layers.encoder import HfxModelOutput
-from ...layers.generation import HfxGenerationMixin
+from ...layers.generation import HfxCache
 from ...layers.heads import (
-    HfxLMHeadMixin,
+    HfxCausalLMHeadMixin,
     HfxMaskedLMHeadMixin,
     HfxMultipleChoiceHeadMixin,
     HfxQuestionAnsweringHeadMixin,
     HfxSequenceClassificationHeadMixin,
     HfxTokenClassificationHeadMixin,
-    causal_lm_loss,
 )
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
-from ...ops.compat import CACHE_NAME, cache_field, output_cache, resolve_cache_argument
+from ...ops.compat import CACHE_NAME, cache_field, resolve_cache_argument
 from .configuration_performer import HfxPerformerConfig
 
 
@@ -42,7 +39,7 @@ class HfxPerformerModelOutput(HfxModelOutput):
     cache: HfxPerformerCache | None = None
 
 
-class HfxPerformerCache:
+class HfxPerformerCache(HfxCache):
     """The decoding cache of a causal Performer: per layer the recurrent state of causal FAVOR+ (its size does not
     grow with the number of tokens seen).
 
@@ -53,7 +50,7 @@ class HfxPerformerCache:
     gives no ``position_ids``). ``seen_tokens``: tokens (padding included) the states summarise.
     """
 
-    is_compileable = False
+    batch_fields = ("states", "last_position")
 
     def __init__(self) -> None:
         self.states: list[FavorState] = []
@@ -73,15 +70,6 @@ class HfxPerformerCache:
             self.states.append(state)
         else:
             self.states[layer_idx] = state
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Keep the batch rows ``beam_idx`` (beam search)."""
-
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.index_select(0, beam_idx.to(t.device))
-
-        self.states = [(pick(kv), pick(stabiliser)) for kv, stabiliser in self.states]
-        self.last_position = pick(self.last_position)
 
 
 class HfxPerformerPreTrainedModel(HfxPreTrainedModel):
@@ -255,68 +243,22 @@ class HfxPerformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxPer
     base_model_class = HfxPerformerModel
 
 
-class HfxPerformerForCausalLM(HfxLMHeadMixin, HfxGenerationMixin, HfxPerformerPreTrainedModel):
+class HfxPerformerForCausalLM(HfxCausalLMHeadMixin, HfxPerformerPreTrainedModel):
     """Left-to-right language model on causal FAVOR+ attention; the decoder is tied to the input embeddings.
 
-    The model is always causal: a config with ``is_decoder=False`` is copied with ``is_decoder=True`` (the caller's
-    config object is left as it is). ``labels`` ``(batch, seq_len)`` are the input ids themselves (-100 where no
-    loss is wanted); they are shifted inside, as in transformers' causal LMs: the logits at position ``t``
-    are scored against ``labels[:, t + 1]``.
-
-    ``generate()`` (greedy, sampling, beam search; ``pipeline("text-generation")``) keeps an
-    :class:`HfxPerformerCache`: per layer the running sums of causal linear attention, so each new token costs the
-    same whatever the length of the prefix; ``use_cache=False`` recomputes the whole prefix every step instead (the
-    same tokens). Positions are RoBERTa's, numbered from the attention mask (left padding works).
+    Inputs, labels and outputs as in :class:`~hf_xformers.layers.heads.HfxCausalLMHeadMixin` (the config is copied
+    with ``is_decoder=True`` when it is not a decoder's; labels are shifted inside). ``generate()`` (greedy,
+    sampling, beam search; ``pipeline("text-generation")``) keeps an :class:`HfxPerformerCache`: per layer the
+    running sums of causal linear attention, so each new token costs the same whatever the length of the prefix;
+    ``use_cache=False`` recomputes the whole prefix every step instead (the same tokens). Positions are RoBERTa's,
+    numbered from the attention mask (left padding works).
     """
 
-    task = "causal_lm"
     base_model_class = HfxPerformerModel
+    generation_cache_class = HfxPerformerCache
     _tied_weights_keys = {"lm_head.decoder.weight": "performer.embeddings.word_embeddings.weight"}
 
-    def __init__(self, config) -> None:
-        if not config.is_decoder:
-            config = copy.deepcopy(config)
-            config.is_decoder = True
-        super().__init__(config)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        shift_labels: torch.Tensor | None = None,
-        num_items_in_batch: int | torch.Tensor | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        past_key_values: HfxPerformerCache | None = None,
-        use_cache: bool | None = None,
-        cache: HfxPerformerCache | None = None,
-    ) -> CausalLMOutputWithPast | tuple:
-        """Returns ``logits`` ``(batch, seq_len, vocab)`` (of the new tokens with a cache, see
-        :meth:`HfxPerformerModel.forward`) and the cache when one is used; with ``labels`` (or already shifted
-        ``shift_labels``), the mean next-token cross-entropy (the sum over ``num_items_in_batch`` when Trainer passes
-        it)."""
-        out = self._encode(
-            input_ids, attention_mask, None, output_attentions, output_hidden_states,
-            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
-            past_key_values=resolve_cache_argument(past_key_values, cache), use_cache=use_cache,
-        )  # fmt: skip
-        logits = self.lm_head(out.last_hidden_state)
-        loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
-        result = CausalLMOutputWithPast(
-            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions,
-            **{CACHE_NAME: output_cache(out)},
-        )  # fmt: skip
-        return self._finish(result, return_dict)
-
     # ----- generation --------------------------------------------------------------------------------------
-    def _new_generation_cache(self) -> HfxPerformerCache:
-        return HfxPerformerCache()
-
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs) -> torch.Tensor:
         """RoBERTa positions (from ``padding_idx + 1``) of the prompt, counted over the attention mask (left padding
         stays at ``padding_idx``); generate() then adds one per new token."""
@@ -328,14 +270,3 @@ class HfxPerformerForCausalLM(HfxLMHeadMixin, HfxGenerationMixin, HfxPerformerPr
         return mask.cumsum(-1) * mask + padding_idx
 
 
-__all__ = [
-    "HfxPerformerPreTrainedModel",
-    "HfxPerformerModel",
-    "HfxPerformerForMaskedLM",
-    "HfxPerformerForSequenceClassification",
-    "HfxPerformerForMultipleChoice",
-    "HfxPerformerForQuestionAnswering",
-    "HfxPerformerForTokenClassification",
-    "HfxPerformerForCausalLM",
-    "HfxPerformerCache",
-]

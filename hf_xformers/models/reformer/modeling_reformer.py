@@ -18,7 +18,6 @@ input's device.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +28,9 @@ from transformers.modeling_outputs import ModelOutput
 from ...attention.chunked_local import HfxLocalSelfAttention
 from ...attention.lsh import HfxLSHSelfAttention
 from ...layers.encoder import INPLACE_ACTIVATIONS
-from ...layers.generation import HfxGenerationMixin
+from ...layers.generation import HfxCache
 from ...layers.heads import (
+    HfxCausalLMHeadMixin,
     HfxMaskedLMHeadMixin,
     HfxQuestionAnsweringHeadMixin,
     HfxSequenceClassificationHeadMixin,
@@ -231,10 +231,12 @@ class HfxReformerLayer(nn.Module):
         return self.feed_forward.parameters()
 
 
-class HfxReformerCache:
+class HfxReformerCache(HfxCache):
     """What cached decoding keeps per layer: the normalised attention inputs ``(batch, len, hidden)`` and, for LSH
     layers, their buckets ``(batch, heads, rounds, len)`` (None for local layers and for LSH layers whose input was
     still no longer than a chunk). Plays the part of transformers' ``past_buckets_states``."""
+
+    batch_fields = ("states", "buckets")
 
     def __init__(self) -> None:
         self.states: list[torch.Tensor] = []
@@ -245,10 +247,6 @@ class HfxReformerCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.states[layer_idx].shape[1] if self.states else 0
-
-    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        self.states = [s.index_select(0, beam_idx.to(s.device)) for s in self.states]
-        self.buckets = [None if b is None else b.index_select(0, beam_idx.to(b.device)) for b in self.buckets]
 
 
 class HfxReformerEncoder(nn.Module):
@@ -593,7 +591,7 @@ class HfxReformerForQuestionAnswering(_ReformerHeadSizes, HfxQuestionAnsweringHe
     base_model_class = HfxReformerModel
 
 
-class HfxReformerForCausalLM(HfxGenerationMixin, HfxReformerPreTrainedModel):
+class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel):
     """Left-to-right language model (transformers' ``ReformerModelWithLMHead``).
 
     The model is always causal: a config with ``is_decoder=False`` is copied with ``is_decoder=True``. ``labels``
@@ -603,12 +601,11 @@ class HfxReformerForCausalLM(HfxGenerationMixin, HfxReformerPreTrainedModel):
     beam search; padded batches are decoded without the cache, see :meth:`prepare_inputs_for_generation`).
     """
 
+    base_model_class = HfxReformerModel
+    lm_head_class = HfxReformerLMHead
     generation_cache_argument = "past_buckets_states"
 
     def __init__(self, config: HfxReformerConfig) -> None:
-        if not config.is_decoder:
-            config = copy.deepcopy(config)
-            config.is_decoder = True
         if ("local" in config.attn_layers and config.local_num_chunks_after) or (
             "lsh" in config.attn_layers and config.lsh_num_chunks_after
         ):
@@ -617,15 +614,6 @@ class HfxReformerForCausalLM(HfxGenerationMixin, HfxReformerPreTrainedModel):
                 "lsh_num_chunks_after to 0."
             )
         super().__init__(config)
-        self.reformer = HfxReformerModel(config)
-        self.lm_head = HfxReformerLMHead(config)
-        self.post_init()
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head.decoder
-
-    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
-        self.lm_head.decoder = new_embeddings
 
     def forward(
         self,
@@ -682,14 +670,3 @@ class HfxReformerForCausalLM(HfxGenerationMixin, HfxReformerPreTrainedModel):
                 kwargs = {k: v for k, v in kwargs.items() if k not in CACHE_ARGUMENT_NAMES}
                 use_cache = False
         return super().prepare_inputs_for_generation(input_ids, attention_mask, use_cache, **kwargs)
-
-
-__all__ = [
-    "HfxReformerPreTrainedModel",
-    "HfxReformerModel",
-    "HfxReformerForCausalLM",
-    "HfxReformerForMaskedLM",
-    "HfxReformerForSequenceClassification",
-    "HfxReformerForQuestionAnswering",
-    "HfxReformerCache",
-]

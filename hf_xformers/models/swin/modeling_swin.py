@@ -722,12 +722,3 @@ class HfxSwinBackbone(BackboneMixin, HfxSwinPreTrainedModel):
             attentions=enc.attentions,
         )
         return self._finish(out, return_dict)
-
-
-__all__ = [
-    "HfxSwinPreTrainedModel",
-    "HfxSwinModel",
-    "HfxSwinForImageClassification",
-    "HfxSwinForMaskedImageModeling",
-    "HfxSwinBackbone",
-]

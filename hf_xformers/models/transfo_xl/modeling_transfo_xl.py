@@ -512,14 +512,3 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
         return result if return_dict else result.to_tuple()
-
-
-__all__ = [
-    "HfxTransfoXLPreTrainedModel",
-    "HfxTransfoXLModel",
-    "HfxTransfoXLForCausalLM",
-    "HfxTransfoXLForSequenceClassification",
-    "HfxTransfoXLModelOutput",
-    "HfxTransfoXLCausalLMOutput",
-    "HfxTransfoXLSequenceClassifierOutput",
-]

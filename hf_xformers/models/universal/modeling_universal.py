@@ -33,13 +33,11 @@ from ...attention.multi_head import attention_mask_4d
 from ...layers.encoder import HfxPooler
 from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import (
+    HfxCausalLMHeadMixin,
     HfxLMHead,
-    HfxLMHeadMixin,
     HfxMaskedLMHeadMixin,
     HfxSequenceClassificationHeadMixin,
     HfxTokenClassificationHeadMixin,
-    causal_lm_loss,
-    sequence_classification_loss,
     token_cross_entropy,
 )
 from ...layers.pretrained import HfxPreTrainedModel
@@ -118,6 +116,15 @@ class HfxUniversalSeq2SeqLMOutput(Seq2SeqLMOutput):
     ponder_loss: torch.Tensor | None = None
     encoder_ponder_steps: torch.Tensor | None = None
     decoder_ponder_steps: torch.Tensor | None = None
+
+
+# The shared heads' output classes -> ours, with the ponder fields.
+_PONDER_OUTPUTS = {
+    MaskedLMOutput: HfxUniversalMaskedLMOutput,
+    SequenceClassifierOutput: HfxUniversalSequenceClassifierOutput,
+    TokenClassifierOutput: HfxUniversalTokenClassifierOutput,
+    CausalLMOutputWithPast: HfxUniversalCausalLMOutput,
+}
 
 
 def _add_ponder(loss: torch.Tensor | None, ponder: torch.Tensor | None) -> torch.Tensor | None:
@@ -212,6 +219,14 @@ class HfxUniversalPreTrainedModel(HfxPreTrainedModel):
                 own = "" if cls is HfxUniversalModel else f"{cls.base_model_prefix}."
                 kwargs["key_mapping"] = {r"^encoder\.": own}
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    def _head_result(self, output_class: type, base_output, loss: torch.Tensor | None, **fields):
+        """The shared heads' outputs with the base model's ponder loss (added to a task loss) and ponder steps."""
+        ponder = base_output.ponder_loss
+        return _PONDER_OUTPUTS[output_class](
+            loss=_add_ponder(loss, ponder), hidden_states=base_output.hidden_states,
+            attentions=base_output.attentions, ponder_loss=ponder, ponder_steps=base_output.ponder_steps, **fields,
+        )  # fmt: skip
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -384,44 +399,16 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         return self._finish(result, return_dict)
 
 
-# ----- encoder heads ---------------------------------------------------------------------------------------------
+# ----- heads: the shared ones of layers/heads.py, with the ponder loss added (HfxUniversalPreTrainedModel._head_result)
 
 
 class HfxUniversalForMaskedLM(HfxMaskedLMHeadMixin, HfxUniversalPreTrainedModel):
     """Masked language modelling; the decoder is tied to the input embeddings. ``labels`` ``(batch, seq_len)``, -100
-    where no loss is wanted."""
+    where no loss is wanted; the loss is the cross-entropy plus the ponder loss."""
 
     base_model_class = HfxUniversalModel
     lm_head_class = HfxUniversalLMHead
     _tied_weights_keys = {"lm_head.decoder.weight": "universal.embeddings.word_embeddings.weight"}
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-    ) -> HfxUniversalMaskedLMOutput | tuple:
-        """Returns ``logits`` ``(batch, seq_len, vocab_size)``; with ``labels``, cross-entropy plus the ponder loss."""
-        out = self.universal(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, return_dict=True,
-        )  # fmt: skip
-        logits = self.lm_head(out.last_hidden_state)
-        loss = None
-        if labels is not None:
-            loss = token_cross_entropy(logits, labels)
-        result = HfxUniversalMaskedLMOutput(
-            loss=_add_ponder(loss, out.ponder_loss), logits=logits, hidden_states=out.hidden_states,
-            attentions=out.attentions, ponder_loss=out.ponder_loss, ponder_steps=out.ponder_steps,
-        )  # fmt: skip
-        return self._finish(result, return_dict)
 
 
 class HfxUniversalForSequenceClassification(HfxSequenceClassificationHeadMixin, HfxUniversalPreTrainedModel):
@@ -430,139 +417,38 @@ class HfxUniversalForSequenceClassification(HfxSequenceClassificationHeadMixin, 
 
     base_model_class = HfxUniversalModel
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-    ) -> HfxUniversalSequenceClassifierOutput | tuple:
-        """Returns ``logits`` ``(batch, num_labels)``; ``labels`` ``(batch,)`` (or multi-hot ``(batch, num_labels)``)."""
-        out = self.universal(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, return_dict=True,
-        )  # fmt: skip
-        logits = self.classifier(out.last_hidden_state, attention_mask)
-        loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
-        result = HfxUniversalSequenceClassifierOutput(
-            loss=_add_ponder(loss, out.ponder_loss), logits=logits, hidden_states=out.hidden_states,
-            attentions=out.attentions, ponder_loss=out.ponder_loss, ponder_steps=out.ponder_steps,
-        )  # fmt: skip
-        return self._finish(result, return_dict)
-
 
 class HfxUniversalForTokenClassification(HfxTokenClassificationHeadMixin, HfxUniversalPreTrainedModel):
     """Per-token labels ``(batch, seq_len)`` (-100 where no loss is wanted), plus the ponder loss."""
 
     base_model_class = HfxUniversalModel
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-    ) -> HfxUniversalTokenClassifierOutput | tuple:
-        """Returns ``logits`` ``(batch, seq_len, num_labels)``."""
-        out = self.universal(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, return_dict=True,
-        )  # fmt: skip
-        logits = self.classifier(self.dropout(out.last_hidden_state))
-        loss = None
-        if labels is not None:
-            loss = token_cross_entropy(logits, labels)
-        result = HfxUniversalTokenClassifierOutput(
-            loss=_add_ponder(loss, out.ponder_loss), logits=logits, hidden_states=out.hidden_states,
-            attentions=out.attentions, ponder_loss=out.ponder_loss, ponder_steps=out.ponder_steps,
-        )  # fmt: skip
-        return self._finish(result, return_dict)
-
 
 # ----- generation ------------------------------------------------------------------------------------------------
 
 
-def _token_loss(
-    logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch: int | torch.Tensor | None
-) -> torch.Tensor:
-    """Cross-entropy of ``logits`` ``(batch, seq, vocab)`` against ``targets`` ``(batch, seq)`` (-100 ignored): the mean
-    over scored tokens, or their sum over ``num_items_in_batch`` (Trainer's count across gradient-accumulation steps)."""
-    return token_cross_entropy(logits, targets, num_items_in_batch)
-
-
-class _HfxUniversalGenerationMixin(HfxGenerationMixin):
-    """``generate()`` with :class:`HfxUniversalCache`: the first call runs the prompt, later calls only the new token."""
-
-    def _new_generation_cache(self) -> HfxUniversalCache:
-        return HfxUniversalCache()
-
-
-class HfxUniversalForCausalLM(HfxLMHeadMixin, _HfxUniversalGenerationMixin, HfxUniversalPreTrainedModel):
+class HfxUniversalForCausalLM(HfxCausalLMHeadMixin, HfxUniversalPreTrainedModel):
     """Decoder-only language model: causal self-attention (and causal separable convolutions), the LM head tied to
-    the input embeddings. The config is copied with ``is_decoder=True`` (the caller's object is left as it is).
+    the input embeddings. The config is copied with ``is_decoder=True`` and without cross-attention (the caller's
+    object is left as it is).
 
-    ``labels`` ``(batch, seq_len)`` are the input ids (-100 where no loss is wanted), shifted inside: the logits at
-    position ``t`` are scored against ``labels[:, t + 1]``; or pass ``shift_labels`` already aligned with the
-    positions. ``generate()`` keeps a :class:`HfxUniversalCache` (greedy, sampling and beam search).
+    Inputs and labels as in :class:`~hf_xformers.layers.heads.HfxCausalLMHeadMixin`; the loss is the next-token
+    cross-entropy plus the ponder loss. ``generate()`` keeps a :class:`HfxUniversalCache` (greedy, sampling and beam
+    search).
     """
 
-    task = "causal_lm"
     base_model_class = HfxUniversalModel
     lm_head_class = HfxUniversalLMHead
+    generation_cache_class = HfxUniversalCache
     _tied_weights_keys = {"lm_head.decoder.weight": "universal.embeddings.word_embeddings.weight"}
 
-    def __init__(self, config: HfxUniversalConfig) -> None:
-        if not config.is_decoder or config.add_cross_attention:
-            config = copy.deepcopy(config)
-            config.is_decoder, config.add_cross_attention = True, False
-        super().__init__(config)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        past_key_values: HfxUniversalCache | None = None,
-        use_cache: bool | None = None,
-        labels: torch.Tensor | None = None,
-        shift_labels: torch.Tensor | None = None,
-        num_items_in_batch: int | torch.Tensor | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        cache: HfxUniversalCache | None = None,
-    ) -> HfxUniversalCausalLMOutput | tuple:
-        """Returns ``logits`` ``(batch, seq_len, vocab)`` of the new tokens, the cache when one is used, and with
-        ``labels``/``shift_labels`` the next-token cross-entropy (mean over scored tokens, or sum over
-        ``num_items_in_batch``) plus the ponder loss."""
-        out = self.universal(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-            position_ids=position_ids, inputs_embeds=inputs_embeds,
-            past_key_values=resolve_cache_argument(past_key_values, cache), use_cache=use_cache,
-            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
-        )  # fmt: skip
-        logits = self.lm_head(out.last_hidden_state)
-        loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)  # shift_labels take precedence
-        result = HfxUniversalCausalLMOutput(
-            loss=_add_ponder(loss, out.ponder_loss), logits=logits, hidden_states=out.hidden_states,
-            attentions=out.attentions, ponder_loss=out.ponder_loss, ponder_steps=out.ponder_steps,
-            **{CACHE_NAME: output_cache(out)},
-        )  # fmt: skip
-        return self._finish(result, return_dict)
+    @classmethod
+    def causal_config(cls, config: HfxUniversalConfig) -> HfxUniversalConfig:
+        if config.is_decoder and not config.add_cross_attention:
+            return config
+        config = copy.deepcopy(config)
+        config.is_decoder, config.add_cross_attention = True, False
+        return config
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
@@ -574,7 +460,7 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     return shifted.masked_fill(shifted == -100, pad_token_id)
 
 
-class HfxUniversalForSeq2SeqLM(_HfxUniversalGenerationMixin, HfxUniversalPreTrainedModel):
+class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel):
     """Encoder-decoder Universal Transformer (the paper's translation setting): a bidirectional encoder, a causal decoder
     whose block also attends to the encoder output, each with its own ACT (or fixed steps), shared word embeddings
     and an LM head tied to them.
@@ -585,6 +471,7 @@ class HfxUniversalForSeq2SeqLM(_HfxUniversalGenerationMixin, HfxUniversalPreTrai
     ``decoder_attention_mask``).
     """
 
+    generation_cache_class = HfxUniversalCache
     _tied_weights_keys = {
         "decoder.embeddings.word_embeddings.weight": "encoder.embeddings.word_embeddings.weight",
         "lm_head.decoder.weight": "encoder.embeddings.word_embeddings.weight",
@@ -713,7 +600,7 @@ class HfxUniversalForSeq2SeqLM(_HfxUniversalGenerationMixin, HfxUniversalPreTrai
                 )
             encoder_ponder = encoder_outputs.ponder_loss
             ponder = decoder_ponder if encoder_ponder is None else decoder_ponder + encoder_ponder
-        loss = _token_loss(logits, labels, num_items_in_batch) if labels is not None else None
+        loss = token_cross_entropy(logits, labels, num_items_in_batch) if labels is not None else None
         result = HfxUniversalSeq2SeqLMOutput(
             loss=_add_ponder(loss, ponder),
             logits=logits,
@@ -746,16 +633,3 @@ class HfxUniversalForSeq2SeqLM(_HfxUniversalGenerationMixin, HfxUniversalPreTrai
             ponder_remainders=encoded.ponder_remainders,
         )  # fmt: skip
         return model_kwargs
-
-
-__all__ = [
-    "HfxUniversalPreTrainedModel",
-    "HfxUniversalModel",
-    "HfxUniversalForMaskedLM",
-    "HfxUniversalForSequenceClassification",
-    "HfxUniversalForTokenClassification",
-    "HfxUniversalForCausalLM",
-    "HfxUniversalForSeq2SeqLM",
-    "HfxUniversalModelOutput",
-    "HfxUniversalCache",
-]

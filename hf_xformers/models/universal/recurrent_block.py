@@ -37,6 +37,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ...attention.multi_head import HfxUniversalAttention, attention_mask_4d  # noqa: F401 (old import path)
 from ...layers.encoder import HfxDenseResidual, HfxIntermediate
+from ...layers.generation import HfxCache
 from .adaptive_computation_time import HfxAdaptiveComputationTime, early_exit_enabled
 from .configuration_universal import POSITION_EMBEDDING_TYPES, TRANSITIONS  # noqa: F401 (old import path)
 
@@ -57,7 +58,7 @@ def timing_signal(positions: torch.Tensor, channels: int, max_timescale: float =
     return F.pad(signal, (0, channels % 2))
 
 
-class HfxUniversalCache:
+class HfxUniversalCache(HfxCache):
     """What a decoder needs from earlier tokens, for every recurrent step (the block is shared, its inputs are not).
 
     ``keys[step]`` / ``values[step]``: ``(batch, heads, seen_tokens, head_dim)`` self-attention keys and values of the
@@ -66,7 +67,7 @@ class HfxUniversalCache:
     encoder output and the shared weights are the same at every step). Filled in place by the forward pass.
     """
 
-    is_compileable = False
+    batch_fields = ("keys", "values", "conv_tails", "cross_key_value")
 
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
@@ -87,14 +88,6 @@ class HfxUniversalCache:
             self.keys[step] = torch.cat([self.keys[step], keys], dim=2)
             self.values[step] = torch.cat([self.values[step], values], dim=2)
         return self.keys[step], self.values[step]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Keep the batch rows ``beam_idx`` (beam search)."""
-        self.keys = [k.index_select(0, beam_idx.to(k.device)) for k in self.keys]
-        self.values = [v.index_select(0, beam_idx.to(v.device)) for v in self.values]
-        self.conv_tails = {key: t.index_select(0, beam_idx.to(t.device)) for key, t in self.conv_tails.items()}
-        if self.cross_key_value is not None:
-            self.cross_key_value = tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.cross_key_value)
 
 
 class HfxUniversalAttentionBlock(nn.Module):
