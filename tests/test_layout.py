@@ -1,0 +1,214 @@
+"""The package's layout, pinned: floors that import one way, torch-free configurations, one declaration per
+architecture driving registration / PEFT / exports, and the old module paths that still import.
+
+Static checks read the source with ``ast`` (no import side effects), so a violation names the file and line.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import transformers  # noqa: E402
+
+import hf_xformers  # noqa: E402
+from hf_xformers import peft_support  # noqa: E402
+from hf_xformers.configs.architecture import Architecture  # noqa: E402
+from hf_xformers.models import ARCHITECTURE_PACKAGES, ARCHITECTURES  # noqa: E402
+from hf_xformers.moved_modules import MOVED_MODULES  # noqa: E402
+from hf_xformers.registration import REGISTRY  # noqa: E402
+
+PACKAGE_DIR = Path(hf_xformers.__file__).resolve().parent
+REPO = PACKAGE_DIR.parent
+TOP_LEVEL = {"hf_xformers", "hf_xformers.models", "hf_xformers.registration", "hf_xformers.peft_support",
+             "hf_xformers.export", "hf_xformers.card", "hf_xformers.moved_modules"}  # fmt: skip
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py")) if "model_cards" not in p.parts}
+
+
+MODULES = package_modules()
+
+
+def imports_of(name: str) -> list[tuple[int, str]]:
+    """``(line, imported package module)`` for every import of a package module in ``name``'s source."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "hf_xformers"]
+        elif isinstance(node, ast.ImportFrom):
+            base = ("." * node.level + (node.module or "")) if node.level else (node.module or "")
+            target = importlib.util.resolve_name(base, package) if node.level else base
+            if target.split(".")[0] != "hf_xformers":
+                continue
+            # `from . import x` imports the module x where there is one
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES]
+            found += [(node.lineno, t) for t in (subs or [target])]
+    return found
+
+
+def floor_of(name: str) -> tuple[int, str]:
+    """``(floor, room)``: imports may go to a lower floor, or within the same room, never up or sideways."""
+    if name in TOP_LEVEL:
+        return 3, "top"
+    parts = name.split(".")
+    if parts[1] in ("ops", "configs"):
+        return 0, parts[1]
+    if parts[1] in ("attention", "layers"):
+        return 1, parts[1]
+    if parts[1] == "models" and len(parts) >= 3:
+        return 2, ".".join(parts[:3])
+    raise AssertionError(f"{name}: a module outside the floors; place it in ops/, configs/, attention/, layers/ or models/")
+
+
+def test_every_module_has_a_floor():
+    for name in MODULES:
+        floor_of(name)
+
+
+def test_imports_run_one_way():
+    upward = []
+    for name in MODULES:
+        floor, room = floor_of(name)
+        for line, target in imports_of(name):
+            target_floor, target_room = floor_of(target)
+            if target_room != room and target_floor >= floor:
+                upward.append(f"{MODULES[name].relative_to(REPO)}:{line} ({room}, floor {floor}) imports {target} "
+                              f"({target_room}, floor {target_floor})")  # fmt: skip
+    assert not upward, "imports that run up or sideways:\n" + "\n".join(upward)
+
+
+def test_the_layering_check_can_fail():
+    # A sideways import (attention -> layers) and an upward one (ops -> models) are what the check must refuse.
+    assert floor_of("hf_xformers.attention.favor")[0] == floor_of("hf_xformers.layers.heads")[0]
+    assert floor_of("hf_xformers.attention.favor")[1] != floor_of("hf_xformers.layers.heads")[1]
+    assert floor_of("hf_xformers.ops.kernels")[0] < floor_of("hf_xformers.models.swin.modeling_swin")[0]
+    assert ("hf_xformers.ops.shapes" in dict((t, n) for n, t in imports_of("hf_xformers.attention.base")))
+
+
+def _imports_torch(name: str) -> bool:
+    for node in ast.walk(ast.parse(MODULES[name].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            return True
+    return False
+
+
+def _reached(name: str) -> set[str]:
+    todo, seen = [name], set()
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        todo += [t for _, t in imports_of(current) if t in MODULES]
+    return seen
+
+
+CONFIG_MODULES = sorted(n for n in MODULES if n.rpartition(".")[2].startswith("configuration_") or ".configs." in n)
+
+
+@pytest.mark.parametrize("name", CONFIG_MODULES)
+def test_configurations_are_free_of_torch(name):
+    """As in transformers: a configuration module, and every package module it reaches, imports no torch."""
+    heavy = sorted(m for m in _reached(name) if _imports_torch(m))
+    assert not heavy, f"{name} reaches torch through {heavy}"
+
+
+def test_every_architecture_folder_is_declared():
+    folders = sorted(p.parent.name for p in (PACKAGE_DIR / "models").glob("*/__init__.py"))
+    assert sorted(ARCHITECTURE_PACKAGES) == folders
+    assert [a.model_type for a in ARCHITECTURES] == list(REGISTRY)
+    for name, arch in zip(ARCHITECTURE_PACKAGES, ARCHITECTURES):
+        assert isinstance(arch, Architecture)
+        assert importlib.import_module(f"hf_xformers.models.{name}").ARCHITECTURE is arch
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.model_type)
+def test_declaration_drives_exports_registry_and_peft(arch):
+    package = importlib.import_module(arch.auto_classes["AutoModel"].__module__.rpartition(".")[0])
+    for name, cls in arch.exports.items():
+        assert getattr(hf_xformers, name) is cls and name in hf_xformers.__all__, name
+        assert name in package.__all__, name
+        assert inspect.getdoc(cls), f"{name} has no docstring (its own or a base's)"
+    assert transformers.AutoConfig.for_model(arch.model_type).__class__ is arch.config_class
+    for auto_name, cls in arch.auto_classes.items():
+        if auto_name == "AutoImageProcessor":
+            continue  # registered per backend; tests/test_swin.py loads it through AutoImageProcessor
+        assert getattr(transformers, auto_name)._model_mapping[arch.config_class] is cls, auto_name
+    assert peft_support.LORA_TARGET_MODULES[arch.model_type] == list(arch.lora_target_modules)
+    assert peft_support.IA3_TARGET_MODULES[arch.model_type] == list(arch.ia3_target_modules)
+    assert peft_support.IA3_FEEDFORWARD_MODULES[arch.model_type] == list(arch.ia3_feedforward_modules)
+    peft_constants = pytest.importorskip("peft.utils.constants")
+    assert peft_constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING[arch.model_type] == list(
+        arch.lora_target_modules
+    )
+    # Documented: the README's table, a model card template, and ARCHITECTURE.md's map of the folder.
+    assert f"`{arch.model_type}`" in (REPO / "README.md").read_text(encoding="utf-8")
+    assert (REPO / "model_cards" / f"{arch.model_type.removeprefix('hfx-')}.md").is_file()
+    folder = Path(package.__file__).parent.name
+    assert f"models/{folder}/" in (REPO / "ARCHITECTURE.md").read_text(encoding="utf-8")
+
+
+def test_a_declaration_refuses_what_would_break_registration():
+    config_class = ARCHITECTURES[0].config_class
+    model = ARCHITECTURES[0].auto_classes["AutoModel"]
+    kwargs = dict(lora_target_modules=("q",), ia3_target_modules=("k",), ia3_feedforward_modules=())
+
+    class Foreign(config_class):
+        model_type = "longformer"
+
+    with pytest.raises(ValueError, match="hfx-"):
+        Architecture(config_class=Foreign, auto_classes={"AutoModel": model}, **kwargs)
+    with pytest.raises(ValueError, match="AutoModel"):
+        Architecture(config_class=config_class, auto_classes={}, **kwargs)
+    with pytest.raises(ValueError, match="subset"):
+        Architecture(config_class=config_class, auto_classes={"AutoModel": model},
+                     **{**kwargs, "ia3_feedforward_modules": ("ff",)})  # fmt: skip
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
+def test_old_module_paths_still_import(old):
+    module = importlib.import_module(f"hf_xformers.{old}")
+    assert module is importlib.import_module(f"hf_xformers.{MOVED_MODULES[old]}")
+
+
+def test_old_names_in_old_places():
+    from hf_xformers.layers.act import ponder_loss  # noqa: F401
+    from hf_xformers.layers.recurrent_block import HfxUniversalCache, attention_mask_4d, timing_signal  # noqa: F401
+
+    from hf_xformers.attention.base import ceil_div, merge_heads  # noqa: F401
+    from hf_xformers.layers.text_model import HfxPreTrainedModel
+    from hf_xformers.models.universal.modeling_universal import HfxUniversalCache as cache  # noqa: F401
+
+    assert HfxPreTrainedModel.__module__ == "hf_xformers.layers.pretrained"
+
+
+@pytest.mark.parametrize("folder", ["examples", "benchmarks", "conversion"])
+def test_scripts_patch_no_import_path(folder):
+    """Examples, benchmarks and conversions run as modules from the repository root (``python -m examples.run_glue``)
+    and import each other as packages: none edits ``sys.path``."""
+    patched = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in sorted((REPO / folder).rglob("*.py"))
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"sys\.path\.(insert|append)|sys\.path\s*\+?=", line)
+    ]
+    assert not patched, patched
