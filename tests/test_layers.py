@@ -63,15 +63,15 @@ def test_text_config_defaults_follow_transformers(ours, theirs, extra):
         assert getattr(a, name) == getattr(b, name), (name, getattr(a, name), getattr(b, name))
 
 
-# ----- attention with dropout (hf_xformers/attention/kernels.py) and the dropout mask -------------------------------
+# ----- attention with dropout (hf_xformers/ops/kernels.py) and the dropout mask -------------------------------
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "additive", "none", "per-head-3d"])
 def test_dropout_attention_matches_the_formula_and_its_gradients(mask_kind):
     """The closed-form backward of the dropout kernel against autograd through the explicit formula, with the same
     dropout mask (drawn first from the same seed), in float64."""
-    from hf_xformers.attention.kernels import attention
-    from hf_xformers.layers.fast_dropout import dropout_mask
+    from hf_xformers.ops.fast_dropout import dropout_mask
+    from hf_xformers.ops.kernels import attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64, requires_grad=True) for n in (7, 9, 9))
@@ -102,7 +102,7 @@ def test_dropout_attention_matches_the_formula_and_its_gradients(mask_kind):
 
 
 def test_attention_without_dropout_is_sdpa():
-    from hf_xformers.attention.kernels import attention
+    from hf_xformers.ops.kernels import attention
 
     q, k, v = (torch.randn(2, 2, 5, 8) for _ in range(3))
     mask = torch.rand(2, 1, 5, 5) > 0.3
@@ -113,7 +113,7 @@ def test_attention_without_dropout_is_sdpa():
 
 
 def test_dropout_attention_refuses_a_mask_that_requires_grad():
-    from hf_xformers.attention.kernels import attention
+    from hf_xformers.ops.kernels import attention
 
     q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
     bias = torch.zeros(1, 1, 4, 4, requires_grad=True)
@@ -123,7 +123,7 @@ def test_dropout_attention_refuses_a_mask_that_requires_grad():
 
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9, 1.0])
 def test_dropout_mask_rate_and_seeding(p):
-    from hf_xformers.layers.fast_dropout import dropout_mask
+    from hf_xformers.ops.fast_dropout import dropout_mask
 
     torch.manual_seed(3)
     first = dropout_mask((1001, 999), p)  # odd size: the last 64-bit word is partly used
@@ -146,7 +146,7 @@ def test_dropout_attention_under_autocast_computes_in_the_autocast_dtype():
     """Under CPU autocast the kernel takes the dtype SDPA would (bf16), also for inputs of mixed dtypes (a float32
     key next to bfloat16 queries raised "Expected out tensor to have dtype float" from its `bmm(out=...)`), and its
     gradients come back in each input's own dtype."""
-    from hf_xformers.attention.kernels import attention
+    from hf_xformers.ops.kernels import attention
 
     torch.manual_seed(0)
     q = torch.randn(2, 3, 7, 8, dtype=torch.bfloat16, requires_grad=True)
@@ -171,8 +171,8 @@ def test_off_cpu_attention_and_dropout_take_the_fused_torch_ops(monkeypatch):
     the hand-written CPU kernels never run there. Tensors on the `meta` device stand in for an accelerator's."""
     import torch.nn.functional as F
 
-    from hf_xformers.attention.kernels import attention
-    from hf_xformers.layers.fast_dropout import fast_dropout
+    from hf_xformers.ops.fast_dropout import fast_dropout
+    from hf_xformers.ops.kernels import attention
 
     calls = []
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **kw: calls.append(("sdpa", kw)) or q)
@@ -189,7 +189,7 @@ def test_off_cpu_attention_and_dropout_take_the_fused_torch_ops(monkeypatch):
 
 
 def test_mask_value_fits_every_dtype():
-    from hf_xformers.layers.precision import mask_value
+    from hf_xformers.ops.precision import mask_value
 
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         scores = torch.zeros(3, dtype=dtype).masked_fill(torch.tensor([True, False, False]), mask_value(dtype))
@@ -198,7 +198,7 @@ def test_mask_value_fits_every_dtype():
 
 
 def test_unpadded_to_none():
-    from hf_xformers.layers.input_checks import unpadded_to_none
+    from hf_xformers.ops.input_checks import unpadded_to_none
 
     full = torch.ones(2, 5, dtype=torch.bool)
     assert unpadded_to_none(full) is None and unpadded_to_none(None) is None
@@ -208,7 +208,7 @@ def test_unpadded_to_none():
 
 
 def test_float32_autocast_off_turns_autocast_off_where_it_exists():
-    from hf_xformers.layers.precision import float32_autocast_off
+    from hf_xformers.ops.precision import float32_autocast_off
 
     a = torch.randn(4, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):

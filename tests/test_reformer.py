@@ -31,9 +31,9 @@ from hf_xformers.attention.lsh import (  # noqa: E402
     hash_buckets,
     self_mask_value,
 )
-from hf_xformers.layers import reversible as reversible_module  # noqa: E402
-from hf_xformers.layers.fast_dropout import fast_dropout  # noqa: E402
-from hf_xformers.layers.precision import mask_value  # noqa: E402
+from hf_xformers.models.reformer import reversible as reversible_module  # noqa: E402
+from hf_xformers.ops.fast_dropout import fast_dropout  # noqa: E402
+from hf_xformers.ops.precision import mask_value  # noqa: E402
 from tests.conformance import VOCAB, HostReadCounter, TextModelConformance, _ids  # noqa: E402
 from tests.generation_checks import greedy_by_hand  # noqa: E402
 

@@ -31,7 +31,7 @@ from hf_xformers import (  # noqa: E402
     HfxTransfoXLModel,
 )
 from hf_xformers.attention.relative_memory import sinusoid_positions  # noqa: E402
-from hf_xformers.layers.adaptive import HfxAdaptiveLogSoftmax  # noqa: E402
+from hf_xformers.models.transfo_xl.adaptive_softmax import HfxAdaptiveLogSoftmax  # noqa: E402
 from tests.conformance import NUM_LABELS, SEQ_LEN, VOCAB, TextModelConformance, _ids  # noqa: E402
 from tests.generation_checks import greedy_by_hand  # noqa: E402
 

@@ -34,14 +34,14 @@ from hf_xformers import (
     HfxUniversalForTokenClassification,
     HfxUniversalModel,
 )
-from hf_xformers.layers.act import (
+from hf_xformers.models.universal.adaptive_computation_time import (
     HfxAdaptiveComputationTime,
     act_start,
     act_update,
     early_exit_enabled,
     ponder_loss,
 )
-from hf_xformers.layers.recurrent_block import HfxUniversalCache, attention_mask_4d, timing_signal
+from hf_xformers.models.universal.recurrent_block import HfxUniversalCache, attention_mask_4d, timing_signal
 
 from .conformance import _TINY, NUM_LABELS, SEQ_LEN, VOCAB, HostReadCounter, TextModelConformance, _ids
 from .generation_checks import greedy_by_hand

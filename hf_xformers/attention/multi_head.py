@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.shapes import merge_heads, split_heads
-from .base import QKVProjection
+from .base import AttentionOutput, QKVProjection
 
 
 def attention_mask_4d(
@@ -67,11 +67,11 @@ class HfxUniversalAttention(QKVProjection):
         cache: Any = None,
         output_attentions: bool = False,
         is_causal: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> AttentionOutput:
         """``hidden_states`` ``(batch, query, hidden)``; ``attention_mask`` bool ``(batch or 1, 1, query, keys)`` or
         None; ``is_causal``: causal self-attention with ``attention_mask`` None and no earlier tokens (query ``i``
-        sees keys ``0..i``). Returns the context ``(batch, query, hidden)`` (before the output projection) and the
-        probabilities or None."""
+        sees keys ``0..i``). Returns an :class:`~hf_xformers.attention.base.AttentionOutput`: the ``context``
+        ``(batch, query, hidden)`` (before the output projection) and the probabilities ``attentions`` or None."""
         if key_value_states is None:
             q, k, v = (split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
             if cache is not None:
@@ -90,7 +90,7 @@ class HfxUniversalAttention(QKVProjection):
             context = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal
             )
-            return merge_heads(context), None
+            return AttentionOutput(merge_heads(context))
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
         if is_causal:
             attention_mask = attention_mask_4d(None, q.shape[2], k.shape[2] - q.shape[2], True, q.device)
@@ -98,4 +98,4 @@ class HfxUniversalAttention(QKVProjection):
             # -inf fits every dtype, and attention_mask_4d leaves every row at least one key: no NaN rows.
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return merge_heads(torch.matmul(F.dropout(probs, dropout, self.training), v)), probs
+        return AttentionOutput(merge_heads(torch.matmul(F.dropout(probs, dropout, self.training), v)), probs)

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base import AttentionOutput
+
 
 def sinusoid_positions(distances: torch.Tensor, dim: int) -> torch.Tensor:
     """Sinusoidal encodings ``(k, dim)`` of float ``distances`` ``(k,)``: ``[sin(d w), cos(d w)]`` with
@@ -98,7 +100,7 @@ class HfxRelativeMemoryAttention(nn.Module):
         position_encodings: torch.Tensor,
         allowed: torch.Tensor,
         output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> AttentionOutput:
         """Attend from the last ``query_len`` positions of ``states`` to all of them.
 
         Args:
@@ -108,8 +110,8 @@ class HfxRelativeMemoryAttention(nn.Module):
             allowed: ``(q, key_len)`` bool from :func:`allowed_keys`, or ``(batch, 1, q, key_len)`` with padded keys
                 masked too.
         Returns:
-            ``context`` ``(batch, q, n_head * d_head)`` and, if asked, the probabilities
-            ``(batch, n_head, q, key_len)``.
+            An :class:`~hf_xformers.attention.base.AttentionOutput`: ``context`` ``(batch, q, n_head * d_head)`` and,
+            if asked, the probabilities ``attentions`` ``(batch, n_head, q, key_len)``.
         """
         batch, key_len, _ = states.shape
         memory_len = key_len - query_len
@@ -129,4 +131,4 @@ class HfxRelativeMemoryAttention(nn.Module):
         probs = F.softmax(scores, dim=-1).to(value.dtype)
         probs = self.dropatt(probs)
         context = (probs @ value).transpose(1, 2).reshape(batch, query_len, self.n_head * self.d_head)
-        return context, (probs if output_attentions else None)
+        return AttentionOutput(context, probs if output_attentions else None)

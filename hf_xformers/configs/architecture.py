@@ -16,6 +16,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+# peft's defaults for BERT / RoBERTa, which every architecture that keeps BERT's module names inherits.
+BERT_LORA_TARGETS: tuple[str, ...] = ("query", "value")
+BERT_IA3_TARGETS: tuple[str, ...] = ("key", "value", "output.dense")
+BERT_IA3_FEEDFORWARD: tuple[str, ...] = ("output.dense",)
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -26,9 +31,9 @@ class Architecture:
             type it is registered under.
         auto_classes: ``{transformers Auto class name: our class}``, e.g. ``{"AutoModel": HfxLongformerModel,
             "AutoModelForMaskedLM": ...}``; ``"AutoImageProcessor"`` registers an image processor.
-        lora_target_modules: default LoRA ``target_modules`` (suffixes of module names; peft's choice for BERT is
-            the query and value projections).
-        ia3_target_modules: default IA3 ``target_modules``.
+        lora_target_modules: default LoRA ``target_modules`` (suffixes of module names). Defaults to peft's choice
+            for BERT, the query and value projections, under BERT's names (``query``, ``value``).
+        ia3_target_modules: default IA3 ``target_modules`` (BERT's: keys, values, the feed-forward output).
         ia3_feedforward_modules: the feed-forward ones among them (peft requires a subset of ``ia3_target_modules``).
         other_exports: further public classes (caches, outputs, the ``PreTrainedModel`` base, trainers ...).
 
@@ -39,9 +44,9 @@ class Architecture:
 
     config_class: type
     auto_classes: Mapping[str, type]
-    lora_target_modules: tuple[str, ...]
-    ia3_target_modules: tuple[str, ...]
-    ia3_feedforward_modules: tuple[str, ...]
+    lora_target_modules: tuple[str, ...] = BERT_LORA_TARGETS
+    ia3_target_modules: tuple[str, ...] = BERT_IA3_TARGETS
+    ia3_feedforward_modules: tuple[str, ...] = BERT_IA3_FEEDFORWARD
     other_exports: tuple[type, ...] = field(default=())
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@ of earlier positions, the Universal Transformer keys and values per recurrent st
 :class:`HfxGenerationMixin` is what they share with transformers' ``GenerationMixin``:
 
 * the cache travels between steps under the name of the installed transformers release (``past_key_values`` before
-  5.24, ``cache`` from 5.24 on; ``layers/compat.py``), whatever the model's own output field is called;
+  5.24, ``cache`` from 5.24 on; ``ops/compat.py``), whatever the model's own output field is called;
 * ``prepare_inputs_for_generation`` feeds only the tokens the cache has not seen and passes on every other keyword
   argument ``forward`` accepts (``token_type_ids``, ``output_attentions``, ``output_hidden_states``, ...);
 * beam search reorders the cache through :meth:`_reorder_cache` (a cache's own ``reorder_cache``, or a tuple of

@@ -25,9 +25,6 @@ ARCHITECTURE = Architecture(
         "AutoModelForQuestionAnswering": HfxBigBirdForQuestionAnswering,
         "AutoModelForTokenClassification": HfxBigBirdForTokenClassification,
     },
-    lora_target_modules=("query", "value"),
-    ia3_target_modules=("key", "value", "output.dense"),
-    ia3_feedforward_modules=("output.dense",),
     other_exports=(HfxBigBirdPreTrainedModel, HfxBigBirdEmbeddings, HfxBigBirdLMHead),
 )
 

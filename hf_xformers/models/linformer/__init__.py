@@ -23,9 +23,6 @@ ARCHITECTURE = Architecture(
         "AutoModelForQuestionAnswering": HfxLinformerForQuestionAnswering,
         "AutoModelForTokenClassification": HfxLinformerForTokenClassification,
     },
-    lora_target_modules=("query", "value"),
-    ia3_target_modules=("key", "value", "output.dense"),
-    ia3_feedforward_modules=("output.dense",),
     other_exports=(HfxLinformerPreTrainedModel,),
 )
 

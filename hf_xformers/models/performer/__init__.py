@@ -26,9 +26,6 @@ ARCHITECTURE = Architecture(
         "AutoModelForTokenClassification": HfxPerformerForTokenClassification,
         "AutoModelForCausalLM": HfxPerformerForCausalLM,
     },
-    lora_target_modules=("query", "value"),
-    ia3_target_modules=("key", "value", "output.dense"),
-    ia3_feedforward_modules=("output.dense",),
     other_exports=(HfxPerformerPreTrainedModel, HfxPerformerCache),
 )
 

@@ -3,7 +3,7 @@
 Layout (pre-LN, reversible): the embeddings ``e`` start both streams, ``x1 = x2 = e``; layer ``i`` computes
 ``y1 = x1 + Attention_i(LayerNorm(x2))`` and ``y2 = x2 + FeedForward_i(LayerNorm(y1))``; the output is
 ``LayerNorm([y1; y2])``, of width ``2 * hidden_size``. Attention is chunked local (``attention/chunked_local.py``) or
-LSH (``attention/lsh.py``) per ``config.attn_layers``; the reversible machinery is ``layers/reversible.py``.
+LSH (``attention/lsh.py``) per ``config.attn_layers``; the reversible machinery is ``models/reformer/reversible.py``.
 
 Any length up to ``max_position_embeddings`` works in training and eval: inputs longer than the shortest chunk are
 padded inside to a multiple of the chunk lengths and cut back, and every example is computed as it would be alone
@@ -210,7 +210,7 @@ class HfxReformerFeedForward(nn.Module):
 
 
 class HfxReformerLayer(nn.Module):
-    """A reversible block: ``f`` = attention, ``g`` = feed-forward (the interface of ``layers/reversible.py``)."""
+    """A reversible block: ``f`` = attention, ``g`` = feed-forward (the interface of ``models/reformer/reversible.py``)."""
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()

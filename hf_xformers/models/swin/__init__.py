@@ -21,9 +21,6 @@ ARCHITECTURE = Architecture(
         # AutoImageProcessor.register(config, cls) files cls under the "pil" backend.
         "AutoImageProcessor": HfxSwinImageProcessor,
     },
-    lora_target_modules=("query", "value"),
-    ia3_target_modules=("key", "value", "output.dense"),
-    ia3_feedforward_modules=("output.dense",),
     other_exports=(HfxSwinPreTrainedModel,),
 )
 

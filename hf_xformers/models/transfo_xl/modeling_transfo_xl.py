@@ -2,7 +2,7 @@
 
 Each layer attends over its own segment plus a memory: the inputs it saw in earlier segments (detached, at most
 ``mem_len`` per layer), with relative positional encodings (``attention/relative_memory.py``). Tokens enter through
-adaptive input embeddings and leave through an adaptive softmax (``layers/adaptive.py``).
+adaptive input embeddings and leave through an adaptive softmax (``models/transfo_xl/adaptive_softmax.py``).
 
 Memories are batch-first: a tuple with one ``(batch, memory_len, d_model)`` tensor per layer. Every forward takes
 ``mems`` and returns the updated ones; pass them back with the next segment of the same streams (same batch rows).
@@ -176,7 +176,7 @@ class HfxTransfoXLLayer(GradientCheckpointingLayer):
         if self.pre_lnorm:
             # Pre-LN normalises the memory too, as the keys and values come from it.
             states = self.attention_layer_norm(states)
-        context, probs = self.attention(states, hidden.shape[1], position_encodings, allowed, output_attentions)
+        context, probs, _ = self.attention(states, hidden.shape[1], position_encodings, allowed, output_attentions)
         attended = self.dropout(self.attention_output(context))
         if self.pre_lnorm:
             hidden = hidden + attended

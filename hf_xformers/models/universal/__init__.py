@@ -25,10 +25,7 @@ ARCHITECTURE = Architecture(
         "AutoModelForCausalLM": HfxUniversalForCausalLM,
         "AutoModelForSeq2SeqLM": HfxUniversalForSeq2SeqLM,
     },
-    # The one shared block: its adapters are shared across depth as the weights are.
-    lora_target_modules=("query", "value"),
-    ia3_target_modules=("key", "value", "output.dense"),
-    ia3_feedforward_modules=("output.dense",),
+    # LoRA / IA3 targets: BERT's (the default): its adapters are shared across depth as the block's weights are.
     other_exports=(HfxUniversalPreTrainedModel, HfxUniversalModelOutput, HfxUniversalCache),
 )
 

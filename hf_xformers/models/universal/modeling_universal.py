@@ -1,7 +1,7 @@
 """``hfx-universal``: the Universal Transformer (Dehghani et al., 2019) as ``transformers`` models.
 
-One shared Transformer block is applied recurrently in depth (``layers/recurrent_block.py``), with per-position
-Adaptive Computation Time (``layers/act.py``) or a fixed number of steps. This file holds the embeddings (optionally
+One shared Transformer block is applied recurrently in depth (``models/universal/recurrent_block.py``), with per-position
+Adaptive Computation Time (``models/universal/adaptive_computation_time.py``) or a fixed number of steps. This file holds the embeddings (optionally
 ALBERT's factorised ones), the base model, which is an encoder or, with ``config.is_decoder``, a causal decoder with
 a per-step cache (and cross-attention in the seq2seq model), and the heads: masked LM, sequence and token
 classification, causal LM and encoder-decoder LM.
@@ -270,7 +270,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         past_len: int,
     ) -> None:
         """Checks with messages that name the fix. Shapes and dtypes are checked in traced graphs too; the id-range
-        checks, which read tensor values, only in eager mode (``layers/input_checks.py``)."""
+        checks, which read tensor values, only in eager mode (``ops/input_checks.py``)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])

@@ -108,7 +108,7 @@ class HfxUniversalAttentionBlock(nn.Module):
         output_attentions: bool = False,
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        context, probs = self.self(
+        context, probs, _ = self.self(
             hidden_states, attention_mask, key_value_states, step, cache, output_attentions, is_causal
         )
         return self.output(context, hidden_states), probs
