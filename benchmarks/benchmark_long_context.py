@@ -21,7 +21,7 @@ where ``c`` is the :class:`BenchConfig` (hidden, layers, heads, intermediate, vo
 
 Usage::
 
-    HF_HUB_OFFLINE=1 python benchmarks/benchmark_long_context.py --arch longformer \
+    HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_long_context --arch longformer \
         --lengths 512 1024 2048 4096 8192 16384 --repeats 3 --modes forward backward --out benchmarks/results
 """
 
@@ -618,9 +618,11 @@ def run_cell(spec: dict, timeout: float, mem_limit_gib: float) -> dict:
     """Run one cell in a fresh subprocess, killing it past ``timeout`` seconds or ``mem_limit_gib`` RSS."""
     import psutil
 
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    # The worker runs as a module from the repository root, which is what makes `benchmarks` importable there.
+    cmd = [sys.executable, "-m", "benchmarks.benchmark_long_context", "--worker", json.dumps(spec)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=Path(__file__).resolve().parents[1])
     killed = None
     watched = psutil.Process(proc.pid)
     while proc.poll() is None:

@@ -13,7 +13,7 @@ length), the same peak-RSS measurement (VmHWM reset after model and inputs are b
 waits. Reversible layers should make the growth nearly independent of depth (only the parameters' gradients and
 one layer's activations grow), stored activations linearly.
 
-    HF_HUB_OFFLINE=1 python benchmarks/benchmark_reformer_depth.py --length 8192 --depths 2 6 12 --repeats 2
+    HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_reformer_depth --length 8192 --depths 2 6 12 --repeats 2
 
 Writes ``reformer_depth_memory.{json,md}`` to ``--out`` (default ``benchmarks/results``).
 """
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-import benchmark_long_context as blc
+from benchmarks import benchmark_long_context as blc
 
 # label -> (registry entry, impl) of benchmark_long_context
 VARIANTS = {

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import benchmark_long_context as long_context  # noqa: E402
-import benchmark_swin  # noqa: E402
+from benchmarks import benchmark_long_context as long_context
+from benchmarks import benchmark_swin
 
 
 def cells(times: dict[int, float]) -> dict:
