@@ -122,7 +122,7 @@ def test_new_model_defaults_learn_digits(tmp_path):
 
 
 def test_scratch_defaults_keep_what_the_user_set(tmp_path):
-    import utils_examples
+    from examples import utils_examples
 
     assert utils_examples.explicit_options(["--learning_rate=1e-4", "--max_steps", "5", "--do_train"]) == {
         "learning_rate", "max_steps", "do_train"
