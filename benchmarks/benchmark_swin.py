@@ -40,7 +40,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.benchmark_long_context import BackgroundLoad, PeakRSS, _rss_kib, hfx_source_hash  # noqa: E402
+from benchmarks.measurement import BackgroundLoad, PeakRSS, hfx_source_hash, rss_kib  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -97,7 +97,7 @@ def run_worker(spec: dict) -> dict:
             features(x).float().sum().backward()
 
     gc.collect()
-    base = _rss_kib() * 1024
+    base = rss_kib() * 1024
     peak = PeakRSS()
     load = BackgroundLoad()
     warm_t, _ = load.measure(step)

@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from benchmarks.benchmark_long_context import BackgroundLoad  # noqa: E402
+from benchmarks.measurement import BackgroundLoad  # noqa: E402
 from hf_xformers import HfxTransfoXLConfig, HfxTransfoXLForCausalLM  # noqa: E402
 
 
