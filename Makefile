@@ -36,7 +36,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) examples/run_long_demo.py
+	$(PY) -m examples.run_long_demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
@@ -45,7 +45,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
 bench: $(VENV)/.installed
-	$(PY) benchmarks/benchmark_long_context.py --arch longformer
+	$(PY) -m benchmarks.benchmark_long_context --arch longformer
 
 # Reinstalled on every run, so that each run meets the newest releases of the day.
 $(VENV_NEWEST)/bin/python:

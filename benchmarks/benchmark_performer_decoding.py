@@ -11,7 +11,7 @@ or ``--reps`` forward passes over ``prefix + 1`` tokens (uncached); the median p
 of the CPU other processes used meanwhile. Random ids (speed does not depend on the text), eval mode,
 ``torch.inference_mode``, fixed threads.
 
-    HF_HUB_OFFLINE=1 python benchmarks/benchmark_performer_decoding.py --out benchmarks/results
+    HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_performer_decoding --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -28,12 +28,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from benchmarks.measurement import BackgroundLoad  # noqa: E402
 from hf_xformers import HfxPerformerConfig, HfxPerformerForCausalLM  # noqa: E402
-
-try:  # run as a script (benchmarks/ on sys.path) or imported from the repository root
-    from benchmark_long_context import BackgroundLoad  # noqa: E402
-except ImportError:  # pragma: no cover
-    from benchmarks.benchmark_long_context import BackgroundLoad  # noqa: E402
 
 
 def build(hidden: int, layers: int, heads: int, max_length: int) -> HfxPerformerForCausalLM:

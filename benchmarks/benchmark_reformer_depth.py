@@ -13,7 +13,7 @@ length), the same peak-RSS measurement (VmHWM reset after model and inputs are b
 waits. Reversible layers should make the growth nearly independent of depth (only the parameters' gradients and
 one layer's activations grow), stored activations linearly.
 
-    HF_HUB_OFFLINE=1 python benchmarks/benchmark_reformer_depth.py --length 8192 --depths 2 6 12 --repeats 2
+    HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_reformer_depth --length 8192 --depths 2 6 12 --repeats 2
 
 Writes ``reformer_depth_memory.{json,md}`` to ``--out`` (default ``benchmarks/results``).
 """
@@ -28,7 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-import benchmark_long_context as blc
+from benchmarks.benchmark_long_context import fmt_mib, fmt_time
+from benchmarks.long_context_models import BenchConfig
+from benchmarks.long_context_worker import run_cell
+from benchmarks.measurement import git_describe
 
 # label -> (registry entry, impl) of benchmark_long_context
 VARIANTS = {
@@ -62,8 +65,8 @@ def render(meta: dict, results: dict) -> str:
     ]
     for label in VARIANTS:
         cells = [results.get(f"{label}|{d}") for d in depths]
-        mib = [blc.fmt_mib(r) for r in cells]
-        secs = [blc.fmt_time(r) for r in cells]
+        mib = [fmt_mib(r) for r in cells]
+        secs = [fmt_time(r) for r in cells]
         first, last = cells[0], cells[-1]
         grow = (f"{last['peak_mib'] / first['peak_mib']:.2f}x" if first and last and first["status"] == "ok"
                 and last["status"] == "ok" and first["peak_mib"] > 0 else "-")  # fmt: skip
@@ -112,13 +115,13 @@ def main(argv=None) -> int:
     json_path, md_path = (args.out / f"reformer_depth_memory.{ext}" for ext in ("json", "md"))
     results = json.loads(json_path.read_text())["results"] if args.merge and json_path.exists() else {}
     args.out.mkdir(parents=True, exist_ok=True)
-    base = blc.BenchConfig(hidden=args.hidden, heads=args.heads, intermediate=args.intermediate or 4 * args.hidden,
+    base = BenchConfig(hidden=args.hidden, heads=args.heads, intermediate=args.intermediate or 4 * args.hidden,
                            vocab=args.vocab, window=args.window, batch=1, dropout=args.dropout)  # fmt: skip
     meta = {
         "length": args.length, "depths": args.depths, "config": dataclasses.asdict(base), "threads": args.threads,
         "repeats": args.repeats, "torch": torch.__version__, "transformers": transformers.__version__,
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM",
-        "date": time.strftime("%Y-%m-%d %H:%M"), "git": blc._git_describe(),
+        "date": time.strftime("%Y-%m-%d %H:%M"), "git": git_describe(),
     }  # fmt: skip
     for depth in args.depths:
         for label in args.variants:
@@ -127,7 +130,7 @@ def main(argv=None) -> int:
             spec = {"arch": arch, "impl": impl, "length": args.length, "mode": "backward",
                     "config": dataclasses.asdict(cfg), "repeats": args.repeats, "threads": args.threads,
                     "seed": args.seed, "max_background": args.max_background, "quiet_wait": args.quiet_wait}  # fmt: skip
-            res = blc.run_cell(spec, args.timeout, args.mem_limit_gib)
+            res = run_cell(spec, args.timeout, args.mem_limit_gib)
             res["layers"] = depth
             results[f"{label}|{depth}"] = res
             extra = (f"{res['time_s']:.2f}s {res['peak_mib']:.0f}MiB bg={max(res['background_cpu']) * 100:.0f}%"

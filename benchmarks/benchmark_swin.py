@@ -21,8 +21,8 @@ order of implementations flipping every round) and reports the median over all r
 
 Usage::
 
-    HF_HUB_OFFLINE=1 python benchmarks/benchmark_swin.py --repeats 5 --rounds 3  # -> benchmarks/results/swin.{md,json}
-    HF_HUB_OFFLINE=1 python benchmarks/benchmark_swin.py --repeats 5 --sizes 224 --modes backward --merge  # redo cells
+    HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_swin --repeats 5 --rounds 3  # -> benchmarks/results/swin.{md,json}
+    HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_swin --repeats 5 --sizes 224 --modes backward --merge  # redo cells
 """
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # benchmarks/ is not a package
+from benchmarks.measurement import BackgroundLoad, PeakRSS, hfx_source_hash, rss_kib  # noqa: E402
 
-from benchmark_long_context import BackgroundLoad, PeakRSS, _rss_kib, hfx_source_hash  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 IMPLS = ("hfx", "hf", "timm")
 IMPL_LABELS = {"hfx": "hfx-swin (ours)", "hf": "transformers SwinModel", "timm": "timm swin_tiny_patch4_window7_224"}
@@ -98,7 +97,7 @@ def run_worker(spec: dict) -> dict:
             features(x).float().sum().backward()
 
     gc.collect()
-    base = _rss_kib() * 1024
+    base = rss_kib() * 1024
     peak = PeakRSS()
     load = BackgroundLoad()
     warm_t, _ = load.measure(step)
@@ -132,10 +131,10 @@ def run_worker(spec: dict) -> dict:
 
 def run_cell(spec: dict, timeout: float) -> dict:
     """One (impl, size, mode) in a fresh subprocess."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "benchmarks.benchmark_swin", "--worker", json.dumps(spec)]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE.parent)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "wall_s": time.perf_counter() - t0}
     for line in reversed(proc.stdout.splitlines()):

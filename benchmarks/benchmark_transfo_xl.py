@@ -12,7 +12,7 @@ For an attention span ``C``, both evaluations give every token ``C`` tokens of c
 Reports tokens per second of each and their ratio (the paper: up to 1,800x at C = 3,800 on GPU, 24-layer model).
 Inputs are random ids (speed does not depend on the text); eval mode, ``torch.inference_mode``, fixed threads.
 
-    HF_HUB_OFFLINE=1 python benchmarks/benchmark_transfo_xl.py --spans 128 512 --out benchmarks/results
+    HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_transfo_xl --spans 128 512 --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -30,12 +30,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from benchmarks.measurement import BackgroundLoad  # noqa: E402
 from hf_xformers import HfxTransfoXLConfig, HfxTransfoXLForCausalLM  # noqa: E402
-
-try:  # run as a script (benchmarks/ on sys.path) or imported from the repository root
-    from benchmark_long_context import BackgroundLoad  # noqa: E402
-except ImportError:  # pragma: no cover
-    from benchmarks.benchmark_long_context import BackgroundLoad  # noqa: E402
 
 
 def build(args: argparse.Namespace, mem_len: int) -> HfxTransfoXLForCausalLM:

@@ -18,7 +18,7 @@ Steps (each cached in ``--work_dir``, so an interrupted run resumes):
 Writes ``results.json`` and ``results.md`` to ``--out`` (default ``benchmarks/results/continued_pretraining``).
 Usage::
 
-    python benchmarks/continued_pretraining.py --work_dir /tmp/cpt   # the committed run (about 75 minutes)
+    python -m benchmarks.continued_pretraining --work_dir /tmp/cpt   # the committed run (about 75 minutes)
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import logging
 import math
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -44,14 +43,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForMaskedLM, AutoTokenizer  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-for path in (REPO_ROOT, REPO_ROOT / "examples"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-import run_mlm  # noqa: E402
-
 from conversion.convert_roberta_to_long import convert_roberta_to_long  # noqa: E402
+from examples import run_mlm  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 logger = logging.getLogger("continued_pretraining")
 TARGETS = ("longformer", "bigbird", "linformer", "performer")

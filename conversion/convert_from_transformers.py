@@ -6,7 +6,7 @@ tokenizer, and gives the same outputs.
 
 Usage::
 
-    python conversion/convert_from_transformers.py --source DIR --output DIR
+    python -m conversion.convert_from_transformers --source DIR --output DIR
 
 :data:`IMPORTERS` maps the source ``model_type`` to its importer; BigBird, Swin, Reformer and Transformer-XL
 plug in there.
@@ -17,17 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    # Lets `python conversion/convert_from_transformers.py` find the `conversion` package from any directory.
-    sys.path.insert(0, str(REPO_ROOT))
 
 from conversion.common import (  # noqa: E402
     conversion_provenance,

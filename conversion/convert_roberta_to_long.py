@@ -8,7 +8,7 @@ covers the whole input; continued MLM pretraining on long documents is what make
 
 Usage::
 
-    python conversion/convert_roberta_to_long.py --source DIR --target longformer \\
+    python -m conversion.convert_roberta_to_long --source DIR --target longformer \\
         --max-length 4096 --attention-window 512 --output DIR
 
 ``--target`` picks the architecture from :data:`TARGETS`; later architectures plug in by adding a builder
@@ -16,11 +16,11 @@ there. ``linformer`` and ``performer`` map the weights exactly as ``longformer``
 feed-forward weights, tiled positions) and add their own pieces: Linformer's E and F start as block-averaging
 projections (:func:`pooling_projection`), Performer's random features are the seeded draws of a fresh model::
 
-    python conversion/convert_roberta_to_long.py --source DIR --target linformer --max-length 4096 \\
+    python -m conversion.convert_roberta_to_long --source DIR --target linformer --max-length 4096 \\
         --linformer-k 256 --output DIR
-    python conversion/convert_roberta_to_long.py --source DIR --target performer --max-length 4096 \\
+    python -m conversion.convert_roberta_to_long --source DIR --target performer --max-length 4096 \\
         --num-random-features 256 --output DIR
-    python conversion/convert_roberta_to_long.py --source DIR --target bigbird --max-length 4096 \\
+    python -m conversion.convert_roberta_to_long --source DIR --target bigbird --max-length 4096 \\
         --block-size 64 --num-random-blocks 3 --output DIR
 """
 
@@ -28,18 +28,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    # Lets `python conversion/convert_roberta_to_long.py` find the `conversion` package from any directory.
-    sys.path.insert(0, str(REPO_ROOT))
 
 from conversion.common import (  # noqa: E402
     conversion_provenance,

@@ -21,7 +21,7 @@ right) on lengths up to L and on lengths L+1 .. 2L, accuracy by length, and the 
 
 The committed results (``benchmarks/results/universal_algorithmic_reverse.*``, 7 minutes on one CPU thread)::
 
-    OMP_NUM_THREADS=1 python examples/run_algorithmic_task.py --task reverse --train-max-length 8 --train-steps 3000
+    OMP_NUM_THREADS=1 python -m examples.run_algorithmic_task --task reverse --train-max-length 8 --train-steps 3000
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 from hf_xformers import HfxUniversalConfig, HfxUniversalForSeq2SeqLM  # noqa: E402
 from hf_xformers.layers.recurrent_block import timing_signal  # noqa: E402
@@ -347,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
         "train_max_length": args.train_max_length,
         "eval_max_length": 2 * args.train_max_length,
         "settings": vars(args),
-        "command": "python examples/run_algorithmic_task.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m examples.run_algorithmic_task " + " ".join(argv if argv is not None else sys.argv[1:]),
         "torch_threads": torch.get_num_threads(),
         "models": {},
     }

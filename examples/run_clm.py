@@ -8,7 +8,7 @@ tokens of context per layer from earlier segments.
 
 Example::
 
-    python examples/run_clm.py --train_file train.txt --validation_file valid.txt --level char \\
+    python -m examples.run_clm --train_file train.txt --validation_file valid.txt --level char \\
         --output_dir out --max_steps 2000 --per_device_train_batch_size 16 --segment_length 128 --mem_len 128
 
 Writes the model, ``vocab.json``, ``eval_results.json`` (``eval_loss`` in nats per token, plus
@@ -37,6 +37,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import HfArgumentParser, TrainingArguments, set_seed  # noqa: E402
 
+from examples.utils_examples import (  # noqa: E402
+    HubArguments,
+    apply_scratch_defaults,
+    finish_output_dir,
+    hub_model_id,
+    model_origin,
+)
 from hf_xformers import (  # noqa: E402
     HfxRecurrentTrainer,
     HfxStreamSegments,
@@ -44,16 +51,6 @@ from hf_xformers import (  # noqa: E402
     HfxTransfoXLForCausalLM,
 )
 from hf_xformers.layers.compat import checkpointing_argv  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # utils_examples.py sits next to this file
-
-from utils_examples import (  # noqa: E402
-    HubArguments,
-    apply_scratch_defaults,
-    finish_output_dir,
-    hub_model_id,
-    model_origin,
-)
 
 logger = logging.getLogger(__name__)
 UNK, EOS = "<unk>", "<eos>"

@@ -12,9 +12,9 @@ csv/json files with the task's columns. Outputs, in ``--output_dir``:
 
 Examples (see examples/README.md)::
 
-    python examples/run_glue.py --model_name_or_path path/to/model --task_name rte \\
+    python -m examples.run_glue --model_name_or_path path/to/model --task_name rte \\
         --do_train --do_eval --do_predict --max_seq_length 128 --output_dir out/rte
-    python examples/run_glue.py --model_name_or_path path/to/model --task_name sst2 \\
+    python -m examples.run_glue --model_name_or_path path/to/model --task_name sst2 \\
         --train_file train.csv --validation_file dev.csv --do_train --do_eval --output_dir out/sst2
     torchrun --nproc_per_node=2 examples/run_glue.py ...   # same arguments, data-parallel
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,9 +44,8 @@ from transformers import (
     set_seed,
 )
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # utils_examples.py sits next to this file
-
-from utils_examples import (  # noqa: E402
+import hf_xformers  # noqa: F401  (registers the hfx-* model types with the Auto classes)
+from examples.utils_examples import (
     RunArguments,
     check_world_size,
     enable_cpu_distributed,
@@ -61,8 +59,6 @@ from utils_examples import (  # noqa: E402
     setup_logging,
     take,
 )
-
-import hf_xformers  # noqa: E402, F401  (registers the hfx-* model types with the Auto classes)
 
 logger = logging.getLogger("run_glue")
 

@@ -25,10 +25,10 @@ uploads it.
 
 Examples (see examples/README.md)::
 
-    python examples/run_image_classification.py --output_dir out/digits --do_train --do_eval
-    python examples/run_image_classification.py --train_dir data/train --validation_dir data/val \\
+    python -m examples.run_image_classification --output_dir out/digits --do_train --do_eval
+    python -m examples.run_image_classification --train_dir data/train --validation_dir data/val \\
         --do_train --do_eval --output_dir out/my-images
-    python examples/run_image_classification.py --model_name_or_path path/to/hfx-swin-tiny \\
+    python -m examples.run_image_classification --model_name_or_path path/to/hfx-swin-tiny \\
         --train_dir data/train --validation_dir data/val --ignore_mismatched_sizes \\
         --do_train --do_eval --learning_rate 5e-5 --num_train_epochs 3 --output_dir out/my-classes
 """
@@ -40,7 +40,6 @@ import logging
 import math
 import os
 import random
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,9 +58,8 @@ from transformers import (
     set_seed,
 )
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # utils_examples.py sits next to this file
-
-from utils_examples import (  # noqa: E402
+import hf_xformers  # (also registers the hfx-* model types with the Auto classes)
+from examples.utils_examples import (
     RunArguments,
     apply_scratch_defaults,
     check_world_size,
@@ -74,8 +72,6 @@ from utils_examples import (  # noqa: E402
     setup_logging,
     take,
 )
-
-import hf_xformers  # noqa: E402  (also registers the hfx-* model types with the Auto classes)
 
 logger = logging.getLogger("run_image_classification")
 

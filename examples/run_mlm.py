@@ -35,11 +35,11 @@ stay at the values of the conversion.
 
 Examples (see examples/README.md)::
 
-    python conversion/convert_roberta_to_long.py --source roberta-base --target longformer --max-length 4096 \\
+    python -m conversion.convert_roberta_to_long --source roberta-base --target longformer --max-length 4096 \\
         --attention-window 512 --output roberta-base-4096
-    python examples/run_mlm.py --model_name_or_path roberta-base-4096 --train_file train.txt \\
+    python -m examples.run_mlm --model_name_or_path roberta-base-4096 --train_file train.txt \\
         --validation_file valid.txt --max_steps 3000 --copy_proj_layers --output_dir roberta-base-4096-mlm
-    python examples/run_mlm.py --model_type hfx-reformer --tokenizer_name my_tokenizer \\
+    python -m examples.run_mlm --model_type hfx-reformer --tokenizer_name my_tokenizer \\
         --config_overrides "hidden_size=256,num_hidden_layers=6,max_position_embeddings=4096" \\
         --train_file train.txt --max_steps 20000 --output_dir reformer-mlm
 
@@ -53,7 +53,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,12 +74,9 @@ from transformers import (  # noqa: E402
     set_seed,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # utils_examples.py sits next to this file
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))  # the `conversion` package (copy_proj_layers)
-
-from utils_examples import (  # noqa: E402
+import hf_xformers  # noqa: E402, F401  (registers the hfx-* model types with the Auto classes)
+from conversion.convert_roberta_to_long import copy_proj_layers  # noqa: E402
+from examples.utils_examples import (  # noqa: E402
     LOCAL_FORMATS,
     RunArguments,
     apply_scratch_defaults,
@@ -94,9 +90,6 @@ from utils_examples import (  # noqa: E402
     resume_checkpoint,
     setup_logging,
 )
-
-import hf_xformers  # noqa: E402, F401  (registers the hfx-* model types with the Auto classes)
-from conversion.convert_roberta_to_long import copy_proj_layers  # noqa: E402
 
 logger = logging.getLogger("run_mlm")
 

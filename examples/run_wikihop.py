@@ -20,7 +20,7 @@ Outputs in ``--output_dir``: ``eval_results.json`` (``eval_accuracy``), ``train_
 fine-tuned encoder + tokenizer (reloadable with ``AutoModel``) with the candidate scorer in
 ``wikihop_head.safetensors``; pass that folder as ``--model_name_or_path`` to evaluate it again.
 
-    python examples/run_wikihop.py --model_name_or_path path/to/longformer-base-4096 \\
+    python -m examples.run_wikihop --model_name_or_path path/to/longformer-base-4096 \\
         --train_file qangaroo_v1.1/wikihop/train.json --validation_file qangaroo_v1.1/wikihop/dev.json \\
         --do_train --do_eval --per_device_train_batch_size 1 --gradient_accumulation_steps 32 \\
         --learning_rate 3e-5 --num_train_epochs 15 --output_dir out/wikihop
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,9 +51,8 @@ from transformers import (
 )
 from transformers.modeling_outputs import MultipleChoiceModelOutput
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # utils_examples.py sits next to this file
-
-from utils_examples import (  # noqa: E402
+import hf_xformers  # noqa: F401  (registers the hfx-* model types with the Auto classes)
+from examples.utils_examples import (
     RunArguments,
     check_world_size,
     enable_cpu_distributed,
@@ -69,8 +67,6 @@ from utils_examples import (  # noqa: E402
     supports_global_attention,
     take,
 )
-
-import hf_xformers  # noqa: E402, F401  (registers the hfx-* model types with the Auto classes)
 
 logger = logging.getLogger("run_wikihop")
 

@@ -1,8 +1,8 @@
 """Helpers shared by the Trainer example scripts (``run_glue.py``, ``run_wikihop.py``, ``run_image_classification.py``,
 ``run_clm.py``).
 
-The scripts put ``examples/`` on ``sys.path`` and import this module by name, so it stays a plain file next
-to them (``examples/`` is not a package).
+The scripts import it as ``examples.utils_examples``: they run as modules from the repository root
+(``python -m examples.run_glue ...``).
 """
 
 from __future__ import annotations

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import benchmark_long_context as long_context  # noqa: E402
-import benchmark_swin  # noqa: E402
+from benchmarks import benchmark_long_context as long_context
+from benchmarks import benchmark_swin
+from benchmarks import long_context_models as models
 
 
 def cells(times: dict[int, float]) -> dict:
@@ -47,10 +43,10 @@ def test_reformer_builders_give_the_same_model():
     benchmark draws fresh rotations) transformers' weights load into ours and the outputs agree."""
     import torch
 
-    c = long_context.BenchConfig(hidden=128, layers=2, heads=2, intermediate=256, vocab=50, window=16, dropout=0.0)
+    c = models.BenchConfig(hidden=128, layers=2, heads=2, intermediate=256, vocab=50, window=16, dropout=0.0)
     length = 128
-    ref = long_context._ref_reformer(c, length, hash_seed=3).eval()
-    ours = long_context._hfx_reformer(c, length, hash_seed=3).eval()
+    ref = models._ref_reformer(c, length, hash_seed=3).eval()
+    ours = models._hfx_reformer(c, length, hash_seed=3).eval()
     assert ours.config.num_buckets == ref.config.num_buckets == 16
     assert ours.config.attn_layers == ref.config.attn_layers == ["local", "lsh"]
     ours.load_state_dict(ref.state_dict())
@@ -60,9 +56,9 @@ def test_reformer_builders_give_the_same_model():
         expected = ref(input_ids=ids, attention_mask=mask).last_hidden_state
         got = ours(input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert long_context.build_model("reformer_stored", "hfx", c, length).config.reversible is False
+    assert models.build_model("reformer_stored", "hfx", c, length).config.reversible is False
     with pytest.raises(ValueError, match="multiple"):
-        long_context._reformer_kwargs(c, 100)
+        models._reformer_kwargs(c, 100)
 
 
 def test_reformer_lucidrains_entry_matches_sizes():
@@ -70,9 +66,9 @@ def test_reformer_lucidrains_entry_matches_sizes():
     pytest.importorskip("reformer_pytorch")
     import torch
 
-    c = long_context.BenchConfig(hidden=128, layers=2, heads=2, intermediate=512, vocab=50, window=16, dropout=0.0)
-    ours = long_context.build_model("reformer_lucidrains", "hfx", c, 128)
-    theirs = long_context.build_model("reformer_lucidrains", "ref", c, 128)
+    c = models.BenchConfig(hidden=128, layers=2, heads=2, intermediate=512, vocab=50, window=16, dropout=0.0)
+    ours = models.build_model("reformer_lucidrains", "hfx", c, 128)
+    theirs = models.build_model("reformer_lucidrains", "ref", c, 128)
     assert ours.config.attn_layers == ["lsh", "lsh"] and ours.config.num_buckets == 128 // 16
     lsh = theirs.reformer.layers.blocks[0].f.net.fn
     assert (lsh.heads, lsh.dim_head, lsh.bucket_size, lsh.lsh_attn.n_hashes) == (2, 64, 16, 1)

@@ -42,6 +42,13 @@ from conversion.convert_roberta_to_long import convert_roberta_to_long, extend_p
 from tests.tiny_tokenizers import SENTENCES, bert_tokenizer, roberta_tokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def script_env() -> dict[str, str]:
+    """Environment of a converter run as ``python -m conversion.<name>`` from another folder: offline, with the
+    repository root importable."""
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
 SOURCE_TOKENS = 32  # tokens the tiny sources accept
 TINY = dict(
     hidden_size=32,
@@ -213,10 +220,9 @@ def test_base_model_source_without_mlm_head(roberta_dir, tmp_path):
 
 def test_cli(roberta_dir, tmp_path):
     out = tmp_path / "long"
-    cmd = [sys.executable, str(REPO_ROOT / "conversion" / "convert_roberta_to_long.py"), "--source", str(roberta_dir)]
+    cmd = [sys.executable, "-m", "conversion.convert_roberta_to_long", "--source", str(roberta_dir)]
     cmd += ["--target", "longformer", "--max-length", "128", "--attention-window", "32", "--output", str(out)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    subprocess.run(cmd, check=True, cwd=tmp_path, env=env, capture_output=True, timeout=120)
+    subprocess.run(cmd, check=True, cwd=tmp_path, env=script_env(), capture_output=True, timeout=120)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "hfx-longformer" and config["max_position_embeddings"] == 130
     assert config["attention_window"] == [32, 32]
@@ -265,10 +271,9 @@ def test_output_folder_must_be_empty_unless_overwrite(tmp_path, roberta_dir):
     assert (out / "config.json").is_file() and (out / "notes.txt").is_file()
     assert not (out / "preprocessor_config.json").exists()
     # The CLIs report the refusal as a usage error naming the flag.
-    script = Path(__file__).resolve().parents[1] / "conversion" / "convert_roberta_to_long.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--source", str(roberta_dir), "--output", str(out), "--max-length", "64"],
-        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        [sys.executable, "-m", "conversion.convert_roberta_to_long", "--source", str(roberta_dir), "--output", str(out), "--max-length", "64"],
+        capture_output=True, text=True, env=script_env(),
     )  # fmt: skip
     assert result.returncode == 2 and "is not empty" in result.stderr and "Traceback" not in result.stderr
 
@@ -485,11 +490,10 @@ def test_performer_with_many_features_is_close_to_the_source(roberta_dir):
 @pytest.mark.parametrize("target", ["linformer", "performer"])
 def test_cli_warm_start_targets(roberta_dir, tmp_path, target):
     out = tmp_path / target
-    cmd = [sys.executable, str(REPO_ROOT / "conversion" / "convert_roberta_to_long.py"), "--source", str(roberta_dir)]
+    cmd = [sys.executable, "-m", "conversion.convert_roberta_to_long", "--source", str(roberta_dir)]
     cmd += ["--target", target, "--max-length", "80", "--output", str(out)]
     cmd += ["--linformer-k", "8", "--linformer-sharing", "layerwise"] if target == "linformer" else ["--num-random-features", "24"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    subprocess.run(cmd, check=True, cwd=tmp_path, env=env, capture_output=True, timeout=120)
+    subprocess.run(cmd, check=True, cwd=tmp_path, env=script_env(), capture_output=True, timeout=120)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == f"hfx-{target}" and config["max_position_embeddings"] == 82
     if target == "linformer":
@@ -534,10 +538,10 @@ def test_roberta_to_bigbird_warm_start(roberta_dir, tmp_path):
 
 def test_cli_bigbird_target(roberta_dir, tmp_path):
     out = tmp_path / "bigbird"
-    cmd = [sys.executable, str(REPO_ROOT / "conversion" / "convert_roberta_to_long.py"), "--source", str(roberta_dir)]
+    cmd = [sys.executable, "-m", "conversion.convert_roberta_to_long", "--source", str(roberta_dir)]
     cmd += ["--target", "bigbird", "--max-length", "80", "--block-size", "16", "--num-random-blocks", "1"]
     cmd += ["--output", str(out)]
-    subprocess.run(cmd, check=True, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, timeout=120)
+    subprocess.run(cmd, check=True, cwd=tmp_path, env=script_env(), capture_output=True, timeout=120)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "hfx-bigbird" and config["max_position_embeddings"] == 80
     assert config["block_size"] == 16 and config["num_random_blocks"] == 1

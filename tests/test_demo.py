@@ -7,25 +7,14 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import csv  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from transformers import RobertaConfig, RobertaForMaskedLM  # noqa: E402
 
+from examples import run_long_demo as demo  # noqa: E402
 from tests.test_conversion import TINY, perturb_  # noqa: E402
 from tests.tiny_tokenizers import SENTENCES, roberta_tokenizer  # noqa: E402
-
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "run_long_demo.py"
-
-
-def load_demo():
-    """Import the example script as a module (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("run_long_demo", DEMO)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_demo_main_on_local_csv(tmp_path):
@@ -46,7 +35,6 @@ def test_demo_main_on_local_csv(tmp_path):
                 writer.writerow([text, int(i % 2 == 0)])
 
     out = tmp_path / "demo"
-    demo = load_demo()
     argv = (
         ["--source", str(source), "--max-length", "64", "--attention-window", "8", "--train_file", str(tmp_path / "train.csv")]
         + ["--validation_file", str(tmp_path / "dev.csv"), "--max_seq_length", "48", "--max_steps", "3"]

@@ -24,15 +24,11 @@ from transformers import AutoTokenizer, RobertaConfig, RobertaModel
 from transformers.training_args import ParallelMode
 
 import hf_xformers
+from examples import run_glue, run_wikihop, utils_examples
 from tests.tiny_tokenizers import SENTENCES, roberta_tokenizer
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+REPO = Path(__file__).resolve().parents[1]
 WIKIHOP = Path(__file__).resolve().parent / "fixtures" / "wikihop"
-sys.path.insert(0, str(EXAMPLES))  # the scripts are plain files, not a package
-
-import run_glue  # noqa: E402
-import run_wikihop  # noqa: E402
-import utils_examples  # noqa: E402
 
 TINY = dict(
     hidden_size=32,
@@ -119,13 +115,14 @@ def read_tsv(path: Path) -> list[list[str]]:
     return [line.split("\t") for line in path.read_text().splitlines()]
 
 
-def torchrun(script: str, args: list[str]) -> None:
-    """Run an example script in 2 CPU processes; fail with its stderr if it fails."""
+def torchrun(module: str, args: list[str]) -> None:
+    """Run an example script (``examples.<name>``, from the repository root) in 2 CPU processes; fail with its
+    stderr if it fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     env.pop("ACCELERATE_USE_CPU", None)  # the script must find out by itself that there is no GPU
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     result = subprocess.run(
-        command + [str(EXAMPLES / script), *args], env=env, capture_output=True, text=True, timeout=180
+        command + ["-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
     )
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -417,7 +414,7 @@ def test_run_glue_torchrun_two_processes_same_loss(longformer_dir, cache_dir, tm
     run_glue.main(args(single, "4"))
 
     double = tmp_path / "double"
-    torchrun("run_glue.py", args(double, "2"))
+    torchrun("examples.run_glue", args(double, "2"))
     state = json.loads((double / "trainer_state.json").read_text())
     assert state["epoch"] == 1.0 and state["global_step"] == 1  # 2 processes x 2 rows = the whole set
     assert "eval_pearson" in json.loads((double / "eval_results.json").read_text())
@@ -590,7 +587,7 @@ def test_run_wikihop_torchrun_two_processes_same_loss(longformer_dir, cache_dir,
         ]  # fmt: skip
 
     run_wikihop.main(args(tmp_path / "single", "2"))
-    torchrun("run_wikihop.py", args(tmp_path / "double", "1"))
+    torchrun("examples.run_wikihop", args(tmp_path / "double", "1"))
     assert json.loads((tmp_path / "double" / "trainer_state.json").read_text())["epoch"] == 1.0
     one, two = first_logged_loss(tmp_path / "single"), first_logged_loss(tmp_path / "double")
     assert two == pytest.approx(one, rel=1e-3), f"2-process loss {two} vs 1-process {one}"

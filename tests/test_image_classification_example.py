@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +19,7 @@ from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageClassification, pipeline
 
 import hf_xformers
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))  # the scripts are plain files, not a package
-
-import run_image_classification  # noqa: E402
+from examples import run_image_classification
 
 TINY_SWIN = {"embed_dim": 16, "depths": [2, 2], "num_heads": [2, 4], "window_size": 4, "drop_path_rate": 0.0}
 COMMON = [
@@ -127,7 +122,7 @@ def test_new_model_defaults_learn_digits(tmp_path):
 
 
 def test_scratch_defaults_keep_what_the_user_set(tmp_path):
-    import utils_examples
+    from examples import utils_examples
 
     assert utils_examples.explicit_options(["--learning_rate=1e-4", "--max_steps", "5", "--do_train"]) == {
         "learning_rate", "max_steps", "do_train"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import json
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,22 +19,14 @@ from transformers import LongformerConfig, LongformerForMaskedLM, RobertaConfig,
 import hf_xformers
 from conversion.convert_from_transformers import convert_from_transformers
 from conversion.convert_roberta_to_long import convert_roberta_to_long
+from examples import run_clm, run_glue, run_image_classification, run_mlm, run_wikihop, utils_examples
 from hf_xformers import card
 from hf_xformers.card import CARD_DATA_FILE, build_model_card, save_card_data, template_path, write_model_card
 from hf_xformers.export import export_for_hub, exported_modules
 from hf_xformers.registration import REGISTRY
 from tests.tiny_tokenizers import SENTENCES, roberta_tokenizer
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 WIKIHOP = Path(__file__).resolve().parent / "fixtures" / "wikihop"
-sys.path.insert(0, str(EXAMPLES))  # the scripts are plain files, not a package
-
-import run_clm  # noqa: E402
-import run_glue  # noqa: E402
-import run_image_classification  # noqa: E402
-import run_mlm  # noqa: E402
-import run_wikihop  # noqa: E402
-import utils_examples  # noqa: E402
 
 TINY_TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
                  max_position_embeddings=130, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip

@@ -10,16 +10,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import sys  # noqa: E402
 from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))  # the scripts are plain files, not a package
-
-import run_clm  # noqa: E402
+from examples import run_clm  # noqa: E402
 
 TEXT = "\n".join(
     f"the {a} cat sat on the {b} mat and the {b} dog ran to the {a} tree." for a, b in

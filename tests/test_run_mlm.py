@@ -13,7 +13,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -23,12 +22,8 @@ from transformers import AutoModelForMaskedLM, AutoTokenizer, RobertaConfig, Rob
 
 import hf_xformers  # noqa: E402
 from conversion.convert_roberta_to_long import convert_roberta_to_long, copy_proj_layers  # noqa: E402
+from examples import run_mlm  # noqa: E402
 from tests.tiny_tokenizers import SENTENCES, roberta_tokenizer  # noqa: E402
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))  # the scripts are plain files, not a package
-
-import run_mlm  # noqa: E402
 
 SOURCE_TOKENS = 32
 LONG = 4 * SOURCE_TOKENS
@@ -393,8 +388,7 @@ def test_other_bad_inputs(converted, corpus, source_dir, tmp_path):
 def test_continued_pretraining_harness(tmp_path):
     """The harness on 3 documents of each corpus file, a 16-token RoBERTa converted to 32: every variant is scored,
     and the Trainer evaluation inside run_mlm.py equals the harness's own loop over the same masked tokens."""
-    sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
-    import continued_pretraining
+    from benchmarks import continued_pretraining
 
     results = continued_pretraining.main([
         "--work_dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--targets", "longformer", "performer",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -579,7 +578,6 @@ def _albert_checkpoint(cls, tmp_path: Path, **extra) -> tuple[nn.Module, Path]:
 
 
 def _convert(path: Path, output: Path | None = None):
-    sys.path.insert(0, str(REPO))
     from conversion.convert_from_transformers import convert_from_transformers
 
     return convert_from_transformers(path, output)[0]
@@ -878,8 +876,7 @@ def test_act_model_compiles_without_graph_breaks():
 
 
 def test_algorithmic_task_script_tiny_run(tmp_path):
-    sys.path.insert(0, str(REPO / "examples"))
-    import run_algorithmic_task as script
+    from examples import run_algorithmic_task as script
 
     results = script.main(
         ["--task", "reverse", "--train-max-length", "4", "--train-steps", "3", "--batch-size", "8", "--hidden-size", "16",

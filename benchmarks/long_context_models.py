@@ -1,0 +1,396 @@
+"""The architectures of the long-context benchmark: for each, how to build the hf_xformers model and its reference
+at a given length, plus the full-attention SDPA RoBERTa every architecture is also measured against.
+
+Adding an architecture is one registry entry::
+
+    ARCHS["bigbird"] = Arch(build_hfx=lambda c, L: ..., build_reference=lambda c, L: ...)
+
+where ``c`` is the :class:`BenchConfig` (hidden, layers, heads, intermediate, vocab, window) and ``L`` the length.
+Builders import their libraries when called, so a missing reference package only fails its own cells.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# Every cell is one of these: ours, the architecture's reference, or full-attention SDPA RoBERTa.
+IMPLS = ("hfx", "ref", "sdpa")
+
+
+@dataclass
+class BenchConfig:
+    """The model sizes of a run (the same for every implementation); ``window`` is the architecture's own knob
+    (attention window, block size, projected length, random features or chunk length)."""
+
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    intermediate: int = 1024
+    vocab: int = 1000
+    window: int = 512
+    batch: int = 1
+    dropout: float = 0.1
+
+
+@dataclass
+class Arch:
+    """``build_hfx(cfg, length)`` / ``build_reference(cfg, length)`` return an ``nn.Module`` whose forward takes
+    ``input_ids`` and ``attention_mask`` and returns an output with ``last_hidden_state``; the builder sizes the
+    position table for ``length`` itself."""
+
+    build_hfx: Callable
+    build_reference: Callable
+    description: str = ""
+
+
+def _padded(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def _hfx_longformer(c: BenchConfig, length: int):
+    import hf_xformers
+
+    config = hf_xformers.HfxLongformerConfig(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=c.heads,
+        intermediate_size=c.intermediate,
+        attention_window=c.window,
+        max_position_embeddings=length + 2,
+        hidden_dropout_prob=c.dropout,
+        attention_probs_dropout_prob=c.dropout,
+        type_vocab_size=1,
+    )
+    return hf_xformers.HfxLongformerModel(config)
+
+
+def _ref_longformer(c: BenchConfig, length: int):
+    from transformers import LongformerConfig, LongformerModel
+
+    config = LongformerConfig(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=c.heads,
+        intermediate_size=c.intermediate,
+        attention_window=c.window,
+        # transformers pads the input to a multiple of the window before the embeddings.
+        max_position_embeddings=_padded(length, c.window) + 2,
+        hidden_dropout_prob=c.dropout,
+        attention_probs_dropout_prob=c.dropout,
+        type_vocab_size=1,
+    )
+    return LongformerModel(config, add_pooling_layer=False)
+
+
+def build_sdpa_roberta(c: BenchConfig, length: int) -> nn.Module:
+    """Full-attention ``RobertaModel`` through ``scaled_dot_product_attention``, no pooler: the baseline of every arch."""
+    from transformers import RobertaConfig, RobertaModel
+
+    config = RobertaConfig(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=c.heads,
+        intermediate_size=c.intermediate,
+        max_position_embeddings=length + 2,
+        hidden_dropout_prob=c.dropout,
+        attention_probs_dropout_prob=c.dropout,
+        type_vocab_size=1,
+        attn_implementation="sdpa",
+    )
+    model = RobertaModel(config, add_pooling_layer=False)
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    return model
+
+
+ARCHS: dict[str, Arch] = {
+    "longformer": Arch(
+        build_hfx=_hfx_longformer,
+        build_reference=_ref_longformer,
+        description="sliding window (attention_window = --window), no global tokens; "
+        "reference = transformers.LongformerModel",
+    ),
+}
+
+
+# BigBird: --window is the block size (run with --window 64); 3 random blocks. Both BigBirds use exact GELU, like
+# the SDPA RoBERTa baseline, so the comparison is about attention, not activation functions.
+BIGBIRD_RANDOM_BLOCKS = 3
+
+
+def _hfx_bigbird(c: BenchConfig, length: int):
+    import hf_xformers
+
+    config = hf_xformers.HfxBigBirdConfig(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=c.heads,
+        intermediate_size=c.intermediate,
+        hidden_act="gelu",
+        attention_type="block_sparse",
+        block_size=c.window,
+        num_random_blocks=BIGBIRD_RANDOM_BLOCKS,
+        max_position_embeddings=length,
+        hidden_dropout_prob=c.dropout,
+        attention_probs_dropout_prob=c.dropout,
+        type_vocab_size=1,
+    )
+    return hf_xformers.HfxBigBirdModel(config, add_pooling_layer=False)
+
+
+def _ref_bigbird(c: BenchConfig, length: int):
+    from transformers import BigBirdConfig, BigBirdModel
+
+    config = BigBirdConfig(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=c.heads,
+        intermediate_size=c.intermediate,
+        hidden_act="gelu",
+        attention_type="block_sparse",
+        block_size=c.window,
+        num_random_blocks=BIGBIRD_RANDOM_BLOCKS,
+        # transformers pads the input to a multiple of the block size before the embeddings.
+        max_position_embeddings=_padded(length, c.window),
+        hidden_dropout_prob=c.dropout,
+        attention_probs_dropout_prob=c.dropout,
+        type_vocab_size=1,
+    )
+    return BigBirdModel(config, add_pooling_layer=False)
+
+
+ARCHS["bigbird"] = Arch(
+    build_hfx=_hfx_bigbird,
+    build_reference=_ref_bigbird,
+    description="block sparse (block_size = --window, 3 random blocks, ITC), hidden_act gelu; reference = "
+    "transformers.BigBirdModel(attention_type='block_sparse'), which switches to full attention at or below "
+    "(5 + 2 * 3) blocks",
+)
+
+
+
+
+# Linformer: --window is the projected length k (run with --window 256), one E and one F per layer shared by the
+# heads (headwise, lucidrains' default too). Performer: --window is the number of random features per head (run with
+# --window 266, int(d ln d) for d = 64: lucidrains' default). The references are lucidrains' `linformer` and
+# `performer-pytorch` stacks (pre-LN, GELU feed-forward of 4 x hidden) under a token + learned position embedding,
+# as in the anchor benchmarks; they take no pooler, and neither do ours here.
+
+
+def _hfx_linformer(c: BenchConfig, length: int):
+    import hf_xformers
+
+    config = hf_xformers.HfxLinformerConfig(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=c.heads,
+        intermediate_size=c.intermediate,
+        linformer_k=c.window,
+        linformer_sharing="headwise",
+        max_position_embeddings=length + 2,
+        hidden_dropout_prob=c.dropout,
+        attention_probs_dropout_prob=c.dropout,
+        type_vocab_size=1,
+    )
+    return hf_xformers.HfxLinformerModel(config, add_pooling_layer=False)
+
+
+def _hfx_performer(c: BenchConfig, length: int):
+    import hf_xformers
+
+    config = hf_xformers.HfxPerformerConfig(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=c.heads,
+        intermediate_size=c.intermediate,
+        num_random_features=c.window,
+        max_position_embeddings=length + 2,
+        hidden_dropout_prob=c.dropout,
+        attention_probs_dropout_prob=c.dropout,
+        type_vocab_size=1,
+    )
+    return hf_xformers.HfxPerformerModel(config, add_pooling_layer=False)
+
+
+def _lucidrains_encoder(c: BenchConfig, length: int, stack, takes_mask: bool):
+    """Token + learned position embeddings in front of a lucidrains stack, with our models' call signature."""
+    from types import SimpleNamespace
+
+    import torch
+
+    class LucidrainsEncoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.token_emb = torch.nn.Embedding(c.vocab, c.hidden)
+            self.pos_emb = torch.nn.Embedding(length, c.hidden)
+            self.stack = stack
+
+        def forward(self, input_ids, attention_mask=None):
+            x = self.token_emb(input_ids) + self.pos_emb(torch.arange(input_ids.shape[1], device=input_ids.device))
+            kwargs = {"mask": attention_mask.bool()} if takes_mask and attention_mask is not None else {}
+            return SimpleNamespace(last_hidden_state=self.stack(x, **kwargs))
+
+    return LucidrainsEncoder()
+
+
+def _ref_linformer(c: BenchConfig, length: int):
+    from linformer import Linformer  # pip install linformer (the `benchmarks` extra)
+
+    stack = Linformer(dim=c.hidden, seq_len=length, depth=c.layers, k=c.window, heads=c.heads, dropout=c.dropout)
+    return _lucidrains_encoder(c, length, stack, takes_mask=False)
+
+
+def _ref_performer(c: BenchConfig, length: int):
+    from performer_pytorch import Performer  # pip install performer-pytorch (the `benchmarks` extra)
+
+    stack = Performer(dim=c.hidden, depth=c.layers, heads=c.heads, dim_head=c.hidden // c.heads,
+                      nb_features=c.window, ff_dropout=c.dropout, attn_dropout=c.dropout)  # fmt: skip
+    return _lucidrains_encoder(c, length, stack, takes_mask=True)
+
+
+ARCHS["linformer"] = Arch(
+    build_hfx=_hfx_linformer,
+    build_reference=_ref_linformer,
+    description="projected length k = --window, headwise sharing; reference = lucidrains linformer.Linformer "
+    "(same k, headwise) under token + position embeddings",
+)
+ARCHS["performer"] = Arch(
+    build_hfx=_hfx_performer,
+    build_reference=_ref_performer,
+    description="FAVOR+ with --window orthogonal random features per head; reference = lucidrains "
+    "performer_pytorch.Performer (same number of features) under token + position embeddings",
+)
+
+
+# Reformer: --window is the chunk length of local and LSH attention (run with --window 64); layers alternate local and
+# LSH attention, 1 hashing round, the feed-forward is --intermediate wide (relu, transformers' default), heads of 64.
+# Axial positions (64, L / 64) with widths (64, hidden - 64): transformers' training needs the grid to equal the
+# length. Both models get the same explicit num_buckets (ours derives it from the length, transformers would pick it
+# from the first input). `reformer_stored` is ours with reversible=False (stored activations, the same numbers), for
+# the depth/memory study (benchmark_reformer_depth.py).
+REFORMER_HEAD_SIZE = 64
+
+
+def _reformer_kwargs(c: BenchConfig, length: int) -> dict:
+    from hf_xformers.models.reformer.configuration_reformer import default_num_buckets
+
+    if length % c.window or length // c.window < 2:
+        raise ValueError(f"reformer: the length ({length}) must be a multiple (>= 2) of the chunk length --window")
+    return dict(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        attn_layers=(["local", "lsh"] * c.layers)[: c.layers],
+        num_attention_heads=c.heads,
+        attention_head_size=REFORMER_HEAD_SIZE,
+        feed_forward_size=c.intermediate,
+        local_attn_chunk_length=c.window,
+        lsh_attn_chunk_length=c.window,
+        num_hashes=1,
+        num_buckets=default_num_buckets(length, c.window),
+        axial_pos_shape=(64, length // 64),
+        axial_pos_embds_dim=(64, c.hidden - 64),
+        max_position_embeddings=length,
+        hidden_dropout_prob=c.dropout,
+        local_attention_probs_dropout_prob=c.dropout,
+        lsh_attention_probs_dropout_prob=c.dropout,
+        hash_seed=None,
+        is_decoder=False,
+    )
+
+
+def _hfx_reformer(c: BenchConfig, length: int, reversible: bool = True, **overrides):
+    import hf_xformers
+
+    kwargs = {**_reformer_kwargs(c, length), **overrides}
+    return hf_xformers.HfxReformerModel(hf_xformers.HfxReformerConfig(**kwargs, reversible=reversible))
+
+
+def _ref_reformer(c: BenchConfig, length: int, **overrides):
+    from transformers import ReformerConfig, ReformerModel
+
+    return ReformerModel(ReformerConfig(**{**_reformer_kwargs(c, length), **overrides}))
+
+
+ARCHS["reformer"] = Arch(
+    build_hfx=_hfx_reformer,
+    build_reference=_ref_reformer,
+    description="layers alternating chunked local and LSH attention, chunk length = --window, 1 hashing round, "
+    "the same explicit num_buckets, axial positions (64, L/64); reference = transformers.ReformerModel (same config)",
+)
+ARCHS["reformer_stored"] = Arch(
+    build_hfx=lambda c, length: _hfx_reformer(c, length, reversible=False),
+    build_reference=_ref_reformer,
+    description="as `reformer`, ours with reversible=False (activations stored for backward, the same numbers); "
+    "reference = transformers.ReformerModel (always reversible in training)",
+)
+
+
+# Reformer against lucidrains' reformer-pytorch, whose layers all use LSH attention: ours gets attn_layers all "lsh"
+# and the settings lucidrains fixes (num_buckets = L / bucket_size, chunk = bucket_size = --window, GELU feed-forward
+# of 4 x hidden); lucidrains gets heads of 64, one hashing round, ff_chunks=1 (the feed-forward on all positions at
+# once, as ours), dropout on attention probabilities, attention output and feed-forward activations, reversible
+# layers, and the same axial positions (64, L / 64) of widths (64, hidden - 64) and a final LayerNorm in front of and
+# behind its `Reformer` stack. What cannot match: lucidrains' output projection has a bias, it normalises the mean of
+# the two streams (hidden wide) where ours normalises their concatenation, it has no dropout after the feed-forward
+# output nor on the embeddings, and its self-attention mask value is -5e4 (ours -1e5).
+def _hfx_reformer_all_lsh(c: BenchConfig, length: int):
+    return _hfx_reformer(c, length, attn_layers=["lsh"] * c.layers, num_buckets=length // c.window,
+                         hidden_act="gelu")  # fmt: skip
+
+
+def _ref_reformer_lucidrains(c: BenchConfig, length: int):
+    from types import SimpleNamespace
+
+    import torch
+    from axial_positional_embedding import AxialPositionalEmbedding
+    from reformer_pytorch import Reformer  # pip install reformer-pytorch (the `benchmarks` extra)
+
+    if c.intermediate % c.hidden:
+        raise ValueError("reformer-pytorch's feed-forward width is a multiple of hidden: adjust --intermediate")
+
+    class LucidrainsReformerEncoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.token_emb = torch.nn.Embedding(c.vocab, c.hidden)
+            self.pos_emb = AxialPositionalEmbedding(c.hidden, (64, length // 64), (64, c.hidden - 64))
+            self.reformer = Reformer(dim=c.hidden, depth=c.layers, heads=c.heads, dim_head=REFORMER_HEAD_SIZE,
+                                     bucket_size=c.window, n_hashes=1, ff_chunks=1, ff_mult=c.intermediate // c.hidden, causal=False,
+                                     lsh_dropout=c.dropout, ff_dropout=c.dropout, post_attn_dropout=c.dropout)  # fmt: skip
+            self.norm = torch.nn.LayerNorm(c.hidden)
+
+        def forward(self, input_ids, attention_mask=None):
+            x = self.token_emb(input_ids)
+            x = x + self.pos_emb(x)
+            kwargs = {"input_mask": attention_mask.bool()} if attention_mask is not None else {}
+            return SimpleNamespace(last_hidden_state=self.norm(self.reformer(x, **kwargs)))
+
+    return LucidrainsReformerEncoder()
+
+
+ARCHS["reformer_lucidrains"] = Arch(
+    build_hfx=_hfx_reformer_all_lsh,
+    build_reference=_ref_reformer_lucidrains,
+    description="every layer LSH attention (ours: attn_layers all 'lsh', num_buckets = L / --window, gelu), "
+    "chunk = bucket_size = --window, 1 hashing round; reference = lucidrains reformer_pytorch.Reformer (ff_chunks=1, "
+    "same dropouts but none after the feed-forward output) under token + axial position embeddings and a LayerNorm",
+)
+
+
+def build_model(arch: str, impl: str, c: BenchConfig, length: int) -> nn.Module:
+    """The model of one cell: ``impl`` (one of :data:`IMPLS`) of ``arch`` (a key of :data:`ARCHS`) at ``length``."""
+    if impl == "sdpa":
+        return build_sdpa_roberta(c, length)
+    entry = ARCHS[arch]
+    return entry.build_hfx(c, length) if impl == "hfx" else entry.build_reference(c, length)
+

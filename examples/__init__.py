@@ -1,0 +1,4 @@
+"""Example scripts, run from the repository root as modules: ``python -m examples.run_glue --help``.
+
+``utils_examples`` holds what the Trainer scripts share; each ``run_*`` module is one script.
+"""
