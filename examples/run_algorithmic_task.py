@@ -43,7 +43,7 @@ from torch import nn  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 from hf_xformers import HfxUniversalConfig, HfxUniversalForSeq2SeqLM  # noqa: E402
-from hf_xformers.layers.recurrent_block import timing_signal  # noqa: E402
+from hf_xformers.models.universal.recurrent_block import timing_signal  # noqa: E402
 
 BOS, PAD, EOS = 0, 1, 2
 DIGIT0, PLUS = 5, 15  # digits 0-9 are ids 5-14

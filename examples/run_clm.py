@@ -50,7 +50,7 @@ from hf_xformers import (  # noqa: E402
     HfxTransfoXLConfig,
     HfxTransfoXLForCausalLM,
 )
-from hf_xformers.layers.compat import checkpointing_argv  # noqa: E402
+from hf_xformers.ops.compat import checkpointing_argv  # noqa: E402
 
 logger = logging.getLogger(__name__)
 UNK, EOS = "<unk>", "<eos>"

@@ -26,7 +26,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from hf_xformers.card import hub_model_id, save_card_data, write_model_card
 from hf_xformers.export import export_for_hub
-from hf_xformers.layers.compat import checkpointing_argv
+from hf_xformers.ops.compat import checkpointing_argv
 from hf_xformers.registration import REGISTRY
 
 logger = logging.getLogger(__name__)
