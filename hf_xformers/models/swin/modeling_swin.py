@@ -35,6 +35,11 @@ from transformers import initialization as init
 from transformers.backbone_utils import BackboneMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BackboneOutput
+from transformers.models.swin.modeling_swin import (
+    SwinImageClassifierOutput,
+    SwinMaskedImageModelingOutput,
+    SwinModelOutput,
+)
 from transformers.utils import ModelOutput
 
 from ...attention.shifted_window import HfxShiftedWindowSelfAttention
@@ -54,48 +59,14 @@ FIXED_LAYER_NORM_EPS = 1e-5
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class HfxSwinModelOutput(ModelOutput):
-    """Output of :class:`HfxSwinModel`.
-
-    Args:
-        last_hidden_state: ``(batch, h * w, hidden_size)`` tokens of the last stage after the final LayerNorm.
-        pooler_output: ``(batch, hidden_size)``, mean of ``last_hidden_state`` over tokens (with a pooler).
-        hidden_states: with ``output_hidden_states``: the embeddings and the output of every stage (after its
-            patch merging), each ``(batch, tokens, channels)``.
-        attentions: with ``output_attentions``: per stage, the probabilities of its last block,
-            ``(batch * windows, heads, window**2, window**2)`` (transformers' convention).
-        reshaped_hidden_states: ``hidden_states`` as feature maps ``(batch, channels, height, width)``.
-    """
-
-    last_hidden_state: torch.Tensor | None = None
-    pooler_output: torch.Tensor | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
-    reshaped_hidden_states: tuple[torch.Tensor, ...] | None = None
-
-
-@dataclass
-class HfxSwinImageClassifierOutput(ModelOutput):
-    """``loss`` (with ``labels``), ``logits`` ``(batch, num_labels)`` and the base model's optional outputs."""
-
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
-    reshaped_hidden_states: tuple[torch.Tensor, ...] | None = None
-
-
-@dataclass
-class HfxSwinMaskedImageModelingOutput(ModelOutput):
-    """``loss`` (with ``bool_masked_pos``: mean L1 over masked pixels and channels, float32), ``reconstruction``
-    ``(batch, num_channels, height, width)`` and the base model's optional outputs."""
-
-    loss: torch.Tensor | None = None
-    reconstruction: torch.Tensor | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
-    reshaped_hidden_states: tuple[torch.Tensor, ...] | None = None
+# The outputs are transformers' Swin outputs (the same fields: last_hidden_state / logits / reconstruction, with
+# hidden_states, attentions and the feature maps reshaped_hidden_states), under our names, so code written for
+# transformers' Swin reads ours unchanged. attentions: per stage, the probabilities of its last block,
+# (batch * windows, heads, window**2, window**2); pooler_output: the mean over tokens; the masked-image-modelling loss
+# is the mean L1 over masked pixels and channels (float32).
+HfxSwinModelOutput = SwinModelOutput
+HfxSwinImageClassifierOutput = SwinImageClassifierOutput
+HfxSwinMaskedImageModelingOutput = SwinMaskedImageModelingOutput
 
 
 def _pair(value) -> tuple[int, int]:
