@@ -88,6 +88,17 @@ def eager_attention(
     return torch.matmul(F.dropout(probs, dropout_p, dropout_p > 0.0), value), probs
 
 
+# Outside torch.compile, run FlexAttention compiled (its eager form materialises every score: a reference, slow and
+# quadratic in memory). Tests set this to False to check the eager form too.
+FLEX_COMPILE = True
+
+
+def flex_returns_lse(device: torch.device) -> bool:
+    """Whether FlexAttention can return row log-normalisers here: compiled FlexAttention on the CPU cannot (torch
+    2.13: "torch.compile on CPU only supports inference and `return_lse` is not supported yet"); its eager form can."""
+    return device.type != "cpu" or (not FLEX_COMPILE and not torch.compiler.is_compiling())
+
+
 @functools.cache
 def _compiled_flex() -> Callable:
     # One compiled kernel for the process (transformers does the same): compiling per call would recompile.
@@ -103,18 +114,20 @@ def flex_attention(
     block_mask=None,
     score_mod: Callable | None = None,
     scale: float | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention: ``(batch, heads, q_len, d)`` queries against ``(batch, heads, k_len, d)`` keys and values,
     restricted by ``block_mask`` (a ``BlockMask``) and with ``score_mod`` applied to every score. Returns the context
-    ``(batch, heads, q_len, d)``.
+    ``(batch, heads, q_len, d)`` and, with ``return_lse``, the natural log of each row's softmax normaliser
+    ``(batch, heads, q_len)``.
 
     Outside ``torch.compile`` the kernel runs compiled (FlexAttention's eager form materialises the scores and is a
     reference only); inside a compiled model, the model's compilation covers it.
     """
     from torch.nn.attention.flex_attention import flex_attention as flex
 
-    kernel = flex if torch.compiler.is_compiling() else _compiled_flex()
-    return kernel(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    kernel = flex if torch.compiler.is_compiling() or not FLEX_COMPILE else _compiled_flex()
+    return kernel(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, return_lse=return_lse)
 
 
 __all__ = [
@@ -126,4 +139,5 @@ __all__ = [
     "eager_attention",
     "flex_applies",
     "flex_attention",
+    "flex_returns_lse",
 ]
