@@ -46,7 +46,7 @@ def run(model, arch: str, implementation: str, padding: str = "right", **kwargs)
     assert model.config._attn_implementation == implementation
     if arch == "swin":
         (pixels,) = image_inputs((40, 33))
-        out = model(pixel_values=pixels, **kwargs)
+        out = model(pixel_values=pixels.to(next(model.parameters()).dtype), **kwargs)
         return out, torch.ones(out.last_hidden_state.shape[:2], dtype=torch.bool)
     ids, mask = text_inputs(LENGTH)
     if padding == "left":

@@ -210,7 +210,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         implementation = attention_implementation(self.config)
         # "eager" (and output_attentions) take the dense oracle: the explicit softmax under the pattern mask.
         eager = output_attentions or implementation == EAGER
-        flex = not eager and flex_applies(implementation, hidden_states)
+        flex = not eager and flex_applies(implementation, hidden_states, self.training)
         batch, length, _ = hidden_states.shape
         if not (eager or flex) and not is_tracing() and ceil_div(length, self.block_size) <= self.num_random_blocks + 4:
             # Every example's last block is <= r + 3, so the pattern covers every key (module docstring): the result

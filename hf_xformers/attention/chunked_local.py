@@ -203,7 +203,7 @@ class HfxLocalSelfAttention(nn.Module):
         if attention_mask is not None:
             key_real = gather_chunks(attention_mask.view(batch, 1, num_chunks, chunk), index)  # (batch, 1, C, K)
             mask = mask & key_real[:, :, :, None, :]
-        if not output_attentions and flex_applies(attention_implementation(self.config), hidden_states):
+        if not output_attentions and flex_applies(attention_implementation(self.config), hidden_states, self.training, self.dropout.p):
             context = self._flex_attention(
                 q.flatten(2, 3), keys, values, index, keep, attention_mask, chunk, num_chunks, seq_len
             )  # fmt: skip

@@ -293,12 +293,10 @@ class HfxLSHSelfAttention(nn.Module):
         )  # fmt: skip
         q = chunked(qk)
         q_pos = token.view(batch, self.num_heads, num_chunks, chunk)
-        # FlexAttention has no dropout on the probabilities; combining rounds needs each row's log-normaliser, which
-        # compiled FlexAttention returns on CUDA but not (torch 2.13) on the CPU, where several rounds keep the
-        # chunked kernel below (the same numbers).
-        dropout = self.training and self.dropout.p > 0
+        # Combining rounds needs each row's log-normaliser, which compiled FlexAttention returns on CUDA but not (torch
+        # 2.13) on the CPU, where several rounds keep the chunked kernel below (the same numbers).
         lse_ok = num_hashes == 1 or flex_returns_lse(qk.device)
-        if not output_attentions and not dropout and lse_ok and flex_applies(attention_implementation(self.config), qk):
+        if not output_attentions and lse_ok and flex_applies(attention_implementation(self.config), qk, self.training, self.dropout.p):
             context, log_norm = self._flex_sorted(q.flatten(2, 3), chunked(v).flatten(2, 3), token, index, keep,
                                                   attention_mask, chunk, num_chunks, num_hashes > 1)  # fmt: skip
             context = context.reshape(-1, self.head_dim)

@@ -90,7 +90,7 @@ class HfxUniversalAttention(QKVProjection):
                     cache.cross_key_value = (k, v)
         dropout = self.dropout_p if self.training else 0.0
         implementation = attention_implementation(self.config)
-        if not output_attentions and dropout == 0.0 and flex_applies(implementation, q):
+        if not output_attentions and flex_applies(implementation, q, self.training, self.dropout_p):
             return AttentionOutput(merge_heads(self._flex(q, k, v, attention_mask, is_causal)))
         if not output_attentions and implementation != EAGER:
             context = F.scaled_dot_product_attention(

@@ -256,7 +256,7 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
 
         # SDPA's fused CPU kernel cannot return a gradient for the mask; when the bias table needs one, torch runs
         # its unfused math path instead, which the explicit path below beats (measured ~10 % on Swin-T shapes).
-        if not output_attentions and flex_applies(implementation, q):
+        if not output_attentions and flex_applies(implementation, q, self.training, self.dropout_p):
             bias = self.relative_position_bias(window)  # (heads, N, N)
             shift_mask = shift_mask.to(bias.dtype) if shift else None  # (windows, N, N)
 

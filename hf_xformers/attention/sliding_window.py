@@ -184,7 +184,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         # take the banded path: the same result, and no branch on the length.
         # "eager" (and output_attentions) take the explicit softmax of the banded path.
         eager = output_attentions or implementation == EAGER
-        if not eager and flex_applies(implementation, hidden_states):
+        if not eager and flex_applies(implementation, hidden_states, self.training, self.dropout_p):
             block_mask = (flex_masks or {}).get(self.one_sided_window)
             if block_mask is None:
                 block_mask = band_block_mask(attention_mask, is_global, self.one_sided_window, length, hidden_states.device)

@@ -48,12 +48,16 @@ def attention_implementation(config) -> str:
     return implementation
 
 
-def flex_applies(implementation: str, reference: torch.Tensor) -> bool:
-    """True when ``"flex_attention"`` was chosen and can run here: FlexAttention has no backward pass on the CPU, so
-    a CPU forward that records gradients takes the ``"sdpa"`` path instead (the same numbers)."""
-    if implementation != FLEX:
+def flex_applies(implementation: str, reference: torch.Tensor, training: bool, dropout_p: float = 0.0) -> bool:
+    """True when ``"flex_attention"`` was chosen and can run here. FlexAttention has no backward pass on the CPU, so
+    CPU training (a module in training mode, or a forward that records gradients) takes the ``"sdpa"`` path instead:
+    the same numbers, and a reversible stack recomputes exactly what its forward computed. Nor has it dropout on the
+    probabilities: training with attention dropout takes the ``"sdpa"`` path on every device."""
+    if implementation != FLEX or (training and dropout_p > 0.0):
         return False
-    return reference.device.type != "cpu" or not (torch.is_grad_enabled() and reference.requires_grad)
+    if reference.device.type != "cpu":
+        return True
+    return not training and not (torch.is_grad_enabled() and reference.requires_grad)
 
 
 def eager_attention(
