@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention
 from ..ops.input_checks import is_tracing
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
 from .base import AttentionOutput
@@ -206,8 +207,12 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, hidden)``."""
         if self.attention_type == "original_full":
             return super().forward(hidden_states, attention_mask, None, output_attentions)
+        implementation = attention_implementation(self.config)
+        # "eager" (and output_attentions) take the dense oracle: the explicit softmax under the pattern mask.
+        eager = output_attentions or implementation == EAGER
+        flex = not eager and flex_applies(implementation, hidden_states, self.training)
         batch, length, _ = hidden_states.shape
-        if not output_attentions and not is_tracing() and ceil_div(length, self.block_size) <= self.num_random_blocks + 4:
+        if not (eager or flex) and not is_tracing() and ceil_div(length, self.block_size) <= self.num_random_blocks + 4:
             # Every example's last block is <= r + 3, so the pattern covers every key (module docstring): the result
             # is full attention, computed at full-attention speed by one SDPA call instead of the blocked path (with
             # no mask at all when nothing is padded).
@@ -220,9 +225,11 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         if attention_mask is None:
             attention_mask = torch.ones(batch, length, dtype=torch.bool, device=hidden_states.device)
         plan = self.plan(attention_mask)
-        if output_attentions:
+        if eager:
             context, probs = self.dense_reference(hidden_states, attention_mask, plan, output_attentions=True)
-            return AttentionOutput(context, probs)
+            return AttentionOutput(context, probs if output_attentions else None)
+        if flex:
+            return AttentionOutput(self._flex_pattern(hidden_states, attention_mask, plan, padded))
         if not is_tracing() and self.dense_is_cheaper(ceil_div(length, self.block_size)):
             return AttentionOutput(self._dense_pattern(hidden_states, attention_mask, plan, padded))
         return AttentionOutput(self._block_sparse(hidden_states, attention_mask, plan, padded))
@@ -338,11 +345,31 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         context = merge_heads(unblock(out, length, dim=2))
         return context.masked_fill(~attention_mask[..., None], 0.0) if padded else context
 
+    def _flex_pattern(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan, padded: bool
+    ) -> torch.Tensor:
+        """FlexAttention under the block pattern: the ``(batch, heads, nb, nb)`` block table of :meth:`pattern_blocks`
+        (global, window and the seeded random blocks) and the key mask become the ``BlockMask``, at BigBird's block
+        size, so the kernel visits exactly the ``5 + r`` key blocks of each middle query block."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        length, b = hidden_states.shape[1], self.block_size
+        q, k, v = self._project(hidden_states, length)
+        blocks, key_mask = self.pattern_blocks(plan), plan.key_mask
+
+        def in_pattern(batch_idx, head, q_idx, kv_idx):
+            return blocks[batch_idx, head, q_idx // b, kv_idx // b] & key_mask[batch_idx, kv_idx]
+
+        block_mask = create_block_mask(
+            in_pattern, blocks.shape[0], blocks.shape[1], length, length, device=q.device, BLOCK_SIZE=b
+        )
+        context = merge_heads(flex_attention(q, k, v, block_mask=block_mask))
+        return context.masked_fill(~attention_mask[..., None], 0.0) if padded else context
+
     # ----- the oracle -------------------------------------------------------------------------------------
-    def pattern_mask(self, plan: BlockPlan, length: int) -> torch.Tensor:
-        """The attention pattern as a dense mask: ``(batch, heads, length, length)`` bool, True where query
-        (row) may attend to key (column). Built from the definition, independently of the fast path."""
-        b = self.block_size
+    def pattern_blocks(self, plan: BlockPlan) -> torch.Tensor:
+        """The pattern per block: ``(batch, heads, nb, nb)`` bool, True where query block (row) may attend to key block
+        (column): the global blocks, the window and the random blocks of ``plan``."""
         batch, heads, nb, _ = plan.random.shape
         i = torch.arange(nb, device=plan.key_mask.device)[:, None]
         j = torch.arange(nb, device=plan.key_mask.device)[None, :]
@@ -350,7 +377,13 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         blocks = (i == 0) | (i == last) | (j == 0) | (j == last) | ((i - j).abs() <= 1)
         chosen = torch.zeros(batch, heads, nb, nb, dtype=torch.long, device=blocks.device)
         chosen.scatter_add_(-1, plan.random, plan.random_valid[:, None].expand_as(plan.random).long())
-        blocks = blocks | (chosen > 0)
+        return blocks | (chosen > 0)
+
+    def pattern_mask(self, plan: BlockPlan, length: int) -> torch.Tensor:
+        """The attention pattern as a dense mask: ``(batch, heads, length, length)`` bool, True where query
+        (row) may attend to key (column). Built from the definition, independently of the fast path."""
+        b = self.block_size
+        blocks = self.pattern_blocks(plan)
         tokens = blocks.repeat_interleave(b, dim=-1).repeat_interleave(b, dim=-2)
         return (tokens & plan.key_mask[:, None, None, :])[:, :, :length, :length]
 

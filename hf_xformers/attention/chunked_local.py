@@ -19,6 +19,7 @@ import math
 import torch
 from torch import nn
 
+from ..ops.attention_switch import attention_implementation, flex_applies, flex_attention
 from ..ops.fast_dropout import HfxDropout
 from ..ops.precision import mask_value
 from ..ops.shapes import merge_heads, split_heads, unblock
@@ -147,6 +148,8 @@ class HfxLocalSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, inner, bias=False)
         self.value = nn.Linear(config.hidden_size, inner, bias=False)
         self.dropout = HfxDropout(config.local_attention_probs_dropout_prob)
+        # Read at every forward: config._attn_implementation ("eager", "sdpa", "flex_attention") may change.
+        self.config = config
 
     def _qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if plain_linears(self.query, self.key, self.value):
@@ -172,6 +175,7 @@ class HfxLocalSelfAttention(nn.Module):
         batch, seq_len, _ = hidden_states.shape
         q, k, v = self._qkv(hidden_states)
         k = k / math.sqrt(self.head_dim)
+        keys = k
         # A branch rather than min(): on a symbolic length it becomes a guard (static per traced graph) instead of a
         # Min(...) expression that every later size inherits and the tracer cannot simplify.
         chunk = self.chunk_length if seq_len >= self.chunk_length else seq_len
@@ -199,6 +203,11 @@ class HfxLocalSelfAttention(nn.Module):
         if attention_mask is not None:
             key_real = gather_chunks(attention_mask.view(batch, 1, num_chunks, chunk), index)  # (batch, 1, C, K)
             mask = mask & key_real[:, :, :, None, :]
+        if not output_attentions and flex_applies(attention_implementation(self.config), hidden_states, self.training, self.dropout.p):
+            context = self._flex_attention(
+                q.flatten(2, 3), keys, values, index, keep, attention_mask, chunk, num_chunks, seq_len
+            )  # fmt: skip
+            return AttentionOutput(merge_heads(context), None)
         if self.is_decoder:
             mask = mask & (positions[..., :, None] >= key_pos[..., None, :])
         scores = torch.matmul(q, k.transpose(-1, -2))
@@ -211,6 +220,36 @@ class HfxLocalSelfAttention(nn.Module):
             return AttentionOutput(merge_heads(torch.matmul(self.dropout(rebuilt), values)), attentions)
         context = unblock(torch.matmul(self.dropout(probs), v), seq_len, dim=2)  # (batch, heads, seq_len, head_dim)
         return AttentionOutput(merge_heads(context), None)
+
+    def _flex_attention(self, q, k, v, index, keep, attention_mask, chunk, num_chunks, seq_len) -> torch.Tensor:
+        """The chunk windows as FlexAttention's ``BlockMask`` over the whole sequence: ``q`` ``(batch, heads, seq_len,
+        dim)``, ``k`` (already scaled by ``dim ** -0.5``) and ``v`` ``(batch, heads, seq_len, dim)`` -> the context
+        ``(batch, heads, seq_len, dim)``.
+
+        A key chunk that appears ``n`` times in a query chunk's window (a window wider than the chunk count, as in
+        transformers) counts ``n`` times in the softmax: its scores get ``log n`` (``score_mod``), the same weights as
+        ``n`` copies of the key."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        batch = q.shape[0]
+        counts = torch.zeros(index.shape[0], num_chunks, num_chunks, dtype=torch.long, device=q.device)
+        counts = counts.scatter_add_(-1, index, keep.long()).expand(batch, -1, -1)
+        log_counts = counts.clamp(min=1).to(torch.float32).log()
+        causal = self.is_decoder
+
+        def in_window(b, h, q_idx, kv_idx):
+            allowed = counts[b, q_idx // chunk, kv_idx // chunk] > 0
+            if attention_mask is not None:
+                allowed = allowed & attention_mask[b, kv_idx]
+            if causal:
+                allowed = allowed & (q_idx >= kv_idx)
+            return allowed
+
+        def repeats(score, b, h, q_idx, kv_idx):
+            return score + log_counts[b, q_idx // chunk, kv_idx // chunk]
+
+        block_mask = create_block_mask(in_window, batch, None, seq_len, seq_len, device=q.device)
+        return flex_attention(q, k, v, block_mask=block_mask, score_mod=repeats, scale=1.0)
 
     def decode_step(
         self, hidden_states: torch.Tensor, past_states: torch.Tensor, output_attentions: bool = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops.attention_switch import EAGER, attention_implementation
 from ..ops.kernels import attention
 from ..ops.shapes import merge_heads, split_heads
 from .base import AttentionOutput, QKVProjection
@@ -25,6 +26,8 @@ class HfxFullSelfAttention(QKVProjection):
     def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__(config.hidden_size, config.num_attention_heads)
         self.dropout_p = config.attention_probs_dropout_prob
+        # Read at every forward: config._attn_implementation ("eager", "sdpa", ...) may change.
+        self.config = config
 
     def forward(
         self,
@@ -34,7 +37,9 @@ class HfxFullSelfAttention(QKVProjection):
         output_attentions: bool = False,
     ) -> AttentionOutput:
         dropout = self.dropout_p if self.training else 0.0
-        return self.attend(hidden_states, attention_mask, output_attentions, dropout)
+        eager = output_attentions or attention_implementation(self.config) == EAGER
+        out = self.attend(hidden_states, attention_mask, eager, dropout)
+        return out if output_attentions else AttentionOutput(out.context)
 
     def attend(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, output_attentions: bool, dropout: float

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configs.choices import LINFORMER_SHARING_MODES
+from ..ops.attention_switch import EAGER, attention_implementation
 from ..ops.input_checks import is_tracing
 from ..ops.kernels import attention
 from ..ops.shapes import merge_heads, split_heads
@@ -98,6 +99,8 @@ class HfxLowRankSelfAttention(QKVProjection):
         self.projected_length = config.linformer_k
         self.sharing = config.linformer_sharing
         self.dropout_p = config.attention_probs_dropout_prob
+        # Read at every forward: config._attn_implementation ("eager", "sdpa") may change.
+        self.config = config
         self._support_cache: tuple | None = None  # (E, F, key, support) for unpadded inputs
         n, k = self.max_length, self.projected_length
         if self.sharing == "none":
@@ -235,7 +238,7 @@ class HfxLowRankSelfAttention(QKVProjection):
             mask = self.support_mask(padding, length)
             mask = None if not is_tracing() and bool(mask.all()) else mask
         dropout = self.dropout_p if self.training else 0.0
-        if not output_attentions:
+        if not output_attentions and attention_implementation(self.config) != EAGER:
             # SDPA itself without dropout; with dropout our kernel instead of SDPA's CPU math path (kernels.py).
             context = attention(q, k, v, mask, dropout)
             return AttentionOutput(merge_heads(context))
@@ -244,4 +247,4 @@ class HfxLowRankSelfAttention(QKVProjection):
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         context = torch.matmul(F.dropout(probs, dropout, self.training), v)
-        return AttentionOutput(merge_heads(context), probs)
+        return AttentionOutput(merge_heads(context), probs if output_attentions else None)

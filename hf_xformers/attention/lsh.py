@@ -26,6 +26,7 @@ import math
 import torch
 from torch import nn
 
+from ..ops.attention_switch import attention_implementation, flex_applies, flex_attention, flex_returns_lse
 from ..ops.fast_dropout import HfxDropout
 from ..ops.precision import float32_autocast_off, mask_value
 from ..ops.shapes import merge_heads, split_heads
@@ -124,6 +125,8 @@ class HfxLSHSelfAttention(nn.Module):
         self.query_key = nn.Linear(config.hidden_size, inner, bias=False)
         self.value = nn.Linear(config.hidden_size, inner, bias=False)
         self.dropout = HfxDropout(config.lsh_attention_probs_dropout_prob)
+        # Read at every forward: config._attn_implementation ("eager", "sdpa", "flex_attention") may change.
+        self.config = config
         # Fixed rotations (hash_seed, or the layer index when there is none): eval, and training with a hash_seed.
         # Drawn once on the CPU from the seed, so every device hashes with the same numbers; a buffer, so the model's
         # `.to(device)` keeps a copy on its device (float32 always: see `_apply`).
@@ -289,16 +292,25 @@ class HfxLSHSelfAttention(nn.Module):
             real_chunk_count(real, chunk, total), qk.device,
         )  # fmt: skip
         q = chunked(qk)
-        k = gather_chunks(unit_rms(q) / math.sqrt(self.head_dim), index)
-        v_sorted = gather_chunks(chunked(v), index)
         q_pos = token.view(batch, self.num_heads, num_chunks, chunk)
-        k_pos = gather_chunks(q_pos, index)
-        key_real = None
-        if attention_mask is not None:
-            key_real = attention_mask[torch.arange(batch, device=qk.device)[:, None, None, None], k_pos]
-        scores = self._scores(q, k, q_pos, k_pos, key_real, expand_keep(keep, chunk))
-        probs = torch.softmax(scores, dim=-1)
-        context = torch.matmul(self.dropout(probs), v_sorted).view(-1, self.head_dim)
+        # Combining rounds needs each row's log-normaliser, which compiled FlexAttention returns on CUDA but not (torch
+        # 2.13) on the CPU, where several rounds keep the chunked kernel below (the same numbers).
+        lse_ok = num_hashes == 1 or flex_returns_lse(qk.device)
+        if not output_attentions and lse_ok and flex_applies(attention_implementation(self.config), qk, self.training, self.dropout.p):
+            context, log_norm = self._flex_sorted(q.flatten(2, 3), chunked(v).flatten(2, 3), token, index, keep,
+                                                  attention_mask, chunk, num_chunks, num_hashes > 1)  # fmt: skip
+            context = context.reshape(-1, self.head_dim)
+        else:
+            k = gather_chunks(unit_rms(q) / math.sqrt(self.head_dim), index)
+            v_sorted = gather_chunks(chunked(v), index)
+            k_pos = gather_chunks(q_pos, index)
+            key_real = None
+            if attention_mask is not None:
+                key_real = attention_mask[torch.arange(batch, device=qk.device)[:, None, None, None], k_pos]
+            scores = self._scores(q, k, q_pos, k_pos, key_real, expand_keep(keep, chunk))
+            probs = torch.softmax(scores, dim=-1)
+            context = torch.matmul(self.dropout(probs), v_sorted).view(-1, self.head_dim)
+            log_norm = None
         # Undo the sort: sorted slot s holds round order[s] // seq_len of position order[s] % seq_len.
         undo = torch.argsort(order, dim=-1)
         undo_rows = (undo + head_rows * num_hashes).flatten()
@@ -309,7 +321,9 @@ class HfxLSHSelfAttention(nn.Module):
             # log-normalisers gives one softmax over the union of the windows. Statistics in float32: in 16 bits a
             # log-normaliser of a few units is off by ~1e-2, and so is every round weight.
             with float32_autocast_off(qk.device.type):
-                log_norm = torch.logsumexp(scores.float(), dim=-1).flatten().index_select(0, undo_rows)
+                if log_norm is None:
+                    log_norm = torch.logsumexp(scores.float(), dim=-1)
+                log_norm = log_norm.float().flatten().index_select(0, undo_rows)
                 weights = torch.softmax(log_norm.view(batch, self.num_heads, num_hashes, seq_len), dim=2)
             weights = weights.to(context.dtype)
             context = (context * weights[..., None]).sum(2)
@@ -339,6 +353,42 @@ class HfxLSHSelfAttention(nn.Module):
             attentions, rebuilt = corner_on_graph(attentions, output_length)
             context = torch.matmul(self.dropout(rebuilt), v)
         return AttentionOutput(merge_heads(context), attentions, buckets)
+
+    def _flex_sorted(self, q, v, token, index, keep, attention_mask, chunk, num_chunks, need_log_norm):
+        """The sorted chunks under FlexAttention: ``q`` / ``v`` ``(batch, heads, rounds * seq_len, dim)`` in bucket
+        order, ``token`` ``(batch, heads, rounds * seq_len)`` their positions. Returns the context in the same order
+        and the log-normaliser of every row (``(batch, heads, rounds * seq_len)``, for combining the rounds).
+
+        The ``BlockMask`` holds each chunk's window (a chunk repeated in a window counts as often, through ``log n``
+        in the ``score_mod``); the mask asks for real keys and, in decoders, earlier positions, and a query's own
+        position always stays with the logit :func:`self_mask_value` (the ``score_mod`` replaces its score), as
+        in the chunked computation. The log-normalisers are None unless ``need_log_norm``."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        batch, heads, total, _ = q.shape
+        keys = unit_rms(q) / math.sqrt(self.head_dim)
+        counts = torch.zeros(index.shape[0], num_chunks, num_chunks, dtype=torch.long, device=q.device)
+        counts = counts.scatter_add_(-1, index, keep.long()).expand(batch, -1, -1)
+        log_counts = counts.clamp(min=1).to(torch.float32).log()
+        causal, own_logit = self.is_decoder, self_mask_value(q.dtype)
+
+        def allowed(b, h, i, j):
+            key_ok = attention_mask[b, token[b, h, j]] if attention_mask is not None else token[b, h, j] >= 0
+            if causal:
+                key_ok = key_ok & (token[b, h, i] >= token[b, h, j])
+            return (counts[b, i // chunk, j // chunk] > 0) & (key_ok | (token[b, h, i] == token[b, h, j]))
+
+        def own_position_and_repeats(score, b, h, i, j):
+            score = torch.where(token[b, h, i] == token[b, h, j], own_logit, score)
+            return score + log_counts[b, i // chunk, j // chunk]
+
+        block_mask = create_block_mask(allowed, batch, heads, total, total, device=q.device)
+        if not need_log_norm:
+            context = flex_attention(q, keys, v, block_mask=block_mask, score_mod=own_position_and_repeats, scale=1.0)
+            return context, None
+        return flex_attention(
+            q, keys, v, block_mask=block_mask, score_mod=own_position_and_repeats, scale=1.0, return_lse=True
+        )
 
     # ----- cached decoding -----------------------------------------------------------------------------------
     def decode_step(

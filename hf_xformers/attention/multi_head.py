@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention
 from ..ops.shapes import merge_heads, split_heads
 from .base import AttentionOutput, QKVProjection
 
@@ -57,6 +58,8 @@ class HfxUniversalAttention(QKVProjection):
     def __init__(self, config) -> None:
         super().__init__(config.hidden_size, config.num_attention_heads)
         self.dropout_p = config.attention_probs_dropout_prob
+        # Read at every forward: config._attn_implementation ("eager", "sdpa", "flex_attention") may change.
+        self.config = config
 
     def forward(
         self,
@@ -86,7 +89,10 @@ class HfxUniversalAttention(QKVProjection):
                 if cache is not None:
                     cache.cross_key_value = (k, v)
         dropout = self.dropout_p if self.training else 0.0
-        if not output_attentions:
+        implementation = attention_implementation(self.config)
+        if not output_attentions and flex_applies(implementation, q, self.training, self.dropout_p):
+            return AttentionOutput(merge_heads(self._flex(q, k, v, attention_mask, is_causal)))
+        if not output_attentions and implementation != EAGER:
             context = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal
             )
@@ -98,4 +104,28 @@ class HfxUniversalAttention(QKVProjection):
             # -inf fits every dtype, and attention_mask_4d leaves every row at least one key: no NaN rows.
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return AttentionOutput(merge_heads(torch.matmul(F.dropout(probs, dropout, self.training), v)), probs)
+        context = merge_heads(torch.matmul(F.dropout(probs, dropout, self.training), v))
+        return AttentionOutput(context, probs if output_attentions else None)
+
+    @staticmethod
+    def _flex(q, k, v, attention_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+        """FlexAttention with the causal pattern as a ``BlockMask`` (the kernel skips the blocks above the diagonal),
+        or the given ``(batch or 1, 1, query, keys)`` mask read per score; no mask: dense."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        query_len, key_len = q.shape[2], k.shape[2]
+        if is_causal:
+            def keep(b, h, q_idx, kv_idx):
+                return q_idx >= kv_idx
+
+            block_mask = create_block_mask(keep, None, None, query_len, key_len, device=q.device)
+        elif attention_mask is not None:
+            mask = attention_mask.expand(q.shape[0], 1, query_len, key_len)
+
+            def keep(b, h, q_idx, kv_idx):
+                return mask[b, 0, q_idx, kv_idx]
+
+            block_mask = create_block_mask(keep, q.shape[0], None, query_len, key_len, device=q.device)
+        else:
+            block_mask = None
+        return flex_attention(q, k, v, block_mask=block_mask)

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.attention_switch import EAGER, flex_applies, flex_attention
 from ..ops.shapes import ceil_div
 from .base import AttentionOutput, QKVProjection
 
@@ -206,7 +207,7 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
         input_dimensions: tuple[int, int],
         always_partition: bool = False,
         output_attentions: bool = False,
-        use_sdpa: bool = True,
+        implementation: str = "sdpa",
     ) -> AttentionOutput:
         """Attend within windows.
 
@@ -215,7 +216,8 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
             input_dimensions: ``(H, W)``.
             always_partition: keep the configured window and shift even on maps no larger than the window.
             output_attentions: also return the probabilities (explicit softmax instead of SDPA).
-            use_sdpa: False forces the explicit path (``attn_implementation="eager"``).
+            implementation: ``config._attn_implementation``: ``"eager"`` the explicit softmax, ``"sdpa"`` SDPA,
+                ``"flex_attention"`` FlexAttention with the bias and the shift mask as its ``score_mod``.
 
         Returns:
             :class:`AttentionOutput` with ``context`` ``(batch, H * W, dim)`` (before the output projection) and,
@@ -254,7 +256,20 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
 
         # SDPA's fused CPU kernel cannot return a gradient for the mask; when the bias table needs one, torch runs
         # its unfused math path instead, which the explicit path below beats (measured ~10 % on Swin-T shapes).
-        if output_attentions or not use_sdpa or (mask.requires_grad and torch.is_grad_enabled()):
+        if not output_attentions and flex_applies(implementation, q, self.training, self.dropout_p):
+            bias = self.relative_position_bias(window)  # (heads, N, N)
+            shift_mask = shift_mask.to(bias.dtype) if shift else None  # (windows, N, N)
+
+            def window_scores(score, b, h, q_idx, kv_idx):
+                # b runs over (batch * windows), window-major within each image
+                score = score + bias[h, q_idx, kv_idx]
+                if shift_mask is not None:
+                    score = score + shift_mask[b % num_windows, q_idx, kv_idx]
+                return score
+
+            context = flex_attention(q, k, v, score_mod=window_scores, scale=self.scale)
+            probs = None
+        elif output_attentions or implementation == EAGER or (mask.requires_grad and torch.is_grad_enabled()):
             # Scores as (batch, windows, heads, N, N): the mask broadcasts over images instead of being copied.
             q, k, v = (t.view(batch, num_windows, self.num_heads, n, self.head_dim) for t in (q, k, v))
             # Under autocast q and k are 16-bit and so is their product; adding the float32 mask promotes the scores

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention
 from ..ops.input_checks import is_tracing
 from ..ops.kernels import attention
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
@@ -98,6 +99,28 @@ def global_slots_of(is_global: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return global_idx, global_valid
 
 
+def band_block_mask(
+    attention_mask: torch.Tensor | None, is_global: torch.Tensor | None, one_sided_window: int, length: int,
+    device: torch.device,
+):  # fmt: skip
+    """FlexAttention's ``BlockMask`` of Longformer's local attention: query ``i`` sees key ``j`` when ``|i - j| <= w``
+    or ``j`` is global, and ``j`` is a real token. ``attention_mask`` / ``is_global``: ``(batch, length)`` bool or
+    None. The kernel skips the blocks outside the band and the global columns."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def local(b, h, q, kv):
+        keep = (q - kv).abs() <= one_sided_window
+        if is_global is not None:
+            keep = keep | is_global[b, kv]
+        if attention_mask is not None:
+            keep = keep & attention_mask[b, kv]
+        return keep
+
+    per_example = attention_mask if attention_mask is not None else is_global
+    batch = None if per_example is None else per_example.shape[0]
+    return create_block_mask(local, batch, None, length, length, device=device)
+
+
 class HfxSlidingWindowSelfAttention(QKVProjection):
     """Sliding-window + global self-attention of one Longformer layer.
 
@@ -124,6 +147,8 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         self.key_global = nn.Linear(hidden, hidden)
         self.value_global = nn.Linear(hidden, hidden)
         self.dropout_p = config.attention_probs_dropout_prob
+        # Read at every forward: config._attn_implementation ("eager", "sdpa", "flex_attention") may change.
+        self.config = config
 
     def forward(
         self,
@@ -132,12 +157,16 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         global_attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
         global_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
+        flex_masks: dict | None = None,
     ) -> AttentionOutput:
         """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, hidden)``.
 
         ``attention_mask`` None means no padding, ``global_attention_mask`` None no global token. ``global_slots``
-        is :func:`global_slots_of` the global tokens, which the model computes once for all layers (None: computed here).
+        is :func:`global_slots_of` the global tokens, which the model computes once for all layers (None: computed here);
+        ``flex_masks`` the FlexAttention block masks by one-sided window (:func:`band_block_mask`, which the model builds
+        once per forward under ``attn_implementation="flex_attention"``; None: built here).
         """
+        implementation = attention_implementation(self.config)
         batch, length, hidden = hidden_states.shape
         is_global = None
         if global_attention_mask is not None:
@@ -153,12 +182,21 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         # all keys, so short inputs take the dense call with the band as a mask: the same result at the speed
         # of full attention (no mask at all once the window covers the whole sequence). Traced graphs always
         # take the banded path: the same result, and no branch on the length.
-        if not output_attentions and not is_tracing() and length <= self.query_block + 2 * self.one_sided_window:
+        # "eager" (and output_attentions) take the explicit softmax of the banded path.
+        eager = output_attentions or implementation == EAGER
+        if not eager and flex_applies(implementation, hidden_states, self.training, self.dropout_p):
+            block_mask = (flex_masks or {}).get(self.one_sided_window)
+            if block_mask is None:
+                block_mask = band_block_mask(attention_mask, is_global, self.one_sided_window, length, hidden_states.device)
+            q, k, v = (split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
+            context, probs = merge_heads(flex_attention(q, k, v, block_mask=block_mask)), None
+        elif not eager and not is_tracing() and length <= self.query_block + 2 * self.one_sided_window:
             context, probs = self._dense_attention(hidden_states, attention_mask, is_global), None
         else:
             context, probs = self._banded_attention(
-                hidden_states, attention_mask, is_global, global_idx, global_valid, output_attentions
+                hidden_states, attention_mask, is_global, global_idx, global_valid, eager
             )
+            probs = probs if output_attentions else None
         if attention_mask is not None:
             # Padding queries give zeros, as in the reference implementation.
             context = context.masked_fill(~attention_mask[..., None], 0.0)
@@ -166,8 +204,9 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         global_probs = None
         if is_global is not None:
             global_context, global_probs = self._global_attention(
-                hidden_states, attention_mask, global_idx, global_valid, output_attentions
+                hidden_states, attention_mask, global_idx, global_valid, eager
             )
+            global_probs = global_probs if output_attentions else None
             # Written through an extra row that the empty slots point at (no boolean indexing: traceable).
             rows = torch.arange(batch, device=context.device)[:, None].expand_as(global_idx)
             target = torch.where(global_valid, global_idx, length)

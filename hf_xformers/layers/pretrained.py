@@ -17,7 +17,10 @@ class HfxPreTrainedModel(PreTrainedModel):
     """Defaults common to every hf_xformers model."""
 
     supports_gradient_checkpointing = True
+    # The attention switch (ops/attention_switch.py): every attention module reads config._attn_implementation at each
+    # forward. "eager" and "sdpa" everywhere; "flex_attention" where an architecture maps its pattern onto a BlockMask.
     _supports_sdpa = True
+    _supports_flex_attn = False
     # Our forward passes take **kwargs only to pass them on; losses are plain means. Without this, Trainer
     # multiplies the loss by the world size under DDP (see the team notes on transformers v5).
     accepts_loss_kwargs = False
@@ -27,6 +30,12 @@ class HfxPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, HfxLMHead):
             nn.init.zeros_(module.decoder.bias)
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        # transformers guesses from the modeling file's source whether attention reads the switch at run time; ours
+        # always does (ops/attention_switch.attention_implementation), so set_attn_implementation may change it.
+        return True
 
     def _finish(self, output, return_dict: bool | None):
         """``output`` (a ModelOutput) as it is, or as a tuple when ``return_dict`` (None: ``config.return_dict``)

@@ -79,6 +79,8 @@ class HfxBigBirdLMHead(HfxLMHead):
 
 
 class HfxBigBirdPreTrainedModel(HfxPreTrainedModel):
+    # The block table (global, window, seeded random blocks) and padding as FlexAttention's BlockMask.
+    _supports_flex_attn = True
     config_class = HfxBigBirdConfig
     base_model_prefix = "bigbird"
     _no_split_modules = ["HfxEncoderLayer"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ...attention.sliding_window import HfxSlidingWindowSelfAttention, global_slots_of
+from ...attention.sliding_window import HfxSlidingWindowSelfAttention, band_block_mask, global_slots_of
 from ...layers.heads import (
     HfxMaskedLMHeadMixin,
     HfxMultipleChoiceHeadMixin,
@@ -18,6 +18,7 @@ from ...layers.heads import (
 )
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
+from ...ops.attention_switch import FLEX, attention_implementation
 from .configuration_longformer import HfxLongformerConfig
 
 
@@ -25,6 +26,8 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
     config_class = HfxLongformerConfig
     base_model_prefix = "longformer"
     _no_split_modules = ["HfxEncoderLayer"]
+    # Its band, global tokens and padding as FlexAttention's BlockMask (attention/sliding_window.band_block_mask).
+    _supports_flex_attn = True
 
     def default_global_attention_mask(self, task, input_ids, attention_mask):
         """The paper's defaults, as in transformers' Longformer heads:
@@ -73,6 +76,13 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
         )
         if global_attention_mask is not None:
             kwargs["global_slots"] = global_slots_of(global_attention_mask)
+        if attention_implementation(self.config) == FLEX:
+            # One block mask per window size for all layers (the band, global columns and padding are per example).
+            device = self.embeddings.word_embeddings.weight.device
+            windows = {layer.attention.self.one_sided_window for layer in self.encoder.layer}
+            kwargs["flex_masks"] = {
+                w: band_block_mask(attention_mask, global_attention_mask, w, length, device) for w in sorted(windows)
+            }
         return attention_mask, global_attention_mask, kwargs
 
 

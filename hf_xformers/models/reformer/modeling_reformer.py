@@ -368,6 +368,8 @@ class HfxReformerCausalLMOutput(ModelOutput):
 
 
 class HfxReformerPreTrainedModel(HfxPreTrainedModel):
+    # Local attention's chunk windows as FlexAttention's BlockMask (LSH layers keep their sorted-chunk kernel).
+    _supports_flex_attn = True
     config_class = HfxReformerConfig
     base_model_prefix = "reformer"
     # The unit FSDP shards by and device maps keep whole must be a module whose forward encloses every use of its

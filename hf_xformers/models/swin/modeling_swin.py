@@ -46,6 +46,7 @@ from ...attention.shifted_window import HfxShiftedWindowSelfAttention
 from ...layers.encoder import HfxIntermediate
 from ...layers.heads import sequence_classification_loss
 from ...layers.pretrained import HfxPreTrainedModel
+from ...ops.attention_switch import attention_implementation
 from ...ops.shapes import ceil_div
 from .configuration_swin import HfxSwinConfig
 
@@ -208,8 +209,8 @@ class HfxSwinAttention(nn.Module):
         )
         self.output = HfxSwinSelfOutput(config, dim)
 
-    def forward(self, hidden_states, input_dimensions, always_partition=False, output_attentions=False, use_sdpa=True):
-        out = self.self(hidden_states, input_dimensions, always_partition, output_attentions, use_sdpa)
+    def forward(self, hidden_states, input_dimensions, always_partition=False, output_attentions=False, implementation="sdpa"):
+        out = self.self(hidden_states, input_dimensions, always_partition, output_attentions, implementation)
         return self.output(out.context), out.attentions
 
 
@@ -252,11 +253,11 @@ class HfxSwinLayer(GradientCheckpointingLayer):
         input_dimensions: tuple[int, int],
         always_partition: bool = False,
         output_attentions: bool = False,
-        use_sdpa: bool = True,
+        implementation: str = "sdpa",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(batch, H * W, dim)`` -> (same shape, attention probabilities or None)."""
         attended, probs = self.attention(
-            self.layernorm_before(hidden_states), input_dimensions, always_partition, output_attentions, use_sdpa
+            self.layernorm_before(hidden_states), input_dimensions, always_partition, output_attentions, implementation
         )
         hidden_states = hidden_states + self.drop_path(attended)
         hidden_states = hidden_states + self.drop_path(
@@ -306,13 +307,13 @@ class HfxSwinStage(nn.Module):
         input_dimensions: tuple[int, int],
         always_partition: bool = False,
         output_attentions: bool = False,
-        use_sdpa: bool = True,
+        implementation: str = "sdpa",
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], torch.Tensor | None]:
         """Returns ``(output, output before merging, output grid, last block's attentions)``; the output is
         ``(batch, tokens, channels)`` on the returned grid."""
         probs = None
         for block in self.blocks:
-            hidden_states, probs = block(hidden_states, input_dimensions, always_partition, output_attentions, use_sdpa)
+            hidden_states, probs = block(hidden_states, input_dimensions, always_partition, output_attentions, implementation)
         before = hidden_states
         if self.downsample is None:
             return hidden_states, before, input_dimensions, probs
@@ -354,7 +355,7 @@ class HfxSwinEncoder(nn.Module):
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         output_stage_maps: bool = False,
-        use_sdpa: bool = True,
+        implementation: str = "sdpa",
     ) -> HfxSwinEncoderOutput:
         """``hidden_states`` ``(batch, h * w, embed_dim)`` on ``grid`` ``(h, w)``."""
         stem = tokens_to_map(hidden_states, grid) if output_hidden_states or output_stage_maps else None
@@ -365,7 +366,7 @@ class HfxSwinEncoder(nn.Module):
         for stage in self.layers:
             stage_grid = grid
             hidden_states, before, grid, probs = stage(
-                hidden_states, grid, always_partition, output_attentions, use_sdpa
+                hidden_states, grid, always_partition, output_attentions, implementation
             )
             if output_hidden_states:
                 hidden += (hidden_states,)
@@ -393,6 +394,8 @@ class HfxSwinPreTrainedModel(HfxPreTrainedModel):
     config_class = HfxSwinConfig
     base_model_prefix = "swin"
     main_input_name = "pixel_values"
+    # Window attention with the relative-position bias and the shift mask as FlexAttention's score_mod.
+    _supports_flex_attn = True
     input_modalities = ("image",)
     # The block, not the stage (transformers' choice): FSDP gathers one unit's parameters at a time, and one stage
     # holds most of a model (18 of Swin-B's 24 blocks).
@@ -491,7 +494,7 @@ class HfxSwinModel(HfxSwinPreTrainedModel):
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             output_stage_maps=output_stage_maps,
-            use_sdpa=self.config._attn_implementation != "eager",
+            implementation=attention_implementation(self.config),
         )
 
     def forward(

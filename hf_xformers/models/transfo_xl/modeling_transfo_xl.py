@@ -80,6 +80,14 @@ class HfxTransfoXLPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["HfxTransfoXLLayer"]
     # Losses are plain means; without this Trainer rescales them under DDP (see the team notes on transformers v5).
     accepts_loss_kwargs = False
+    # attn_implementation: relative-position attention has one kernel (attention/relative_memory.py), explicit scores
+    # with the position term; "eager" and "sdpa" both run it (no fused form takes the shifted position scores), and it
+    # is no FlexAttention score_mod that pays (the term is a per-distance dot product, a full score-sized tensor).
+    _supports_sdpa = True
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return True
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

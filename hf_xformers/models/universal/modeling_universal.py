@@ -201,6 +201,8 @@ class HfxUniversalPreTrainedModel(HfxPreTrainedModel):
     config_class = HfxUniversalConfig
     base_model_prefix = "universal"
     _no_split_modules = ["HfxUniversalLayer"]
+    # Causal and padding masks as FlexAttention's BlockMask (multi_head.py); dense attention otherwise.
+    _supports_flex_attn = True
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):

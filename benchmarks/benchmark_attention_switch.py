@@ -1,0 +1,219 @@
+"""Inference (and, on accelerators, training) time of the attention choices: our ``"sdpa"`` path, our
+``"flex_attention"`` path and transformers' own implementation, for Longformer and BigBird.
+
+Every cell is the median of ``--repeats`` timed calls after warm-up calls (which include FlexAttention's compilation
+for that shape); the three implementations of one length run back to back in the same process, with the same inputs
+(ours share their weights: only the kernel differs). transformers' models get their own weights of the same shapes.
+
+Usage (from the repository root)::
+
+    python -m benchmarks.benchmark_attention_switch                              # CPU, float32, forward
+    python -m benchmarks.benchmark_attention_switch --device cuda --dtype bfloat16 \\
+        --lengths 4096 8192 16384 32768 --modes forward train                   # a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import hf_xformers  # noqa: E402
+
+HIDDEN, HEADS, LAYERS, INTERMEDIATE, VOCAB = 768, 12, 2, 3072, 1000
+IMPLEMENTATIONS = ("sdpa", "flex_attention", "transformers")
+
+
+def build(arch: str, implementation: str, max_length: int, seed: int = 0) -> torch.nn.Module:
+    """The base model of ``arch`` (hidden 768, 12 heads, 2 layers; Longformer window 512, BigBird blocks of 64 with
+    3 random blocks), ours under ``implementation`` or transformers' own."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+        intermediate_size=INTERMEDIATE, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    if arch == "longformer":
+        if implementation == "transformers":
+            config = transformers.LongformerConfig(**common, attention_window=512, max_position_embeddings=max_length + 2)
+            return transformers.LongformerModel(config, add_pooling_layer=False)
+        config = hf_xformers.HfxLongformerConfig(**common, attention_window=512, max_position_embeddings=max_length + 2)
+        model = hf_xformers.HfxLongformerModel(config, add_pooling_layer=False)
+    elif arch == "bigbird":
+        extra = dict(block_size=64, num_random_blocks=3, max_position_embeddings=max_length)
+        if implementation == "transformers":
+            config = transformers.BigBirdConfig(**common, attention_type="block_sparse", **extra)
+            return transformers.BigBirdModel(config, add_pooling_layer=False)
+        model = hf_xformers.HfxBigBirdModel(hf_xformers.HfxBigBirdConfig(**common, **extra), add_pooling_layer=False)
+    else:
+        raise ValueError(f"unknown arch {arch!r}; use longformer or bigbird")
+    model.set_attn_implementation(implementation)
+    return model
+
+
+def time_calls(step, repeats: int, warmup: int, device: str) -> float:
+    """Median seconds of ``repeats`` calls of ``step`` after ``warmup`` calls."""
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(arch: str, implementation: str, length: int, mode: str, args) -> float | str:
+    dtype = getattr(torch, args.dtype)
+    if mode == "train" and implementation == "flex_attention" and args.device == "cpu":
+        return "n/a (no CPU backward)"
+    model = build(arch, implementation, args.max_length).to(args.device, dtype)
+    ids = torch.randint(5, VOCAB, (args.batch, length), device=args.device)
+    mask = torch.ones_like(ids)
+    if mode == "forward":
+        model.eval()
+
+        def step():
+            with torch.inference_mode():
+                model(input_ids=ids, attention_mask=mask)
+
+    else:
+        model.train()
+
+        def step():
+            model(input_ids=ids, attention_mask=mask).last_hidden_state.float().sum().backward()
+
+    try:
+        return time_calls(step, args.repeats, args.warmup, args.device)
+    except (RuntimeError, torch.OutOfMemoryError) as error:  # out of memory at long lengths
+        return f"failed: {type(error).__name__}"
+
+
+def machine(args) -> dict:
+    info = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+    }
+    if hasattr(os, "getloadavg"):
+        info["load_average_1min_before"] = os.getloadavg()[0]
+    if args.device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _ms(value) -> str:
+    return f"{value * 1000:.0f} ms" if isinstance(value, float) else str(value)
+
+
+def _ratio(cell: dict, name: str) -> str:
+    a, b = cell.get(name), cell.get("sdpa")
+    return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"
+
+
+def table(results: list[dict]) -> str:
+    lines = []
+    for mode in sorted({r["mode"] for r in results}):
+        for arch in sorted({r["arch"] for r in results}):
+            rows = [r for r in results if r["arch"] == arch and r["mode"] == mode]
+            if not rows:
+                continue
+            lines += [
+                f"### {arch}, {mode}",
+                "",
+                "| tokens | ours, sdpa path | ours, flex_attention | transformers | flex / sdpa | transformers / sdpa |",
+                "|---|---|---|---|---|---|",
+            ]
+            for length in sorted({r["length"] for r in rows}):
+                cell = {r["implementation"]: r["seconds"] for r in rows if r["length"] == length}
+                lines.append(
+                    f"| {length:,} | {_ms(cell.get('sdpa'))} | {_ms(cell.get('flex_attention'))} | "
+                    f"{_ms(cell.get('transformers'))} | {_ratio(cell, 'flex_attention')} | {_ratio(cell, 'transformers')} |"
+                )
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["arch"], r["mode"]) for r in results})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (arch, mode) in zip(axes[0], panels):
+        for implementation in IMPLEMENTATIONS:
+            points = sorted(
+                (r["length"], r["seconds"]) for r in results
+                if (r["arch"], r["mode"], r["implementation"]) == (arch, mode, implementation)
+                and isinstance(r["seconds"], float)
+            )  # fmt: skip
+            if points:
+                ax.plot(*zip(*points), marker="o", label=implementation)
+        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="seconds", title=f"{arch} ({mode})")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--archs", nargs="+", default=["longformer", "bigbird"])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
+    parser.add_argument("--modes", nargs="+", default=["forward"], choices=["forward", "train"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.max_length = max(args.lengths)
+    info = machine(args)
+    print(json.dumps(info))
+    results = []
+    for mode in args.modes:
+        for arch in args.archs:
+            for length in args.lengths:
+                for implementation in args.implementations:
+                    seconds = measure(arch, implementation, length, mode, args)
+                    results.append(dict(arch=arch, mode=mode, length=length, implementation=implementation,
+                                        seconds=seconds))  # fmt: skip
+                    print(json.dumps(results[-1]), flush=True)
+    if hasattr(os, "getloadavg"):
+        info["load_average_1min_after"] = os.getloadavg()[0]
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"attention_switch_{args.device}_{args.dtype}"
+    stem.with_suffix(".json").write_text(json.dumps({"machine": info, "results": results}, indent=1))
+    report = table(results)
+    stem.with_suffix(".md").write_text(f"Machine: `{json.dumps(info)}`\n\n{report}")
+    plot(results, stem.with_suffix(".png"))
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
