@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention
+from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention, make_block_mask
 from ..ops.input_checks import is_tracing
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
 from .base import AttentionOutput
@@ -351,8 +351,6 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         """FlexAttention under the block pattern: the ``(batch, heads, nb, nb)`` block table of :meth:`pattern_blocks`
         (global, window and the seeded random blocks) and the key mask become the ``BlockMask``, at BigBird's block
         size, so the kernel visits exactly the ``5 + r`` key blocks of each middle query block."""
-        from torch.nn.attention.flex_attention import create_block_mask
-
         length, b = hidden_states.shape[1], self.block_size
         q, k, v = self._project(hidden_states, length)
         blocks, key_mask = self.pattern_blocks(plan), plan.key_mask
@@ -360,9 +358,7 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         def in_pattern(batch_idx, head, q_idx, kv_idx):
             return blocks[batch_idx, head, q_idx // b, kv_idx // b] & key_mask[batch_idx, kv_idx]
 
-        block_mask = create_block_mask(
-            in_pattern, blocks.shape[0], blocks.shape[1], length, length, device=q.device, BLOCK_SIZE=b
-        )
+        block_mask = make_block_mask(in_pattern, blocks.shape[0], blocks.shape[1], length, length, q.device, b)
         context = merge_heads(flex_attention(q, k, v, block_mask=block_mask))
         return context.masked_fill(~attention_mask[..., None], 0.0) if padded else context
 

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from ..ops.attention_switch import attention_implementation, flex_applies, flex_attention
+from ..ops.attention_switch import attention_implementation, flex_applies, flex_attention, make_block_mask
 from ..ops.fast_dropout import HfxDropout
 from ..ops.precision import mask_value
 from ..ops.shapes import merge_heads, split_heads, unblock
@@ -229,8 +229,6 @@ class HfxLocalSelfAttention(nn.Module):
         A key chunk that appears ``n`` times in a query chunk's window (a window wider than the chunk count, as in
         transformers) counts ``n`` times in the softmax: its scores get ``log n`` (``score_mod``), the same weights as
         ``n`` copies of the key."""
-        from torch.nn.attention.flex_attention import create_block_mask
-
         batch = q.shape[0]
         counts = torch.zeros(index.shape[0], num_chunks, num_chunks, dtype=torch.long, device=q.device)
         counts = counts.scatter_add_(-1, index, keep.long()).expand(batch, -1, -1)
@@ -248,7 +246,7 @@ class HfxLocalSelfAttention(nn.Module):
         def repeats(score, b, h, q_idx, kv_idx):
             return score + log_counts[b, q_idx // chunk, kv_idx // chunk]
 
-        block_mask = create_block_mask(in_window, batch, None, seq_len, seq_len, device=q.device)
+        block_mask = make_block_mask(in_window, batch, None, seq_len, seq_len, q.device)
         return flex_attention(q, k, v, block_mask=block_mask, score_mod=repeats, scale=1.0)
 
     def decode_step(

@@ -26,7 +26,13 @@ import math
 import torch
 from torch import nn
 
-from ..ops.attention_switch import attention_implementation, flex_applies, flex_attention, flex_returns_lse
+from ..ops.attention_switch import (
+    attention_implementation,
+    flex_applies,
+    flex_attention,
+    flex_returns_lse,
+    make_block_mask,
+)
 from ..ops.fast_dropout import HfxDropout
 from ..ops.precision import float32_autocast_off, mask_value
 from ..ops.shapes import merge_heads, split_heads
@@ -363,8 +369,6 @@ class HfxLSHSelfAttention(nn.Module):
         in the ``score_mod``); the mask asks for real keys and, in decoders, earlier positions, and a query's own
         position always stays with the logit :func:`self_mask_value` (the ``score_mod`` replaces its score), as
         in the chunked computation. The log-normalisers are None unless ``need_log_norm``."""
-        from torch.nn.attention.flex_attention import create_block_mask
-
         batch, heads, total, _ = q.shape
         keys = unit_rms(q) / math.sqrt(self.head_dim)
         counts = torch.zeros(index.shape[0], num_chunks, num_chunks, dtype=torch.long, device=q.device)
@@ -382,7 +386,7 @@ class HfxLSHSelfAttention(nn.Module):
             score = torch.where(token[b, h, i] == token[b, h, j], own_logit, score)
             return score + log_counts[b, i // chunk, j // chunk]
 
-        block_mask = create_block_mask(allowed, batch, heads, total, total, device=q.device)
+        block_mask = make_block_mask(allowed, batch, heads, total, total, q.device)
         if not need_log_norm:
             context = flex_attention(q, keys, v, block_mask=block_mask, score_mod=own_position_and_repeats, scale=1.0)
             return context, None

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention
+from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention, make_block_mask
 from ..ops.shapes import merge_heads, split_heads
 from .base import AttentionOutput, QKVProjection
 
@@ -111,21 +111,19 @@ class HfxUniversalAttention(QKVProjection):
     def _flex(q, k, v, attention_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
         """FlexAttention with the causal pattern as a ``BlockMask`` (the kernel skips the blocks above the diagonal),
         or the given ``(batch or 1, 1, query, keys)`` mask read per score; no mask: dense."""
-        from torch.nn.attention.flex_attention import create_block_mask
-
         query_len, key_len = q.shape[2], k.shape[2]
         if is_causal:
             def keep(b, h, q_idx, kv_idx):
                 return q_idx >= kv_idx
 
-            block_mask = create_block_mask(keep, None, None, query_len, key_len, device=q.device)
+            block_mask = make_block_mask(keep, None, None, query_len, key_len, q.device)
         elif attention_mask is not None:
             mask = attention_mask.expand(q.shape[0], 1, query_len, key_len)
 
             def keep(b, h, q_idx, kv_idx):
                 return mask[b, 0, q_idx, kv_idx]
 
-            block_mask = create_block_mask(keep, q.shape[0], None, query_len, key_len, device=q.device)
+            block_mask = make_block_mask(keep, q.shape[0], None, query_len, key_len, q.device)
         else:
             block_mask = None
         return flex_attention(q, k, v, block_mask=block_mask)

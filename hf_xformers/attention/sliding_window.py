@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention
+from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention, make_block_mask
 from ..ops.input_checks import is_tracing
 from ..ops.kernels import attention
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
@@ -106,8 +106,6 @@ def band_block_mask(
     """FlexAttention's ``BlockMask`` of Longformer's local attention: query ``i`` sees key ``j`` when ``|i - j| <= w``
     or ``j`` is global, and ``j`` is a real token. ``attention_mask`` / ``is_global``: ``(batch, length)`` bool or
     None. The kernel skips the blocks outside the band and the global columns."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     def local(b, h, q, kv):
         keep = (q - kv).abs() <= one_sided_window
         if is_global is not None:
@@ -118,7 +116,7 @@ def band_block_mask(
 
     per_example = attention_mask if attention_mask is not None else is_global
     batch = None if per_example is None else per_example.shape[0]
-    return create_block_mask(local, batch, None, length, length, device=device)
+    return make_block_mask(local, batch, None, length, length, device)
 
 
 class HfxSlidingWindowSelfAttention(QKVProjection):

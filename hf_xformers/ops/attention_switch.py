@@ -103,6 +103,20 @@ def flex_returns_lse(device: torch.device) -> bool:
     return device.type != "cpu" or (not FLEX_COMPILE and not torch.compiler.is_compiling())
 
 
+def make_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, q_len: int, kv_len: int,
+               device: torch.device, block_size: int = 128):  # fmt: skip
+    """FlexAttention's ``BlockMask`` of ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (``batch`` / ``heads`` None: the same
+    for all). Building it evaluates ``mask_mod`` on every (query, key) pair; on accelerators that evaluation is compiled
+    (as transformers does), so that 32k-token masks do not materialise 2**30 booleans; on the CPU it runs as it is
+    (tens of milliseconds at the lengths the CPU serves, and no compilation)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    compile_it = torch.device(device).type != "cpu" and not torch.compiler.is_compiling()
+    return create_block_mask(
+        mask_mod, batch, heads, q_len, kv_len, device=device, BLOCK_SIZE=block_size, _compile=compile_it
+    )
+
+
 @functools.cache
 def _compiled_flex() -> Callable:
     # One compiled kernel for the process (transformers does the same): compiling per call would recompile.
@@ -140,6 +154,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "SDPA",
     "attention_implementation",
+    "make_block_mask",
     "eager_attention",
     "flex_applies",
     "flex_attention",
