@@ -95,6 +95,8 @@ def eager_attention(
 # Outside torch.compile, run FlexAttention compiled (its eager form materialises every score: a reference, slow and
 # quadratic in memory). Tests set this to False to check the eager form too.
 FLEX_COMPILE = True
+# Compiled FlexAttention kernels kept per process (one per length and pattern kind) before dynamo gives up on compiling.
+FLEX_RECOMPILE_LIMIT = 64
 
 
 def flex_returns_lse(device: torch.device) -> bool:
@@ -119,7 +121,11 @@ def make_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, q_
 
 @functools.cache
 def _compiled_flex() -> Callable:
-    # One compiled kernel for the process (transformers does the same): compiling per call would recompile.
+    # One compiled kernel for the process, static shapes: a kernel per (length, pattern kind). Symbolic lengths
+    # (dynamic=None after a second shape) hit an inductor C++ codegen error on the CPU for score_mod kernels (torch
+    # 2.13: "'cur_kvSplitSize2' was not declared in this scope"), so every length compiles its own kernel, under a
+    # recompile limit raised from dynamo's 8 (flex_attention below): past the limit dynamo would fall back to the eager
+    # form, which materialises every score (measured: BigBird at 8,192 tokens after eight other shapes).
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     return torch.compile(flex, dynamic=False)
@@ -144,8 +150,11 @@ def flex_attention(
     """
     from torch.nn.attention.flex_attention import flex_attention as flex
 
-    kernel = flex if torch.compiler.is_compiling() or not FLEX_COMPILE else _compiled_flex()
-    return kernel(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, return_lse=return_lse)
+    extra = {"return_lse": True} if return_lse else {}
+    if torch.compiler.is_compiling() or not FLEX_COMPILE:
+        return flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, **extra)
+    with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+        return _compiled_flex()(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, **extra)
 
 
 __all__ = [
