@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import transformers  # noqa: E402
 
+import hf_xformers  # noqa: E402
 import hf_xformers.ops.attention_switch as switch  # noqa: E402
 from hf_xformers.attention import block_sparse, chunked_local, lsh, multi_head, shifted_window, sliding_window  # noqa: E402
 
@@ -229,3 +230,61 @@ def test_longformer_builds_its_block_mask_once_per_forward_without_host_reads(ea
     with torch.no_grad():
         run(model, "longformer", "flex_attention")
     assert built == [0], "one BlockMask for both layers (one window size), and no device-to-host read to build it"
+
+
+@pytest.mark.parametrize(("length", "window", "with_globals", "padded"), [(300, 16, False, False), (700, 128, True, True),
+                                                                        (513, 256, True, False), (129, 8, False, True)])  # fmt: skip
+def test_longformer_block_lists_match_an_evaluated_mask(length, window, with_globals, padded):
+    """The band's block lists (from block arithmetic) against ``create_block_mask``'s evaluation of every score: every
+    block with an allowed score is visited (a listed block may hold none: the mask then decides), and no block is
+    marked full (the compiled kernel skips the mask there) unless every score in it is allowed."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask = torch.ones(2, length, dtype=torch.bool)
+    if padded:
+        mask[1, length // 2 :] = False
+    is_global = None
+    if with_globals:
+        is_global = torch.zeros(2, length, dtype=torch.bool)
+        is_global[:, 0] = True
+        is_global[0, length - 5] = True
+        is_global &= mask
+    ours = sliding_window.band_block_mask(mask if padded else None, is_global, window, length, torch.device("cpu"))
+    evaluated = create_block_mask(ours.mask_mod, 2, None, length, length, BLOCK_SIZE=sliding_window.FLEX_BLOCK)
+    visited = ours.to_dense().expand(2, -1, -1, -1).bool()
+    assert not (evaluated.to_dense().bool() & ~visited).any(), "a block with an allowed score is skipped"
+
+    def full_blocks(block_mask) -> torch.Tensor:
+        table = torch.zeros_like(visited)
+        counts = block_mask.full_kv_num_blocks.expand(2, -1, -1)
+        indices = block_mask.full_kv_indices.expand(2, -1, -1, -1)
+        for b, h, qb in torch.nonzero(counts >= 0).tolist():
+            table[b, h, qb, indices[b, h, qb, : counts[b, h, qb]].long()] = True
+        return table
+
+    whole_rows = length // sliding_window.FLEX_BLOCK  # query blocks inside the sequence (the last may reach past it)
+    ours_full, evaluated_full = full_blocks(ours)[:, :, :whole_rows], full_blocks(evaluated)[:, :, :whole_rows]
+    assert not (ours_full & ~evaluated_full).any(), "a block marked full holds a masked score"
+    assert ours_full.any() == evaluated_full.any()
+
+
+def test_compiled_longformer_kernel_over_many_blocks(flex_calls):
+    """The compiled kernel over the block lists at a length of several FlexAttention blocks, with global tokens and
+    padding: the same context as the "sdpa" path."""
+    config = hf_xformers.HfxLongformerConfig(
+        vocab_size=50, hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64,
+        attention_window=128, max_position_embeddings=800,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    attention = sliding_window.HfxSlidingWindowSelfAttention(config).eval()
+    hidden = torch.randn(2, 700, 32)
+    mask = torch.ones(2, 700, dtype=torch.bool)
+    mask[1, 450:] = False
+    is_global = torch.zeros_like(mask)
+    is_global[:, 0] = is_global[0, 600] = True
+    with torch.no_grad():
+        reference = attention(hidden, mask, is_global).context
+        config._attn_implementation = "flex_attention"
+        out = attention(hidden, mask, is_global).context
+    assert flex_calls
+    assert max_difference(out, reference, mask) < ATOL

@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention, make_block_mask
+from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention
 from ..ops.input_checks import is_tracing
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
 from .base import AttentionOutput
@@ -348,17 +348,34 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
     def _flex_pattern(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan, padded: bool
     ) -> torch.Tensor:
-        """FlexAttention under the block pattern: the ``(batch, heads, nb, nb)`` block table of :meth:`pattern_blocks`
-        (global, window and the seeded random blocks) and the key mask become the ``BlockMask``, at BigBird's block
-        size, so the kernel visits exactly the ``5 + r`` key blocks of each middle query block."""
+        """FlexAttention under the block pattern, the ``BlockMask`` made straight from the ``(batch, heads, nb, nb)``
+        block table of :meth:`pattern_blocks` (global, window and the seeded random blocks) at BigBird's block size:
+        the kernel visits exactly the ``5 + r`` key blocks of each middle query block and evaluates the mask only in
+        the key blocks that hold padding."""
+        from torch.nn.attention.flex_attention import BlockMask
+
         length, b = hidden_states.shape[1], self.block_size
         q, k, v = self._project(hidden_states, length)
         blocks, key_mask = self.pattern_blocks(plan), plan.key_mask
+        nb = blocks.shape[-1]
+        real_keys = key_mask.view(key_mask.shape[0], nb, b)
+        whole = real_keys.all(-1)[:, None, None, :]  # key blocks without padding: no per-score mask
+        partial = blocks & ~whole & real_keys.any(-1)[:, None, None, :]
+        full = blocks & whole
 
+        def listed(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # (count, indices) per query block: the True columns first (a stable sort keeps them in order)
+            order = torch.argsort((~table).to(torch.int8), dim=-1, stable=True)
+            return table.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+        # The whole pattern, not only the key mask: the compiled kernel evaluates it in the partial blocks alone, but
+        # FlexAttention's eager form applies it to every score and ignores the block lists.
         def in_pattern(batch_idx, head, q_idx, kv_idx):
             return blocks[batch_idx, head, q_idx // b, kv_idx // b] & key_mask[batch_idx, kv_idx]
 
-        block_mask = make_block_mask(in_pattern, blocks.shape[0], blocks.shape[1], length, length, q.device, b)
+        block_mask = BlockMask.from_kv_blocks(
+            *listed(partial), *listed(full), BLOCK_SIZE=b, mask_mod=in_pattern, seq_lengths=(length, length)
+        )
         context = merge_heads(flex_attention(q, k, v, block_mask=block_mask))
         return context.masked_fill(~attention_mask[..., None], 0.0) if padded else context
 

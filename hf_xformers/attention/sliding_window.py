@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention, make_block_mask
+from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention
 from ..ops.input_checks import is_tracing
 from ..ops.kernels import attention
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
@@ -99,13 +99,25 @@ def global_slots_of(is_global: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return global_idx, global_valid
 
 
+# Query and key block size of Longformer's FlexAttention BlockMask (FlexAttention's default).
+FLEX_BLOCK = 128
+
+
 def band_block_mask(
     attention_mask: torch.Tensor | None, is_global: torch.Tensor | None, one_sided_window: int, length: int,
     device: torch.device,
 ):  # fmt: skip
     """FlexAttention's ``BlockMask`` of Longformer's local attention: query ``i`` sees key ``j`` when ``|i - j| <= w``
     or ``j`` is global, and ``j`` is a real token. ``attention_mask`` / ``is_global``: ``(batch, length)`` bool or
-    None. The kernel skips the blocks outside the band and the global columns."""
+    None.
+
+    Built from block arithmetic, not by evaluating the mask on every (query, key) pair: key blocks wholly inside the
+    band and wholly real are full (no per-score mask); blocks the band touches, blocks with a global token and blocks
+    with padding are partial (the mask below decides per score there); the rest are skipped. The mask states the whole
+    pattern: FlexAttention's eager form applies it to every score and ignores the block lists. The cost is linear in the
+    length (``create_block_mask`` would evaluate ``length**2`` pairs)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
     def local(b, h, q, kv):
         keep = (q - kv).abs() <= one_sided_window
         if is_global is not None:
@@ -114,9 +126,30 @@ def band_block_mask(
             keep = keep & attention_mask[b, kv]
         return keep
 
-    per_example = attention_mask if attention_mask is not None else is_global
-    batch = None if per_example is None else per_example.shape[0]
-    return make_block_mask(local, batch, None, length, length, device)
+    size, nb = FLEX_BLOCK, ceil_div(length, FLEX_BLOCK)
+    block = torch.arange(nb, device=device)
+    distance = (block[:, None] - block[None, :]).abs() * size  # between block starts
+    touches = (distance - (size - 1) <= one_sided_window)[None]  # some pair within the window
+    inside = (distance + (size - 1) <= one_sided_window)[None]  # every pair within the window
+    real = attention_mask if attention_mask is not None else torch.ones(1, length, dtype=torch.bool, device=device)
+    real = F.pad(real, (0, nb * size - length), value=False).view(-1, nb, size)
+    whole, some = real.all(-1)[:, None, :], real.any(-1)[:, None, :]
+    reach = touches
+    if is_global is not None:
+        reach = touches | F.pad(is_global, (0, nb * size - length), value=False).view(-1, nb, size).any(-1)[:, None, :]
+    full = inside & whole
+    partial = reach & some & ~full
+
+    def listed(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # (count, indices) per query block, a head dimension of 1: the True columns first, in order
+        order = torch.argsort((~table).to(torch.int8), dim=-1, stable=True)
+        return table.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    batch = real.shape[0] if is_global is None else max(real.shape[0], is_global.shape[0])
+    full, partial = full.expand(batch, nb, nb), partial.expand(batch, nb, nb)
+    return BlockMask.from_kv_blocks(
+        *listed(partial), *listed(full), BLOCK_SIZE=size, mask_mod=local, seq_lengths=(length, length)
+    )
 
 
 class HfxSlidingWindowSelfAttention(QKVProjection):
