@@ -288,3 +288,18 @@ def test_compiled_longformer_kernel_over_many_blocks(flex_calls):
         out = attention(hidden, mask, is_global).context
     assert flex_calls
     assert max_difference(out, reference, mask) < ATOL
+
+
+def test_generation_under_flex_attention_gives_the_sdpa_tokens(flex_calls):
+    """Cached decoding keeps SDPA under "flex_attention" (a static compiled kernel per key length would recompile at
+    every token); the tokens are those of the "sdpa" path."""
+    model = hf_xformers.HfxUniversalForCausalLM(
+        hf_xformers.HfxUniversalConfig(vocab_size=50, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                       max_position_embeddings=64)  # fmt: skip
+    ).eval()
+    prompt = torch.randint(3, 50, (2, 7))
+    kwargs = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=1)
+    reference = model.generate(prompt, **kwargs)
+    model.set_attn_implementation("flex_attention")
+    assert torch.equal(model.generate(prompt, **kwargs), reference)
+    assert not flex_calls

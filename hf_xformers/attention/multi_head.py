@@ -90,7 +90,9 @@ class HfxUniversalAttention(QKVProjection):
                     cache.cross_key_value = (k, v)
         dropout = self.dropout_p if self.training else 0.0
         implementation = attention_implementation(self.config)
-        if not output_attentions and flex_applies(implementation, q, self.training, self.dropout_p):
+        # Cached decoding (one new query against a growing cache) keeps SDPA: the compiled kernel is static in the key
+        # length, so FlexAttention would compile anew at every generated token.
+        if not output_attentions and cache is None and flex_applies(implementation, q, self.training, self.dropout_p):
             return AttentionOutput(merge_heads(self._flex(q, k, v, attention_mask, is_causal)))
         if not output_attentions and implementation != EAGER:
             context = F.scaled_dot_product_attention(
