@@ -7,9 +7,8 @@ architectures that offer one.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..ops.attention_switch import EAGER, attention_implementation
+from ..ops.attention_switch import EAGER, attention_implementation, eager_attention
 from ..ops.kernels import attention
 from ..ops.shapes import merge_heads, split_heads
 from .base import AttentionOutput, QKVProjection
@@ -55,9 +54,5 @@ class HfxFullSelfAttention(QKVProjection):
         if not output_attentions:
             context = attention(q, k, v, mask, dropout)
             return AttentionOutput(merge_heads(context))
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        context = torch.matmul(F.dropout(probs, dropout, dropout > 0.0), v)
+        context, probs = eager_attention(q, k, v, mask, dropout)
         return AttentionOutput(merge_heads(context), probs)

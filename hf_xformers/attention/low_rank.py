@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configs.choices import LINFORMER_SHARING_MODES
-from ..ops.attention_switch import EAGER, attention_implementation
+from ..ops.attention_switch import EAGER, attention_implementation, eager_attention
 from ..ops.input_checks import is_tracing
 from ..ops.kernels import attention
 from ..ops.shapes import merge_heads, split_heads
@@ -242,9 +242,5 @@ class HfxLowRankSelfAttention(QKVProjection):
             # SDPA itself without dropout; with dropout our kernel instead of SDPA's CPU math path (kernels.py).
             context = attention(q, k, v, mask, dropout)
             return AttentionOutput(merge_heads(context))
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        context = torch.matmul(F.dropout(probs, dropout, self.training), v)
+        context, probs = eager_attention(q, k, v, mask, dropout)
         return AttentionOutput(merge_heads(context), probs if output_attentions else None)

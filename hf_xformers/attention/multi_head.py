@@ -16,7 +16,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention, make_block_mask
+from ..ops.attention_switch import (
+    EAGER,
+    attention_implementation,
+    eager_attention,
+    flex_applies,
+    flex_attention,
+    make_block_mask,
+)
 from ..ops.shapes import merge_heads, split_heads
 from .base import AttentionOutput, QKVProjection
 
@@ -99,15 +106,11 @@ class HfxUniversalAttention(QKVProjection):
                 q, k, v, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal
             )
             return AttentionOutput(merge_heads(context))
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5
         if is_causal:
             attention_mask = attention_mask_4d(None, q.shape[2], k.shape[2] - q.shape[2], True, q.device)
-        if attention_mask is not None:
-            # -inf fits every dtype, and attention_mask_4d leaves every row at least one key: no NaN rows.
-            scores = scores.masked_fill(~attention_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        context = merge_heads(torch.matmul(F.dropout(probs, dropout, self.training), v))
-        return AttentionOutput(context, probs if output_attentions else None)
+        # attention_mask_4d leaves every row at least one key: no NaN rows under eager_attention's -inf.
+        context, probs = eager_attention(q, k, v, attention_mask, dropout)
+        return AttentionOutput(merge_heads(context), probs if output_attentions else None)
 
     @staticmethod
     def _flex(q, k, v, attention_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
