@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention
+from ..ops.attention_switch import EAGER, attention_implementation, block_mask_from_tables, flex_applies, flex_attention
 from ..ops.input_checks import is_tracing
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
 from .base import AttentionOutput
@@ -352,8 +352,6 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         block table of :meth:`pattern_blocks` (global, window and the seeded random blocks) at BigBird's block size:
         the kernel visits exactly the ``5 + r`` key blocks of each middle query block and evaluates the mask only in
         the key blocks that hold padding."""
-        from torch.nn.attention.flex_attention import BlockMask
-
         length, b = hidden_states.shape[1], self.block_size
         q, k, v = self._project(hidden_states, length)
         blocks, key_mask = self.pattern_blocks(plan), plan.key_mask
@@ -363,19 +361,12 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         partial = blocks & ~whole & real_keys.any(-1)[:, None, None, :]
         full = blocks & whole
 
-        def listed(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            # (count, indices) per query block: the True columns first (a stable sort keeps them in order)
-            order = torch.argsort((~table).to(torch.int8), dim=-1, stable=True)
-            return table.sum(-1, dtype=torch.int32), order.to(torch.int32)
-
         # The whole pattern, not only the key mask: the compiled kernel evaluates it in the partial blocks alone, but
         # FlexAttention's eager form applies it to every score and ignores the block lists.
         def in_pattern(batch_idx, head, q_idx, kv_idx):
             return blocks[batch_idx, head, q_idx // b, kv_idx // b] & key_mask[batch_idx, kv_idx]
 
-        block_mask = BlockMask.from_kv_blocks(
-            *listed(partial), *listed(full), BLOCK_SIZE=b, mask_mod=in_pattern, seq_lengths=(length, length)
-        )
+        block_mask = block_mask_from_tables(partial, full, b, in_pattern, length)
         context = merge_heads(flex_attention(q, k, v, block_mask=block_mask))
         return context.masked_fill(~attention_mask[..., None], 0.0) if padded else context
 

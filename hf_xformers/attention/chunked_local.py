@@ -55,6 +55,17 @@ def neighbour_chunks(
     return index, keep.expand(index.shape)
 
 
+def window_repeats(
+    index: torch.Tensor, keep: torch.Tensor, num_chunks: int, batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How often each key chunk appears in each query chunk's window (:func:`neighbour_chunks`' ``index`` and
+    ``keep``), as ``(batch, num_chunks, num_chunks)`` counts and their logs (0 where absent): FlexAttention's paths
+    weigh a chunk repeated ``n`` times with ``+log n`` on its scores, the same softmax as ``n`` copies of the key."""
+    counts = torch.zeros(index.shape[0], num_chunks, num_chunks, dtype=torch.long, device=index.device)
+    counts = counts.scatter_add_(-1, index, keep.long()).expand(batch, -1, -1)
+    return counts, counts.clamp(min=1).to(torch.float32).log()
+
+
 def gather_chunks(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x`` ``(batch, heads, num_chunks, chunk, *rest)`` and ``index`` ``(batch or 1, num_chunks, window)`` ->
     ``(batch, heads, num_chunks, window * chunk, *rest)``: each chunk followed by its neighbours' rows.
@@ -230,9 +241,7 @@ class HfxLocalSelfAttention(nn.Module):
         transformers) counts ``n`` times in the softmax: its scores get ``log n`` (``score_mod``), the same weights as
         ``n`` copies of the key."""
         batch = q.shape[0]
-        counts = torch.zeros(index.shape[0], num_chunks, num_chunks, dtype=torch.long, device=q.device)
-        counts = counts.scatter_add_(-1, index, keep.long()).expand(batch, -1, -1)
-        log_counts = counts.clamp(min=1).to(torch.float32).log()
+        counts, log_counts = window_repeats(index, keep, num_chunks, batch)
         causal = self.is_decoder
 
         def in_window(b, h, q_idx, kv_idx):

@@ -44,6 +44,7 @@ from .chunked_local import (
     gather_chunks,
     neighbour_chunks,
     real_chunk_count,
+    window_repeats,
 )
 
 # Logit of a query's own position in float32 and float64: transformers' value (parity).
@@ -371,9 +372,7 @@ class HfxLSHSelfAttention(nn.Module):
         in the chunked computation. The log-normalisers are None unless ``need_log_norm``."""
         batch, heads, total, _ = q.shape
         keys = unit_rms(q) / math.sqrt(self.head_dim)
-        counts = torch.zeros(index.shape[0], num_chunks, num_chunks, dtype=torch.long, device=q.device)
-        counts = counts.scatter_add_(-1, index, keep.long()).expand(batch, -1, -1)
-        log_counts = counts.clamp(min=1).to(torch.float32).log()
+        counts, log_counts = window_repeats(index, keep, num_chunks, batch)
         causal, own_logit = self.is_decoder, self_mask_value(q.dtype)
 
         def allowed(b, h, i, j):

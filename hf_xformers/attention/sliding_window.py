@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.attention_switch import EAGER, attention_implementation, flex_applies, flex_attention
+from ..ops.attention_switch import EAGER, attention_implementation, block_mask_from_tables, flex_applies, flex_attention
 from ..ops.input_checks import is_tracing
 from ..ops.kernels import attention
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
@@ -116,8 +116,6 @@ def band_block_mask(
     with padding are partial (the mask below decides per score there); the rest are skipped. The mask states the whole
     pattern: FlexAttention's eager form applies it to every score and ignores the block lists. The cost is linear in the
     length (``create_block_mask`` would evaluate ``length**2`` pairs)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     def local(b, h, q, kv):
         keep = (q - kv).abs() <= one_sided_window
         if is_global is not None:
@@ -140,16 +138,10 @@ def band_block_mask(
     full = inside & whole
     partial = reach & some & ~full
 
-    def listed(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # (count, indices) per query block, a head dimension of 1: the True columns first, in order
-        order = torch.argsort((~table).to(torch.int8), dim=-1, stable=True)
-        return table.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
-
     batch = real.shape[0] if is_global is None else max(real.shape[0], is_global.shape[0])
-    full, partial = full.expand(batch, nb, nb), partial.expand(batch, nb, nb)
-    return BlockMask.from_kv_blocks(
-        *listed(partial), *listed(full), BLOCK_SIZE=size, mask_mod=local, seq_lengths=(length, length)
-    )
+    # one head dimension: the pattern is the same for every head
+    full, partial = full.expand(batch, nb, nb)[:, None], partial.expand(batch, nb, nb)[:, None]
+    return block_mask_from_tables(partial, full, size, local, length)
 
 
 class HfxSlidingWindowSelfAttention(QKVProjection):

@@ -119,6 +119,25 @@ def make_block_mask(mask_mod: Callable, batch: int | None, heads: int | None, q_
     )
 
 
+def block_mask_from_tables(
+    partial: torch.Tensor, full: torch.Tensor, block_size: int, mask_mod: Callable, length: int
+):  # fmt: skip
+    """A ``BlockMask`` from block tables ``(batch, heads, nb, nb)`` bool: ``partial`` blocks the kernel visits and
+    masks per score with ``mask_mod``, ``full`` blocks it visits without a mask (every score allowed); the rest are
+    skipped. ``mask_mod`` must state the whole pattern all the same: FlexAttention's eager form applies it to every
+    score and ignores the tables."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def listed(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # (count, indices) per query block: the True columns first (a stable sort keeps them in order)
+        order = torch.argsort((~table).to(torch.int8), dim=-1, stable=True)
+        return table.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+    return BlockMask.from_kv_blocks(
+        *listed(partial), *listed(full), BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(length, length)
+    )
+
+
 @functools.cache
 def _compiled_flex() -> Callable:
     # One compiled kernel for the process, static shapes: a kernel per (length, pattern kind). Symbolic lengths
@@ -163,6 +182,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "SDPA",
     "attention_implementation",
+    "block_mask_from_tables",
     "make_block_mask",
     "eager_attention",
     "flex_applies",
