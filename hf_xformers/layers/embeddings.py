@@ -46,6 +46,11 @@ class HfxTextEmbeddings(nn.Module):
         self.dropout = HfxDropout(config.hidden_dropout_prob)
 
     @property
+    def position_offset(self) -> int:
+        """The position id of a sequence's first token (RoBERTa: ``pad_token_id + 1``)."""
+        return self.padding_idx + 1
+
+    @property
     def max_tokens(self) -> int:
         """Longest sequence the position table can serve."""
         return self.position_embeddings.num_embeddings - self.padding_idx - 1

@@ -17,6 +17,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..ops.fast_dropout import HfxDropout
+from ..ops.packing import document_starts
 
 
 @dataclass
@@ -151,12 +152,15 @@ class HfxEncoder(nn.Module):
 
 
 class HfxPooler(nn.Module):
-    """``tanh(dense(h[:, 0]))``: the BERT/RoBERTa pooler over the first token."""
+    """``tanh(dense(h[:, 0]))``: the BERT/RoBERTa pooler over the first token (of every document, in a packed batch)."""
 
     def __init__(self, config) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.activation = nn.Tanh()
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.activation(self.dense(hidden_states[:, 0]))
+    def forward(self, hidden_states: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``(batch, seq_len, hidden)`` -> ``(batch, hidden)``; with ``document_ids`` (a packed batch,
+        :mod:`~hf_xformers.ops.packing`) ``(num_documents, hidden)``."""
+        first = hidden_states[:, 0] if document_ids is None else hidden_states[document_starts(document_ids)]
+        return self.activation(self.dense(first))

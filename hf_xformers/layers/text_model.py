@@ -12,6 +12,13 @@ import torch
 from torch import nn
 
 from ..ops.input_checks import check_not_empty, check_token_ids, check_type_ids, is_tracing, unpadded_to_none
+from ..ops.packing import (
+    document_ids_from_inputs,
+    document_lengths,
+    document_starts,
+    positions_in_documents,
+    refuse_packed,
+)
 from .embeddings import HfxTextEmbeddings
 from .encoder import HfxEncoder, HfxModelOutput, HfxPooler
 from .pretrained import HfxPreTrainedModel  # noqa: F401 (its old import path)
@@ -24,6 +31,9 @@ class HfxTextModel:
     # Architectures whose embeddings differ (BigBird: positions from 0, no RoBERTa offset) set their own class;
     # it must offer `word_embeddings` and the `max_tokens` property.
     embeddings_class: type[nn.Module] = HfxTextEmbeddings
+    # Why the architecture cannot attend within the documents of a packed row, and what to do instead (None: it can;
+    # its attention then takes `document_ids`). See ops/packing.py.
+    packing_refusal: tuple[str, str] | None = None
 
     def __init__(self, config, add_pooling_layer: bool = True) -> None:
         super().__init__(config)
@@ -42,7 +52,11 @@ class HfxTextModel:
         return self.attention_class
 
     def prepare_attention_inputs(
-        self, attention_mask: torch.Tensor | None, global_attention_mask: torch.Tensor | None, length: int
+        self,
+        attention_mask: torch.Tensor | None,
+        global_attention_mask: torch.Tensor | None,
+        length: int,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
         """What every layer's attention gets, decided once per forward instead of once per layer.
 
@@ -55,6 +69,8 @@ class HfxTextModel:
         Args:
             attention_mask, global_attention_mask: ``(batch, seq_len)`` bool, or None.
             length: ``seq_len``.
+            document_ids: ``(batch, seq_len)`` long, the document of every token of a packed batch
+                (:mod:`~hf_xformers.ops.packing`), or None; passed to every layer's attention as ``document_ids``.
         Returns:
             ``(attention_mask, global_attention_mask, attention_kwargs)``.
         """
@@ -63,7 +79,7 @@ class HfxTextModel:
         attention_mask = unpadded_to_none(attention_mask)
         if global_attention_mask is not None and not is_tracing() and not bool(global_attention_mask.any()):
             global_attention_mask = None
-        return attention_mask, global_attention_mask, {}
+        return attention_mask, global_attention_mask, {} if document_ids is None else {"document_ids": document_ids}
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
@@ -71,7 +87,43 @@ class HfxTextModel:
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings.word_embeddings = value
 
-    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids):
+    def document_ids(
+        self,
+        shape: tuple[int, int],
+        device: torch.device,
+        position_ids=None,
+        seq_idx=None,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+    ) -> torch.Tensor | None:
+        """The documents of a packed batch, ``(batch, seq_len)`` long, or None (:mod:`~hf_xformers.ops.packing`);
+        refuses a packed batch with a ``ValueError`` if the architecture sets ``packing_refusal``."""
+        documents = document_ids_from_inputs(shape, device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+        if documents is not None and self.packing_refusal is not None:
+            refuse_packed(type(self).__name__, *self.packing_refusal)
+        return documents
+
+    def packed_position_ids(self, document_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Position ids of a packed row: the caller's, checked, or each document's own count from the first position
+        (``embeddings.position_offset``: 2 for RoBERTa-style tables, 0 for BigBird)."""
+        offset = self.embeddings.position_offset
+        if position_ids is None:
+            return positions_in_documents(document_ids, offset)
+        if not is_tracing():
+            starts = position_ids[document_starts(document_ids)]
+            if bool((starts != offset).any()):
+                raise ValueError(
+                    f"In a packed batch every document's positions must start at {offset}, the first position of "
+                    f"this model's table, but some start at {sorted(set(starts.tolist()))[:4]}; use "
+                    f"DataCollatorWithFlattening(position_ids_start={offset}) (a start of 0 shifts RoBERTa-style "
+                    "positions and silently changes every output)."
+                )
+        return position_ids
+
+    def _check_inputs(
+        self, input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, document_ids=None,
+        position_ids=None,
+    ):  # fmt: skip
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
@@ -81,9 +133,16 @@ class HfxTextModel:
                 "`unsqueeze(0)`; multiple-choice inputs (batch, choices, seq_len) go to the ForMultipleChoice head."
             )
         limit = self.embeddings.max_tokens
-        if shape[1] > limit:
+        longest = shape[1]
+        if document_ids is not None and not is_tracing():
+            # A packed row may be longer than the table: each document must fit (its positions restart).
+            if position_ids is not None:
+                longest = int(position_ids.max()) - self.embeddings.position_offset + 1
+            else:
+                longest = int(document_lengths(document_ids).max())
+        if longest > limit:
             raise ValueError(
-                f"Sequence length {shape[1]} exceeds the {limit} tokens this model's position embeddings cover "
+                f"Sequence length {longest} exceeds the {limit} tokens this model's position embeddings cover "
                 f"(config.max_position_embeddings={self.config.max_position_embeddings}). "
                 "Truncate the input (tokenizer(..., truncation=True, max_length=...)) or make a longer model with "
                 "conversion/convert_roberta_to_long.py --max-length."
@@ -113,19 +172,37 @@ class HfxTextModel:
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> HfxModelOutput | tuple:
-        """Encode a batch.
+        """Encode a batch, or a packed batch of documents (transformers' ``DataCollatorWithFlattening``).
 
         Args:
             input_ids: ``(batch, seq_len)`` token ids (or ``inputs_embeds`` ``(batch, seq_len, hidden)``).
             attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding.
             global_attention_mask: ``(batch, seq_len)``, 1 for tokens with global attention (architectures
                 with global attention only).
+            position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k: the boundaries of a packed batch, in any of the
+                collator's forms (:mod:`~hf_xformers.ops.packing`): every document then gets what its own forward
+                gives. ``max_length_q/k`` are accepted and not needed.
         Returns:
             :class:`HfxModelOutput` with ``last_hidden_state`` ``(batch, seq_len, hidden)`` and
-            ``pooler_output`` ``(batch, hidden)`` (None without a pooler).
+            ``pooler_output`` ``(batch, hidden)`` (None without a pooler); for a packed batch ``pooler_output`` is
+            ``(num_documents, hidden)``, one row per document in order.
         """
-        self._check_inputs(input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids)
+        shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
+        device = input_ids.device if input_ids is not None else inputs_embeds.device
+        document_ids = None
+        if len(shape) == 2:
+            document_ids = self.document_ids(shape, device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+        if document_ids is not None:
+            position_ids = self.packed_position_ids(document_ids, position_ids)
+        self._check_inputs(
+            input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, document_ids, position_ids
+        )
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -136,14 +213,14 @@ class HfxTextModel:
         if global_attention_mask is not None:
             global_attention_mask = global_attention_mask.bool()
         attention_mask, global_attention_mask, attention_kwargs = self.prepare_attention_inputs(
-            attention_mask, global_attention_mask, hidden.shape[1]
+            attention_mask, global_attention_mask, hidden.shape[1], document_ids
         )
         out = self.encoder(
             hidden, attention_mask, global_attention_mask, output_attentions, output_hidden_states, attention_kwargs
         )
         out = HfxModelOutput(
             last_hidden_state=out.last_hidden_state,
-            pooler_output=self.pooler(out.last_hidden_state) if self.pooler is not None else None,
+            pooler_output=self.pooler(out.last_hidden_state, document_ids) if self.pooler is not None else None,
             hidden_states=out.hidden_states,
             attentions=out.attentions,
             global_attentions=out.global_attentions,

@@ -40,6 +40,9 @@ class HfxBigBirdEmbeddings(nn.Module):
         self.dropout = HfxDropout(config.hidden_dropout_prob)
         self.scale = config.hidden_size**0.5 if config.rescale_embeddings else None
 
+    # Positions count from 0 (a packed batch: DataCollatorWithFlattening(position_ids_start=0)).
+    position_offset = 0
+
     @property
     def max_tokens(self) -> int:
         """Longest sequence the position table can serve."""

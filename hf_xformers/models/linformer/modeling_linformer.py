@@ -47,13 +47,18 @@ class HfxLinformerModel(HfxTextModel, HfxLinformerPreTrainedModel):
     """
 
     attention_class = HfxLowRankSelfAttention
+    packing_refusal = (
+        "its keys and values are projected along the whole sequence (E K, F V), so every output mixes every "
+        "document of the row",
+        "Pad the batch instead (DataCollatorWithPadding; Trainer(group_by_length=True) keeps the padding small).",
+    )
 
-    def prepare_attention_inputs(self, attention_mask, global_attention_mask, length):
+    def prepare_attention_inputs(self, attention_mask, global_attention_mask, length, document_ids=None):
         """As :meth:`HfxTextModel.prepare_attention_inputs`, plus each layer's mask of supported projected positions
         (``projection_support``, None for a layer where all are): deciding whether a layer needs one reads a value
         back to the host, so it is done here for all layers at once."""
         attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
-            attention_mask, global_attention_mask, length
+            attention_mask, global_attention_mask, length, document_ids
         )
         projections = [w for layer in self.encoder.layer for w in layer.attention.self.projections()]
         if any(type(w.data) is not torch.Tensor for w in projections):

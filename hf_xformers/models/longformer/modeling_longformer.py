@@ -68,11 +68,11 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
 
     attention_class = HfxSlidingWindowSelfAttention
 
-    def prepare_attention_inputs(self, attention_mask, global_attention_mask, length):
+    def prepare_attention_inputs(self, attention_mask, global_attention_mask, length, document_ids=None):
         """As :meth:`HfxTextModel.prepare_attention_inputs`, plus where the global tokens are (``global_slots``): the
         same for every layer, and finding out how many there are is a device-to-host read."""
         attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
-            attention_mask, global_attention_mask, length
+            attention_mask, global_attention_mask, length, document_ids
         )
         if global_attention_mask is not None:
             kwargs["global_slots"] = global_slots_of(global_attention_mask)
