@@ -43,6 +43,7 @@ from .device_checks import (
     check_auto_dtype_load,
     deviation,
 )
+from .packing_conformance import PackingConformance
 
 SEQ_LEN = 24
 VOCAB = 99
@@ -72,7 +73,7 @@ def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return ids
 
 
-class TextModelConformance:
+class TextModelConformance(PackingConformance):
     config_class: type
     base_config: dict = {}
     heads: dict[str, type] = {}

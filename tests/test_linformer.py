@@ -23,6 +23,7 @@ from .conformance import TextModelConformance
 
 
 class TestLinformerConformance(TextModelConformance):
+    packing_refusal = "cannot take a packed"
     config_class = HfxLinformerConfig
     base_config = dict(linformer_k=16, type_vocab_size=1)
     heads = {

@@ -68,6 +68,7 @@ def run_segments(model, ids: torch.Tensor, segment: int, mems=None) -> tuple[tor
 
 # ----- shared conformance suite -------------------------------------------------------------------------
 class TestTransfoXLConformance(TextModelConformance):
+    packing_refusal = "cannot take a packed"
     config_class = HfxTransfoXLConfig
     base_config = {k: v for k, v in TINY.items() if k not in ("vocab_size", "num_labels", "d_model", "n_head", "d_inner", "n_layer")}
     heads = {

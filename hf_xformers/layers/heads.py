@@ -29,6 +29,13 @@ from transformers.modeling_outputs import (
 )
 
 from ..ops.compat import CACHE_NAME, output_cache, resolve_cache_argument
+from ..ops.packing import (
+    document_ids_from_inputs,
+    document_lengths,
+    document_starts,
+    flat_document_index,
+    unpack_documents,
+)
 from .generation import HfxGenerationMixin, forward_parameters
 
 
@@ -49,12 +56,30 @@ class HfxLMHead(nn.Module):
 CLASSIFIER_POOLINGS = ("first", "mean")
 
 
-def pool_tokens(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, pooling: str) -> torch.Tensor:
-    """One vector per sequence: ``(batch, seq_len, hidden)`` -> ``(batch, hidden)``.
+def pool_tokens(
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    pooling: str,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One vector per sequence: ``(batch, seq_len, hidden)`` -> ``(batch, hidden)``; for a packed batch
+    (``document_ids`` ``(batch, seq_len)``, :mod:`~hf_xformers.ops.packing`) one per document,
+    ``(num_documents, hidden)``.
 
     ``"first"``: the first token (RoBERTa's ``<s>``). ``"mean"``: the mean over real tokens (``attention_mask``
     ``(batch, seq_len)``, 1 = real; all tokens when None), as the Long Range Arena's models pool.
     """
+    if document_ids is not None:
+        if pooling == "first":
+            return hidden_states[document_starts(document_ids)]
+        index = flat_document_index(document_ids).reshape(-1)
+        weights = hidden_states.new_ones(index.shape) if attention_mask is None else attention_mask.reshape(-1)
+        weights = weights.to(hidden_states.dtype)[:, None]
+        slots = int(index[-1]) + 1
+        sums = hidden_states.new_zeros(slots, hidden_states.shape[-1])
+        sums = sums.index_add(0, index, hidden_states.reshape(-1, hidden_states.shape[-1]) * weights)
+        counts = weights.new_zeros(slots, 1).index_add(0, index, weights)
+        return sums / counts.clamp(min=1.0)
     if pooling == "first":
         return hidden_states[:, 0]
     if attention_mask is None:
@@ -83,9 +108,16 @@ class HfxClassificationHead(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob if dropout is None else dropout)
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``(batch, seq_len, hidden)`` (and the ``(batch, seq_len)`` mask for mean pooling) -> ``(batch, num_labels)``."""
-        x = torch.tanh(self.dense(self.dropout(pool_tokens(hidden_states, attention_mask, self.pooling))))
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``(batch, seq_len, hidden)`` (and the ``(batch, seq_len)`` mask for mean pooling) -> ``(batch, num_labels)``;
+        with ``document_ids`` (a packed batch) ``(num_documents, num_labels)``."""
+        pooled = pool_tokens(hidden_states, attention_mask, self.pooling, document_ids)
+        x = torch.tanh(self.dense(self.dropout(pooled)))
         return self.out_proj(self.dropout(x))
 
 
@@ -168,13 +200,37 @@ class HfxHeadMixin:
     def _build_base_model(self, config, add_pooling_layer: bool = False) -> None:
         setattr(self, self.base_model_prefix, self.base_model_class(config, add_pooling_layer=add_pooling_layer))
 
-    def _encode(self, input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, **kw):
+    def _documents(
+        self, input_ids, inputs_embeds, position_ids, seq_idx=None, cu_seq_lens_q=None, cu_seq_lens_k=None
+    ) -> torch.Tensor | None:
+        """The documents of a packed batch (``(batch, seq_len)`` long, :mod:`~hf_xformers.ops.packing`), or None for
+        an ordinary batch. The head needs them to pool, score and unpack per document; the base model is then
+        given them as ``seq_idx``."""
+        ref = input_ids if input_ids is not None else inputs_embeds
+        if ref is None or ref.dim() < 2:
+            return None
+        return document_ids_from_inputs(
+            tuple(ref.shape[:2]), ref.device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k
+        )
+
+    def _encode(
+        self, input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states,
+        document_ids=None, **kw,
+    ):  # fmt: skip
         """Run the base model with ``return_dict=True``. A base model with global attention gets the task's default
-        global mask when the caller gives none; one without is not passed a ``global_attention_mask`` at all (the
-        Universal Transformer's forward has no such argument) unless the caller gave one, which it then refuses."""
+        global mask when the caller gives none (per document in a packed batch, ``document_ids``); one without is not
+        passed a ``global_attention_mask`` at all (the Universal Transformer's forward has no such argument) unless
+        the caller gave one, which it then refuses."""
         attention_class = getattr(self.base_model_class, "attention_class", None)
+        if document_ids is not None:
+            kw["seq_idx"] = document_ids
         if global_attention_mask is None and getattr(attention_class, "supports_global_attention", False):
-            global_attention_mask = self.default_global_attention_mask(self.task, input_ids, attention_mask)
+            if document_ids is None:
+                global_attention_mask = self.default_global_attention_mask(self.task, input_ids, attention_mask)
+            else:
+                global_attention_mask = self.default_global_attention_mask(
+                    self.task, input_ids, attention_mask, document_ids=document_ids
+                )
         if global_attention_mask is not None:
             if "global_attention_mask" not in forward_parameters(self.base_model_class):
                 raise ValueError(
@@ -258,17 +314,28 @@ class HfxCausalLMHeadMixin(HfxLMHeadMixin, HfxGenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         cache: Any = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> CausalLMOutputWithPast | tuple:
         """Returns ``logits`` ``(batch, seq_len, vocab)`` (of the new tokens when a cache is passed back, as
         ``cache`` or ``past_key_values``), the cache when one is used (``use_cache=True``), and with ``labels`` or
         ``shift_labels`` the mean next-token cross-entropy (the sum over ``num_items_in_batch`` when Trainer passes
-        it)."""
+        it). A packed batch (``position_ids`` restarting per document, ``seq_idx`` or ``cu_seq_lens_q/k``, as
+        ``DataCollatorWithFlattening`` returns them) is read as documents that never see each other, and no document's
+        last token is scored against the next document's first."""
+        documents = self._documents(input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
         out = self._encode(
-            input_ids, attention_mask, None, output_attentions, output_hidden_states,
+            input_ids, attention_mask, None, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
             past_key_values=resolve_cache_argument(past_key_values, cache), use_cache=use_cache,
         )  # fmt: skip
         logits = self.lm_head(out.last_hidden_state)
+        if documents is not None and shift_labels is None and labels is not None:
+            shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+            shift_labels = shift_labels.masked_fill(F.pad(document_starts(documents), (0, 1))[:, 1:], -100)
         loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
         result = self._head_result(CausalLMOutputWithPast, out, loss, logits=logits, **{CACHE_NAME: output_cache(out)})
         return self._finish(result, return_dict)
@@ -291,10 +358,17 @@ class HfxMaskedLMHeadMixin(HfxLMHeadMixin):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> MaskedLMOutput | tuple:
-        """Returns ``logits`` ``(batch, seq_len, vocab_size)`` and the loss when ``labels`` are given."""
+        """Returns ``logits`` ``(batch, seq_len, vocab_size)`` and the loss when ``labels`` are given. A packed batch
+        (boundaries in any form of ``DataCollatorWithFlattening``) keeps its row: ``(1, total_tokens, vocab_size)``."""
+        documents = self._documents(input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
         out = self._encode(
-            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states,
+            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
         )  # fmt: skip
         logits = self.lm_head(out.last_hidden_state)
@@ -328,13 +402,23 @@ class HfxSequenceClassificationHeadMixin(HfxHeadMixin):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> SequenceClassifierOutput | tuple:
-        """Returns ``logits`` ``(batch, num_labels)``; ``labels`` ``(batch,)`` (or ``(batch, num_labels)`` multi-label)."""
+        """Returns ``logits`` ``(batch, num_labels)``; ``labels`` ``(batch,)`` (or ``(batch, num_labels)`` multi-label).
+
+        A packed batch (boundaries in any form of ``DataCollatorWithFlattening``) is classified per document:
+        ``logits`` ``(num_documents, num_labels)`` and ``labels`` ``(num_documents,)``, each document pooled from its
+        own first token (or its own tokens' mean)."""
+        documents = self._documents(input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
         out = self._encode(
-            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states,
+            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
         )  # fmt: skip
-        logits = self.classifier(out.last_hidden_state, attention_mask)
+        logits = self.classifier(out.last_hidden_state, attention_mask, documents)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
         return self._finish(self._head_result(SequenceClassifierOutput, out, loss, logits=logits), return_dict)
 
@@ -363,25 +447,56 @@ class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        num_choices: int | None = None,
     ) -> MultipleChoiceModelOutput | tuple:
-        """Returns ``logits`` ``(batch, num_choices)``; ``labels`` ``(batch,)`` holds the right choice."""
+        """Returns ``logits`` ``(batch, num_choices)``; ``labels`` ``(batch,)`` holds the right choice.
+
+        A packed batch is one row ``(1, total_tokens)`` whose documents are the (context, choice) pairs, example by
+        example and choice by choice (``hf_xformers.padding_free.DataCollatorForPackedDocuments``), with the
+        boundaries in any form of ``DataCollatorWithFlattening`` and ``num_choices`` (or ``labels``, one per example,
+        from which it follows)."""
         ref = input_ids if input_ids is not None else inputs_embeds
-        if ref is None or ref.dim() != (3 if input_ids is not None else 4):
-            raise ValueError(
-                "Multiple-choice inputs must be shaped (batch, num_choices, seq_len); tokenize every "
-                "(context, choice) pair and stack them per example."
-            )
-        num_choices = ref.shape[1]
+        documents = None
+        if ref is not None and ref.dim() == (2 if input_ids is not None else 3):
+            documents = self._documents(input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+        if documents is not None:
+            out = self._encode(
+                input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
+                token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+            )  # fmt: skip
+            scores = self.classifier(self.dropout(out.pooler_output)).view(-1)
+            if num_choices is None and labels is not None and labels.numel():
+                num_choices = scores.numel() // labels.numel()
+            if num_choices is None or scores.numel() % num_choices:
+                raise ValueError(
+                    f"A packed multiple-choice batch holds {scores.numel()} (context, choice) documents; pass "
+                    "`num_choices` (the collator hf_xformers.padding_free.DataCollatorForPackedDocuments adds it) so "
+                    "that they can be grouped into examples."
+                )
+            logits = scores.view(-1, num_choices)
+        else:
+            if ref is None or ref.dim() != (3 if input_ids is not None else 4):
+                raise ValueError(
+                    "Multiple-choice inputs must be shaped (batch, num_choices, seq_len); tokenize every "
+                    "(context, choice) pair and stack them per example (or pack the pairs into one row with "
+                    "`num_choices`)."
+                )
+            num_choices = ref.shape[1]
 
-        def flat(t):
-            return None if t is None else t.reshape(-1, *t.shape[2:])
+            def flat(t):
+                return None if t is None else t.reshape(-1, *t.shape[2:])
 
-        out = self._encode(
-            flat(input_ids), flat(attention_mask), flat(global_attention_mask), output_attentions,
-            output_hidden_states, token_type_ids=flat(token_type_ids), position_ids=flat(position_ids),
-            inputs_embeds=flat(inputs_embeds),
-        )  # fmt: skip
-        logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)
+            out = self._encode(
+                flat(input_ids), flat(attention_mask), flat(global_attention_mask), output_attentions,
+                output_hidden_states, token_type_ids=flat(token_type_ids), position_ids=flat(position_ids),
+                inputs_embeds=flat(inputs_embeds),
+            )  # fmt: skip
+            logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)
         loss = None
         if labels is not None:
             if labels.numel() and (int(labels.max()) >= num_choices or int(labels.min()) < 0):
@@ -414,15 +529,42 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> QuestionAnsweringModelOutput | tuple:
-        """Returns ``start_logits`` and ``end_logits``, each ``(batch, seq_len)``."""
+        """Returns ``start_logits`` and ``end_logits``, each ``(batch, seq_len)``.
+
+        For a packed batch (boundaries in any form of ``DataCollatorWithFlattening``) they are
+        ``(num_documents, longest_document)``, one row per document as its own forward gives them (places beyond a
+        document's end hold the dtype's lowest value, so no softmax picks them), and ``start_positions`` /
+        ``end_positions`` ``(num_documents,)`` count from each document's first token."""
+        documents = self._documents(input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
         out = self._encode(
-            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states,
+            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
         )  # fmt: skip
         start_logits, end_logits = self.qa_outputs(out.last_hidden_state).unbind(-1)
         loss = None
-        if start_positions is not None and end_positions is not None:
+        if documents is not None:
+            lowest = torch.finfo(start_logits.dtype).min
+            start_logits = unpack_documents(start_logits, documents, lowest)
+            end_logits = unpack_documents(end_logits, documents, lowest)
+            if start_positions is not None and end_positions is not None:
+                # A position outside its document is ignored, as one past the end of an unpacked sequence is.
+                ignored = start_logits.shape[1]
+                lengths = document_lengths(documents).to(start_logits.device)
+                start = start_positions.view(-1).clamp(min=0)
+                end = end_positions.view(-1).clamp(min=0)
+                start = start.masked_fill(start >= lengths, ignored)
+                end = end.masked_fill(end >= lengths, ignored)
+                loss = (
+                    token_cross_entropy(start_logits, start, ignore_index=ignored)
+                    + token_cross_entropy(end_logits, end, ignore_index=ignored)
+                ) / 2
+        elif start_positions is not None and end_positions is not None:
             ignored = start_logits.shape[1]
             start = start_positions.view(-1).clamp(0, ignored)
             end = end_positions.view(-1).clamp(0, ignored)
@@ -462,10 +604,17 @@ class HfxTokenClassificationHeadMixin(HfxHeadMixin):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> TokenClassifierOutput | tuple:
-        """Returns ``logits`` ``(batch, seq_len, num_labels)``."""
+        """Returns ``logits`` ``(batch, seq_len, num_labels)`` (a packed batch keeps its row:
+        ``(1, total_tokens, num_labels)``)."""
+        documents = self._documents(input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
         out = self._encode(
-            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states,
+            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
         )  # fmt: skip
         logits = self.classifier(self.dropout(out.last_hidden_state))

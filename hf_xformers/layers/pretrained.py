@@ -53,9 +53,14 @@ class HfxPreTrainedModel(PreTrainedModel):
         )
 
     def default_global_attention_mask(
-        self, task: str, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
+        self,
+        task: str,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """Global-attention mask a task head uses when the caller gives none (None: no global tokens).
+        """Global-attention mask a task head uses when the caller gives none (None: no global tokens); in a packed
+        batch (``document_ids``, :mod:`~hf_xformers.ops.packing`) the task's rule applies to every document.
 
         ``task`` is one of ``"sequence_classification"``, ``"multiple_choice"``, ``"question_answering"``,
         ``"token_classification"``, ``"masked_lm"``. Architectures with global attention override this.

@@ -1,0 +1,64 @@
+"""Ragged documents classified and embedded in packed rows of a token budget (hf_xformers/packed_inference.py): the
+results of each document's own forward, in input order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_xformers import HfxLongformerConfig, HfxLongformerForSequenceClassification, HfxLongformerModel
+from hf_xformers.packed_inference import classify_documents, embed_documents, plan_rows
+
+TINY = dict(
+    vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+    max_position_embeddings=64, attention_window=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    num_labels=3,
+)  # fmt: skip
+LENGTHS = [12, 40, 5, 33, 21, 9, 17]
+
+
+def _documents() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    docs = []
+    for n in LENGTHS:
+        ids = torch.randint(5, 60, (n,), generator=g)
+        ids[0], ids[-1] = 0, 2
+        docs.append(ids.tolist())
+    return docs
+
+
+def test_plan_rows_fits_the_budget_and_keeps_every_document():
+    rows = plan_rows(LENGTHS, 48)
+    assert sorted(i for row in rows for i in row) == list(range(len(LENGTHS)))
+    assert all(sum(LENGTHS[i] for i in row) <= 48 for row in rows)
+    assert len(rows) == 3  # 137 tokens: first-fit decreasing needs 3 rows of 48
+    with pytest.raises(ValueError, match="max_tokens=30"):
+        plan_rows(LENGTHS, 30)
+
+
+def test_classify_documents_equals_each_documents_own_forward():
+    torch.manual_seed(0)
+    model = HfxLongformerForSequenceClassification(HfxLongformerConfig(**TINY)).eval()
+    docs = _documents()
+    logits = classify_documents(model, docs, max_tokens=48)
+    with torch.no_grad():
+        solo = torch.cat([model(input_ids=torch.tensor([d])).logits for d in docs])
+    assert logits.shape == (len(docs), 3)
+    torch.testing.assert_close(logits, solo, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "first", "pooler"])
+def test_embed_documents_equals_each_documents_own_forward(pooling):
+    torch.manual_seed(0)
+    model = HfxLongformerModel(HfxLongformerConfig(**TINY)).eval()
+    docs = _documents()
+    vectors = embed_documents(model, docs, max_tokens=64, pooling=pooling, normalize=True)
+    with torch.no_grad():
+        outs = [model(input_ids=torch.tensor([d])) for d in docs]
+    if pooling == "mean":
+        solo = torch.cat([o.last_hidden_state.mean(1) for o in outs])
+    elif pooling == "first":
+        solo = torch.cat([o.last_hidden_state[:, 0] for o in outs])
+    else:
+        solo = torch.cat([o.pooler_output for o in outs])
+    torch.testing.assert_close(vectors, torch.nn.functional.normalize(solo, dim=-1), atol=1e-5, rtol=0)
