@@ -7,7 +7,10 @@ window (``attention_window // 2``):
   global key (global keys use the ordinary key/value projections here);
 * a global query attends to every non-padding key, through the separate ``query_global``, ``key_global`` and
   ``value_global`` projections;
-* padding queries produce zeros.
+* padding queries produce zeros;
+* in a packed batch (``document_ids``, see ``ops/packing.py``) every rule above holds within each document: no query
+  sees a key of another document, local or global, and a global query attends to every non-padding key of its own
+  document only, so each document gets what its own forward gives.
 
 How it is computed: queries are cut into blocks of ``b`` tokens (``b = w``, or ``w / 4`` for windows of 64 and
 more). A block only needs the ``b + 2w`` keys around it, so each block is one small dense attention problem,
@@ -15,7 +18,9 @@ and all blocks go through one batched call of PyTorch's fused ``scaled_dot_produ
 additive band mask. The key neighbourhoods are overlapping *views* of the key/value tensors (``unfold``), not
 copies; there are no overlapping-chunk products and no ``(seq, 2w + 1)`` score tensor in memory. When the
 window covers the whole sequence one plain dense call is made instead: the same result (every key is in
-every window), and faster.
+every window), and faster. A packed batch adds its document condition in the same layouts: the documents of the
+key neighbourhoods are ``unfold`` views of ``document_ids`` like the keys themselves, so the mask stays the size of
+the band (no ``(seq_len, seq_len)`` tensor).
 """
 
 from __future__ import annotations
@@ -105,23 +110,29 @@ FLEX_BLOCK = 128
 
 def band_block_mask(
     attention_mask: torch.Tensor | None, is_global: torch.Tensor | None, one_sided_window: int, length: int,
-    device: torch.device,
+    device: torch.device, document_ids: torch.Tensor | None = None,
 ):  # fmt: skip
     """FlexAttention's ``BlockMask`` of Longformer's local attention: query ``i`` sees key ``j`` when ``|i - j| <= w``
-    or ``j`` is global, and ``j`` is a real token. ``attention_mask`` / ``is_global``: ``(batch, length)`` bool or
-    None.
+    or ``j`` is global, and ``j`` is a real token (of the same document as ``i`` in a packed batch).
+    ``attention_mask`` / ``is_global``: ``(batch, length)`` bool or None; ``document_ids``: ``(batch, length)`` long
+    (contiguous runs numbered upwards, :mod:`~hf_xformers.ops.packing`) or None.
 
     Built from block arithmetic, not by evaluating the mask on every (query, key) pair: key blocks wholly inside the
     band and wholly real are full (no per-score mask); blocks the band touches, blocks with a global token and blocks
-    with padding are partial (the mask below decides per score there); the rest are skipped. The mask states the whole
-    pattern: FlexAttention's eager form applies it to every score and ignores the block lists. The cost is linear in the
-    length (``create_block_mask`` would evaluate ``length**2`` pairs)."""
+    with padding are partial (the mask below decides per score there); the rest are skipped. With documents a block
+    pair stays full only when both blocks lie inside one and the same document, becomes partial where a boundary
+    crosses it, and is skipped when the two blocks share no document (global columns of other documents included).
+    The mask states the whole pattern: FlexAttention's eager form applies it to every score and ignores the block
+    lists. The cost is linear in the length (``create_block_mask`` would evaluate ``length**2`` pairs)."""
+
     def local(b, h, q, kv):
         keep = (q - kv).abs() <= one_sided_window
         if is_global is not None:
             keep = keep | is_global[b, kv]
         if attention_mask is not None:
             keep = keep & attention_mask[b, kv]
+        if document_ids is not None:
+            keep = keep & (document_ids[b, q] == document_ids[b, kv])
         return keep
 
     size, nb = FLEX_BLOCK, ceil_div(length, FLEX_BLOCK)
@@ -137,8 +148,18 @@ def band_block_mask(
         reach = touches | F.pad(is_global, (0, nb * size - length), value=False).view(-1, nb, size).any(-1)[:, None, :]
     full = inside & whole
     partial = reach & some & ~full
+    if document_ids is not None:
+        # Documents are contiguous runs numbered upwards, so a block's documents are the range from its first token's
+        # to its last's (the tail past the length repeats the last document).
+        tail = document_ids[:, -1:].expand(-1, nb * size - length)
+        ends = torch.cat([document_ids, tail], dim=1).view(-1, nb, size)
+        first, last = ends[..., 0], ends[..., -1]  # (batch, nb)
+        one_document = (first[:, :, None] == last[:, None, :]) & (last[:, :, None] == first[:, None, :])
+        share = (last[:, :, None] >= first[:, None, :]) & (first[:, :, None] <= last[:, None, :])
+        partial = (partial | (full & ~one_document)) & share
+        full = full & one_document
 
-    batch = real.shape[0] if is_global is None else max(real.shape[0], is_global.shape[0])
+    batch = max(t.shape[0] for t in (real, is_global, document_ids) if t is not None)
     # one head dimension: the pattern is the same for every head
     full, partial = full.expand(batch, nb, nb)[:, None], partial.expand(batch, nb, nb)[:, None]
     return block_mask_from_tables(partial, full, size, local, length)
@@ -181,13 +202,16 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         output_attentions: bool = False,
         global_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
         flex_masks: dict | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> AttentionOutput:
         """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, hidden)``.
 
         ``attention_mask`` None means no padding, ``global_attention_mask`` None no global token. ``global_slots``
         is :func:`global_slots_of` the global tokens, which the model computes once for all layers (None: computed here);
         ``flex_masks`` the FlexAttention block masks by one-sided window (:func:`band_block_mask`, which the model builds
-        once per forward under ``attn_implementation="flex_attention"``; None: built here).
+        once per forward under ``attn_implementation="flex_attention"``; None: built here). ``document_ids``
+        ``(batch, seq_len)`` long: the documents of a packed batch (:mod:`~hf_xformers.ops.packing`), each attended
+        to as if alone; None: one document per row.
         """
         implementation = attention_implementation(self.config)
         batch, length, hidden = hidden_states.shape
@@ -210,14 +234,16 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         if not eager and flex_applies(implementation, hidden_states, self.training, self.dropout_p):
             block_mask = (flex_masks or {}).get(self.one_sided_window)
             if block_mask is None:
-                block_mask = band_block_mask(attention_mask, is_global, self.one_sided_window, length, hidden_states.device)
+                block_mask = band_block_mask(
+                    attention_mask, is_global, self.one_sided_window, length, hidden_states.device, document_ids
+                )
             q, k, v = (split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
             context, probs = merge_heads(flex_attention(q, k, v, block_mask=block_mask)), None
         elif not eager and not is_tracing() and length <= self.query_block + 2 * self.one_sided_window:
-            context, probs = self._dense_attention(hidden_states, attention_mask, is_global), None
+            context, probs = self._dense_attention(hidden_states, attention_mask, is_global, document_ids), None
         else:
             context, probs = self._banded_attention(
-                hidden_states, attention_mask, is_global, global_idx, global_valid, eager
+                hidden_states, attention_mask, is_global, global_idx, global_valid, eager, document_ids
             )
             probs = probs if output_attentions else None
         if attention_mask is not None:
@@ -227,7 +253,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         global_probs = None
         if is_global is not None:
             global_context, global_probs = self._global_attention(
-                hidden_states, attention_mask, global_idx, global_valid, eager
+                hidden_states, attention_mask, global_idx, global_valid, eager, document_ids
             )
             global_probs = global_probs if output_attentions else None
             # Written through an extra row that the empty slots point at (no boolean indexing: traceable).
@@ -237,15 +263,19 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         elif self.training:
             # The global projections get no gradient when no token is global; DistributedDataParallel then
             # fails with "parameters that were not used". A zero-weighted term keeps them in the graph.
-            unused = sum(p.sum() for m in (self.query_global, self.key_global, self.value_global) for p in m.parameters())
+            unused = sum(
+                p.sum() for m in (self.query_global, self.key_global, self.value_global) for p in m.parameters()
+            )
             context = context + 0.0 * unused
         return AttentionOutput(context, probs, global_probs)
 
-    def _dense_attention(self, hidden_states, attention_mask, is_global) -> torch.Tensor:
+    def _dense_attention(self, hidden_states, attention_mask, is_global, document_ids=None) -> torch.Tensor:
         """Short inputs: one attention call over all keys, masked to the window and the global keys.
 
         A query sees the real keys within ``w`` of it and every global key (through the ordinary projections, as
-        in the banded path); when ``w`` covers the whole sequence that is every real key.
+        in the banded path); when ``w`` covers the whole sequence that is every real key. With ``document_ids``
+        ``(batch, seq_len)`` only those of its own document (a ``(batch, seq_len, seq_len)`` mask, no larger than the
+        scores of this path, which serves inputs within one block's key span).
         """
         heads, length, w = self.num_heads, hidden_states.shape[1], self.one_sided_window
         q, k, v = (split_heads(t, heads) for t in self.fused_qkv(hidden_states))
@@ -255,6 +285,9 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             mask = ((position[None, :] - position[:, None]).abs() <= w)[None, None]
             if is_global is not None:
                 mask = mask | is_global[:, None, None, :]
+        if document_ids is not None:
+            same = (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
+            mask = same if mask is None else mask & same
         if attention_mask is not None:
             mask = attention_mask[:, None, None, :] if mask is None else mask & attention_mask[:, None, None, :]
             # A query left with no key (padding far from any real token) sees everything; its output is zeroed later.
@@ -262,11 +295,14 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         dropout = self.dropout_p if self.training else 0.0
         return merge_heads(attention(q, k, v, mask, dropout))
 
-    def _banded_attention(self, hidden_states, attention_mask, is_global, global_idx, global_valid, output_attentions):
+    def _banded_attention(
+        self, hidden_states, attention_mask, is_global, global_idx, global_valid, output_attentions, document_ids=None
+    ):  # fmt: skip
         """Sliding-window attention (plus global keys) computed block by block.
 
         Shapes inside: ``nb`` blocks of ``b`` queries (``b = self.query_block``); each block sees the
-        ``span = b + 2w`` local keys around it and ``G`` global keys.
+        ``span = b + 2w`` local keys around it and ``G`` global keys. ``document_ids`` ``(batch, seq_len)`` (a packed
+        batch) masks every key of another document, in the same block layout.
         """
         batch, length, hidden = hidden_states.shape
         heads, dim, w, b = self.num_heads, self.head_dim, self.one_sided_window, self.query_block
@@ -296,13 +332,23 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         # block-local query row r sits at offset c - w - r) and real, non-global local keys (global keys come
         # in through the global slots instead). Built in two broadcast adds: it is rebuilt in every layer and
         # is as large as the score matrix, so every extra pass over it shows in the timings.
-        real = attention_mask if attention_mask is not None else torch.ones_like(hidden_states[..., 0], dtype=torch.bool)
+        real = (
+            attention_mask if attention_mask is not None else torch.ones_like(hidden_states[..., 0], dtype=torch.bool)
+        )
         local_key = real if is_global is None else real & ~is_global
         local_key = F.pad(local_key, (w, w + nb * b - length), value=False)
         neg_inf = torch.tensor(float("-inf"), dtype=qb.dtype, device=qb.device)
         key_bias = _fold_blocks(torch.where(_neighbourhoods(local_key, span, b), 0.0, neg_inf)[:, :, None, None])
         offset = torch.arange(span, device=qb.device)[None, :] - w - torch.arange(b, device=qb.device)[:, None]
         bias = key_bias + torch.where(offset.abs() <= w, 0.0, neg_inf)
+        query_docs = None
+        if document_ids is not None:
+            # The key neighbourhoods' documents, unfolded exactly as the keys are: (batch, nb, span) against the
+            # (batch, nb, b) queries' (the padding, -1, is masked as padding already).
+            docs = F.pad(document_ids, (w, w + nb * b - length), value=-1)
+            query_docs = docs[:, w : w + nb * b].view(batch, nb, b)
+            same = query_docs[..., None] == _neighbourhoods(docs, span, b)[:, :, None, :]
+            bias = bias.masked_fill(~_fold_blocks(same[:, :, None]), float("-inf"))
         # A padding query can be left with no key at all (NaN); let it see its whole neighbourhood instead,
         # its output is zeroed later.
         query_pad = _fold_blocks(~F.pad(real, (0, nb * b - length), value=False).view(batch, nb, 1, b, 1))
@@ -318,6 +364,11 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             gk, gv = _fold_blocks(gk[:, None].expand(expand)), _fold_blocks(gv[:, None].expand(expand))
             kb, vb = torch.cat([gk, kb], dim=2), torch.cat([gv, vb], dim=2)
             global_bias = torch.where(global_valid, 0.0, neg_inf)[:, None, None, :].expand(batch, nb, b, num_global)
+            if query_docs is not None:
+                # Only the global tokens of the query's own document.
+                global_docs = document_ids.gather(1, global_idx)
+                same = query_docs[..., None] == global_docs[:, None, None, :]
+                global_bias = global_bias.masked_fill(~same, float("-inf"))
             bias = torch.cat([_fold_blocks(global_bias[:, :, None]), bias], -1)
 
         dropout = self.dropout_p if self.training else 0.0
@@ -352,8 +403,11 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         both = torch.cat([weights[..., :num_global], band], dim=-1)
         return unblock(both.view(batch, nb, heads, b, -1).transpose(2, 3), length).transpose(1, 2)
 
-    def _global_attention(self, hidden_states, attention_mask, global_idx, global_valid, output_attentions):
-        """Global queries attend to every real token through the global projections.
+    def _global_attention(
+        self, hidden_states, attention_mask, global_idx, global_valid, output_attentions, document_ids=None
+    ):  # fmt: skip
+        """Global queries attend to every real token (of their own document, given ``document_ids``
+        ``(batch, seq_len)``) through the global projections.
 
         Returns ``(batch, G, hidden)`` contexts and, if asked, ``(batch, heads, G, seq_len)`` probabilities.
         """
@@ -365,6 +419,11 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         if attention_mask is not None:
             # Empty slots (examples with fewer globals) may look at everything; their output is dropped.
             mask = (attention_mask[:, None, :] | ~global_valid[:, :, None])[:, None]
+        if document_ids is not None:
+            # (batch, 1, G, seq_len), the size of the global scores; empty slots again see everything.
+            same = document_ids.gather(1, global_idx)[:, :, None] == document_ids[:, None, :]
+            same = (same | ~global_valid[:, :, None])[:, None]
+            mask = same if mask is None else mask & same
         dropout = self.dropout_p if self.training else 0.0
         if not output_attentions:
             return merge_heads(attention(q, k, v, mask, dropout)), None

@@ -193,6 +193,8 @@ class HfxTextModel:
             ``pooler_output`` ``(batch, hidden)`` (None without a pooler); for a packed batch ``pooler_output`` is
             ``(num_documents, hidden)``, one row per document in order.
         """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         document_ids = None

@@ -19,6 +19,7 @@ from ...layers.heads import (
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
 from ...ops.attention_switch import FLEX, attention_implementation
+from ...ops.packing import document_starts
 from .configuration_longformer import HfxLongformerConfig
 
 
@@ -29,34 +30,74 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
     # Its band, global tokens and padding as FlexAttention's BlockMask (attention/sliding_window.band_block_mask).
     _supports_flex_attn = True
 
-    def default_global_attention_mask(self, task, input_ids, attention_mask):
+    def default_global_attention_mask(
+        self,
+        task: str,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """The paper's defaults, as in transformers' Longformer heads:
 
         * sequence classification: ``<s>`` is global;
         * question answering: the question, i.e. every token before the first ``sep_token_id``;
         * multiple choice: the choice, i.e. every token after the first ``</s></s>`` pair;
         * masked LM and token classification: no global token.
+
+        ``input_ids`` / ``attention_mask``: ``(batch, seq_len)``. With ``document_ids`` ``(batch, seq_len)`` (a packed
+        batch, :mod:`~hf_xformers.ops.packing`) each rule applies to every document: its first token, the tokens before
+        its first separator, the tokens after its first separator pair. Returns ``(batch, seq_len)`` bool or None.
         """
         if input_ids is None or task in ("masked_lm", "token_classification"):
             return None
+        if document_ids is not None:
+            return self._packed_default_global_attention_mask(task, input_ids, attention_mask, document_ids)
         if task == "sequence_classification":
             mask = torch.zeros_like(input_ids, dtype=torch.bool)
             mask[:, 0] = True
             return mask
         is_sep = input_ids == self.config.sep_token_id
         if not bool(is_sep.any(-1).all()):
-            part = "question" if task == "question_answering" else "choice"
-            raise ValueError(
-                f"{task} puts global attention on the {part}, found through the first separator "
-                f"(sep_token_id={self.config.sep_token_id}), but some inputs have none; encode text pairs "
-                "with the tokenizer or pass `global_attention_mask`."
-            )
+            self._missing_separator(task, "inputs")
         first_sep = is_sep.int().argmax(-1, keepdim=True)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         if task == "question_answering":
             return positions < first_sep
         mask = positions > first_sep + 1
         return mask if attention_mask is None else mask & attention_mask.bool()
+
+    def _packed_default_global_attention_mask(
+        self, task: str, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, document_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`default_global_attention_mask` per document of a packed batch, with running sums along each row
+        (documents are contiguous runs): ``(batch, seq_len)`` bool."""
+        starts = document_starts(document_ids)
+        if task == "sequence_classification":
+            return starts
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        first_token = torch.where(starts, positions, torch.zeros_like(positions)).cummax(-1).values
+        is_sep = (input_ids == self.config.sep_token_id).long()
+        running = is_sep.cumsum(-1)
+        # separators of a token's own document up to and including the token
+        seen = running - (running - is_sep).gather(1, first_token)
+        last_token = torch.ones_like(starts)
+        last_token[:, :-1] = starts[:, 1:]
+        if not bool(((seen > 0) | ~last_token).all()):
+            self._missing_separator(task, "documents of the packed batch")
+        if task == "question_answering":
+            return seen == 0
+        # each document's first separator, carried forward from where it is (later documents' lie further on)
+        first_sep = torch.where((is_sep == 1) & (seen == 1), positions, -1).cummax(-1).values
+        mask = (seen > 0) & (positions > first_sep + 1)
+        return mask if attention_mask is None else mask & attention_mask.bool()
+
+    def _missing_separator(self, task: str, what: str) -> None:
+        part = "question" if task == "question_answering" else "choice"
+        raise ValueError(
+            f"{task} puts global attention on the {part}, found through the first separator "
+            f"(sep_token_id={self.config.sep_token_id}), but some {what} have none; encode text pairs "
+            "with the tokenizer or pass `global_attention_mask`."
+        )
 
 
 class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
@@ -77,11 +118,13 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
         if global_attention_mask is not None:
             kwargs["global_slots"] = global_slots_of(global_attention_mask)
         if attention_implementation(self.config) == FLEX:
-            # One block mask per window size for all layers (the band, global columns and padding are per example).
+            # One block mask per window size for all layers (the band, global columns, padding and documents are per
+            # example).
             device = self.embeddings.word_embeddings.weight.device
             windows = {layer.attention.self.one_sided_window for layer in self.encoder.layer}
             kwargs["flex_masks"] = {
-                w: band_block_mask(attention_mask, global_attention_mask, w, length, device) for w in sorted(windows)
+                w: band_block_mask(attention_mask, global_attention_mask, w, length, device, document_ids)
+                for w in sorted(windows)
             }
         return attention_mask, global_attention_mask, kwargs
 

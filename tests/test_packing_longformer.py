@@ -1,0 +1,342 @@
+"""hfx-longformer on packed (padding-free) batches (issue 34): every document of a row built by transformers'
+``DataCollatorWithFlattening`` gets what its own forward gives, under each ``attn_implementation``, with and without
+global tokens; the band, the global rows and columns and FlexAttention's block lists stop at document boundaries; the
+tasks' default global tokens are chosen per document.
+
+FlexAttention runs in its eager (reference) form except in one test of the compiled kernel (inference on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import DataCollatorWithFlattening  # noqa: E402
+
+import hf_xformers.ops.attention_switch as switch  # noqa: E402
+from hf_xformers import HfxLongformerConfig, HfxLongformerModel  # noqa: E402
+from hf_xformers.attention import sliding_window  # noqa: E402
+from hf_xformers.ops.packing import document_ids_from_inputs  # noqa: E402
+
+ATOL = 1e-5
+TINY = dict(
+    vocab_size=100,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=48,
+    attention_window=[8, 4],  # one-sided windows 4 and 2
+    max_position_embeddings=80,
+    type_vocab_size=1,
+    pad_token_id=1,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+# (10, 23, 7): the brief's three documents; (3, 41, 2, 12): documents shorter than a window and one of many windows;
+# (5, 6): a row short enough for the dense path of the first layer (one block's key span, 12 tokens).
+LENGTHS = [(10, 23, 7), (3, 41, 2, 12), (5, 6)]
+FORMS = ["position_ids", "seq_idx", "cu_seq_lens"]
+
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    monkeypatch.setattr(switch, "FLEX_COMPILE", False)
+
+
+def build(**overrides) -> HfxLongformerModel:
+    """The tiny model, weights perturbed so that biases and LayerNorms matter, in eval mode."""
+    torch.manual_seed(0)
+    model = HfxLongformerModel(HfxLongformerConfig(**{**TINY, **overrides}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def documents(lengths, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, TINY["vocab_size"], (n,), generator=g) for n in lengths]
+
+
+def global_masks(docs) -> list[torch.Tensor]:
+    """Global tokens in several documents: the first token of every third, two tokens of the next, none in the rest."""
+    masks = []
+    for i, doc in enumerate(docs):
+        mask = torch.zeros(len(doc), dtype=torch.bool)
+        if i % 3 == 0:
+            mask[0] = True
+        elif i % 3 == 1:
+            mask[len(doc) // 2] = mask[-1] = True
+        masks.append(mask)
+    return masks
+
+
+def packed(docs, form: str) -> dict:
+    """The collator's row in one of its three forms (the boundaries only there: no position ids with the others)."""
+    options = {
+        "position_ids": dict(),
+        "seq_idx": dict(return_seq_idx=True, return_position_ids=False),
+        "cu_seq_lens": dict(return_flash_attn_kwargs=True, return_position_ids=False),
+    }[form]
+    collator = DataCollatorWithFlattening(position_ids_start=2, return_tensors="pt", **options)
+    batch = collator([{"input_ids": doc.tolist()} for doc in docs])
+    batch.pop("labels")
+    return batch
+
+
+def spans(docs) -> list[slice]:
+    ends = torch.tensor([len(d) for d in docs]).cumsum(0).tolist()
+    return [slice(end - len(d), end) for d, end in zip(docs, ends)]
+
+
+def solo(model, doc: torch.Tensor, glob: torch.Tensor | None, **kwargs):
+    extra = {} if glob is None or not glob.any() else {"global_attention_mask": glob[None]}
+    return model(input_ids=doc[None], **extra, **kwargs)
+
+
+@pytest.mark.parametrize("use_globals", [False, True], ids=["local", "globals"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda lengths: "-".join(map(str, lengths)))
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
+def test_packed_documents_match_their_solo_forward(implementation, lengths, form, use_globals, eager_flex):
+    model = build()
+    model.set_attn_implementation(implementation)
+    docs = documents(lengths)
+    globs = global_masks(docs) if use_globals else [None] * len(docs)
+    inputs = packed(docs, form)
+    if use_globals:
+        inputs["global_attention_mask"] = torch.cat(globs)[None]
+    with torch.no_grad():
+        out = model(**inputs)
+        for doc, glob, span in zip(docs, globs, spans(docs)):
+            reference = solo(model, doc, glob)
+            assert (out.last_hidden_state[0, span] - reference.last_hidden_state[0]).abs().max() < ATOL
+
+
+def test_packed_documents_in_train_mode_without_dropout():
+    """Train mode (dropout probabilities 0) takes the training branches (the global projections' zero term, the CPU
+    kernel's training path): still each document's own result, gradients flowing."""
+    model = build().train()
+    docs = documents((10, 23, 7), seed=1)
+    globs = global_masks(docs)
+    inputs = packed(docs, "seq_idx")
+    out = model(**inputs, global_attention_mask=torch.cat(globs)[None])
+    for doc, glob, span in zip(docs, globs, spans(docs)):
+        reference = solo(model, doc, glob)
+        assert (out.last_hidden_state[0, span] - reference.last_hidden_state[0]).abs().max() < ATOL
+    out.last_hidden_state.sum().backward()
+    assert model.encoder.layer[0].attention.self.query_global.weight.grad is not None
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
+def test_several_packed_rows_with_padding(implementation, eager_flex):
+    """Two packed rows described by ``seq_idx``, the second right-padded (its padding a run of its own): padding,
+    documents and global tokens combine."""
+    model = build()
+    model.set_attn_implementation(implementation)
+    docs = documents((10, 23, 7, 12), seed=2)
+    globs = global_masks(docs)
+    length = 33
+    ids = torch.full((2, length), TINY["pad_token_id"])
+    ids[0] = torch.cat(docs[:2])
+    ids[1, :19] = torch.cat(docs[2:])
+    seq_idx = torch.tensor([[0] * 10 + [1] * 23, [0] * 7 + [1] * 12 + [2] * 14])
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, 19:] = 0
+    glob = torch.zeros(2, length, dtype=torch.long)
+    glob[0] = torch.cat(globs[:2])
+    glob[1, :19] = torch.cat(globs[2:])
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, global_attention_mask=glob, seq_idx=seq_idx).last_hidden_state
+        places = [(0, slice(0, 10)), (0, slice(10, 33)), (1, slice(0, 7)), (1, slice(7, 19))]
+        for doc, g, (row, span) in zip(docs, globs, places):
+            reference = solo(model, doc, g).last_hidden_state[0]
+            assert (out[row, span] - reference).abs().max() < ATOL
+
+
+@pytest.mark.parametrize("use_globals", [False, True], ids=["local", "globals"])
+def test_packed_attention_maps_are_each_documents_own(use_globals):
+    """``output_attentions=True`` on a packed row: the band probabilities of each document are its solo forward's
+    (offsets into another document are 0, as offsets past the ends of a lone document), its global columns are those
+    of its own global tokens (other documents' are 0), and the global tokens' rows see their own document only."""
+    model = build()
+    docs = documents((10, 23, 3, 7), seed=3)
+    globs = global_masks(docs) if use_globals else [torch.zeros(len(d), dtype=torch.bool) for d in docs]
+    inputs = packed(docs, "position_ids")
+    if use_globals:
+        inputs["global_attention_mask"] = torch.cat(globs)[None]
+    with torch.no_grad():
+        out = model(**inputs, output_attentions=True)
+        first_slot = 0
+        for doc, glob, span in zip(docs, globs, spans(docs)):
+            reference = solo(model, doc, glob, output_attentions=True)
+            count = int(glob.sum())
+            for layer, (probs, ref) in enumerate(zip(out.attentions, reference.attentions)):
+                total = probs.shape[-1] - ref.shape[-1] + count  # global slots of the packed row
+                rows = probs[0, :, span]
+                assert (rows[..., total:] - ref[0, ..., count:]).abs().max() < ATOL, layer
+                own = slice(first_slot, first_slot + count)
+                if count:
+                    assert (rows[..., own] - ref[0, ..., :count]).abs().max() < ATOL, layer
+                others = torch.ones(total, dtype=torch.bool)
+                others[own] = False
+                assert (rows[..., :total][..., others] == 0).all(), layer
+                if count:
+                    glob_probs = out.global_attentions[layer][0, :, own]
+                    assert (glob_probs[..., span] - reference.global_attentions[layer][0]).abs().max() < ATOL
+                    outside = torch.ones(glob_probs.shape[-1], dtype=torch.bool)
+                    outside[span] = False
+                    assert (glob_probs[..., outside] == 0).all()
+            first_slot += count
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
+def test_attention_module_stops_at_document_boundaries(implementation, eager_flex):
+    """The attention module on its own (it then finds the global slots and block mask itself): ``document_ids`` make a
+    packed row's contexts those of each document alone, and without ``document_ids`` the row is one sequence."""
+    config = HfxLongformerConfig(**TINY)
+    config._attn_implementation = implementation
+    torch.manual_seed(0)
+    attention = sliding_window.HfxSlidingWindowSelfAttention(config, layer_idx=0).eval()
+    lengths = (9, 30, 4, 17)
+    hidden = torch.randn(1, sum(lengths), TINY["hidden_size"])
+    document_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    is_global = torch.zeros(1, sum(lengths), dtype=torch.bool)
+    is_global[0, [0, 12, 38, 42]] = True  # documents 0, 1 (twice), 2
+    with torch.no_grad():
+        out = attention(hidden, None, is_global, document_ids=document_ids).context
+        unpacked = attention(hidden, None, is_global).context
+        start = 0
+        for n in lengths:
+            part = slice(start, start + n)
+            glob = is_global[:, part] if is_global[:, part].any() else None
+            reference = attention(hidden[:, part], None, glob).context
+            assert (out[:, part] - reference).abs().max() < ATOL
+            start += n
+    assert (out - unpacked).abs().max() > 1e-3  # the documents do change the result
+
+
+def blocks_visited_and_full(block_mask, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    visited = block_mask.to_dense().expand(batch, -1, -1, -1).bool()
+    full = torch.zeros_like(visited)
+    counts = block_mask.full_kv_num_blocks.expand(batch, -1, -1)
+    indices = block_mask.full_kv_indices.expand(batch, -1, -1, -1)
+    for b, h, qb in torch.nonzero(counts >= 0).tolist():
+        full[b, h, qb, indices[b, h, qb, : counts[b, h, qb]].long()] = True
+    return visited, full
+
+
+@pytest.mark.parametrize(("length", "window", "boundaries", "with_globals", "padded"), [
+    (700, 256, (300, 560), True, False),  # full blocks inside documents, partial where a boundary crosses
+    (300, 16, (100, 128, 250), False, False),  # a boundary on a block edge
+    (513, 256, (128, 384), True, True),
+    (640, 128, (256,), True, False),
+])  # fmt: skip
+def test_band_block_lists_with_documents_match_an_evaluated_mask(length, window, boundaries, with_globals, padded):
+    """The block lists (block arithmetic) against ``create_block_mask``'s evaluation of every score: no block with an
+    allowed score is skipped, no block is full unless every score in it is allowed (a block crossed by a document
+    boundary is partial), and a global token's block is visited by the query blocks of its own document only."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    size = sliding_window.FLEX_BLOCK
+    document_ids = torch.zeros(2, length, dtype=torch.long)
+    for boundary in boundaries:
+        document_ids[:, boundary:] += 1
+    document_ids[1] = (torch.arange(length) >= length // 3).long()  # the second row: two documents
+    mask = torch.ones(2, length, dtype=torch.bool)
+    if padded:
+        mask[1, length - 40 :] = False
+    is_global = None
+    if with_globals:
+        is_global = torch.zeros(2, length, dtype=torch.bool)
+        is_global[:, 0] = True
+        is_global[0, boundaries[0] + 3] = True
+        is_global &= mask
+    ours = sliding_window.band_block_mask(
+        mask if padded else None, is_global, window, length, torch.device("cpu"), document_ids
+    )
+    evaluated = create_block_mask(ours.mask_mod, 2, None, length, length, BLOCK_SIZE=size)
+    visited, ours_full = blocks_visited_and_full(ours, 2)
+    evaluated_visited, evaluated_full = blocks_visited_and_full(evaluated, 2)
+    assert not (evaluated_visited & ~visited).any(), "a block with an allowed score is skipped"
+    whole_rows = length // size  # query blocks inside the sequence (the last may reach past it)
+    assert not (ours_full & ~evaluated_full)[:, :, :whole_rows].any(), "a block marked full holds a masked score"
+    assert ours_full[:, :, :whole_rows].any() == evaluated_full[:, :, :whole_rows].any()
+    if with_globals:
+        # block 0 holds a global token of document 0 only: query blocks wholly inside later documents skip it
+        later = (document_ids[0].view(-1)[: whole_rows * size].view(whole_rows, size) > 0).all(-1)
+        assert not visited[0, 0, :whole_rows][later, 0].any()
+
+
+def test_compiled_flex_kernel_on_packed_documents(monkeypatch):
+    """The compiled FlexAttention kernel over block lists with full, partial and skipped blocks of three documents:
+    the "sdpa" path's contexts, and each document's own."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return switch.flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(sliding_window, "flex_attention", counted)
+    assert switch.FLEX_COMPILE
+    config = HfxLongformerConfig(
+        **{**TINY, "num_hidden_layers": 1, "attention_window": 512, "max_position_embeddings": 800}
+    )
+    torch.manual_seed(0)
+    attention = sliding_window.HfxSlidingWindowSelfAttention(config).eval()
+    lengths = (300, 260, 140)
+    hidden = torch.randn(1, sum(lengths), TINY["hidden_size"])
+    document_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
+    is_global = torch.zeros(1, sum(lengths), dtype=torch.bool)
+    is_global[0, [0, 310, 650]] = True
+    with torch.no_grad():
+        reference = attention(hidden, None, is_global, document_ids=document_ids).context
+        config._attn_implementation = "flex_attention"
+        out = attention(hidden, None, is_global, document_ids=document_ids).context
+        config._attn_implementation = "sdpa"
+        alone = attention(hidden[:, 300:560], None, is_global[:, 300:560]).context
+    assert calls
+    assert (out - reference).abs().max() < ATOL
+    assert (out[:, 300:560] - alone).abs().max() < ATOL
+
+
+SEP = 2  # RoBERTa's </s>, the config's sep_token_id
+
+
+def task_documents() -> list[torch.Tensor]:
+    """Text pairs as the tokenizer encodes them: <s> A </s></s> B </s>, of several lengths."""
+    g = torch.Generator().manual_seed(4)
+    pairs = [(3, 5), (1, 8), (6, 2), (4, 4)]
+    return [
+        torch.cat([torch.tensor([0]), torch.randint(3, 100, (a,), generator=g), torch.tensor([SEP, SEP]),
+                   torch.randint(3, 100, (b,), generator=g), torch.tensor([SEP])])
+        for a, b in pairs
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("task", ["sequence_classification", "question_answering", "multiple_choice"])
+def test_default_global_tokens_are_chosen_per_document(task):
+    model = build()
+    docs = task_documents()
+    ids = torch.cat(docs)[None]
+    document_ids = document_ids_from_inputs(ids.shape, ids.device, seq_idx=packed(docs, "seq_idx")["seq_idx"])
+    ours = model.default_global_attention_mask(task, ids, None, document_ids=document_ids)
+    expected = torch.cat([model.default_global_attention_mask(task, doc[None], None)[0] for doc in docs])
+    assert ours.dtype == torch.bool and torch.equal(ours[0], expected)
+    for name in ("masked_lm", "token_classification"):
+        assert model.default_global_attention_mask(name, ids, None, document_ids=document_ids) is None
+
+
+@pytest.mark.parametrize("task", ["question_answering", "multiple_choice"])
+def test_default_global_tokens_need_a_separator_in_every_document(task):
+    model = build()
+    docs = task_documents()
+    docs[2] = docs[2][docs[2] != SEP]  # the third document has no separator; the others have several
+    ids = torch.cat(docs)[None]
+    document_ids = document_ids_from_inputs(ids.shape, ids.device, seq_idx=packed(docs, "seq_idx")["seq_idx"])
+    with pytest.raises(ValueError, match="separator"):
+        model.default_global_attention_mask(task, ids, None, document_ids=document_ids)
