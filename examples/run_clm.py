@@ -68,6 +68,10 @@ class DataArguments:
     )
     level: str = field(default="char", metadata={"help": "'char' (bits per character) or 'word' (perplexity)"})
     segment_length: int = field(default=64, metadata={"help": "tokens per segment (the paper's tgt_len)"})
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "refused: Transformer-XL takes no packed batches; its stream segments hold no padding"},
+    )
 
 
 @dataclass
@@ -143,6 +147,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)
     if data_args.level not in ("char", "word"):
         raise ValueError(f"--level must be 'char' or 'word', got {data_args.level!r}.")
+    if data_args.padding_free:
+        raise ValueError(
+            "--padding_free: run_clm.py trains Transformer-XL (hfx-transfo-xl), which cannot take packed "
+            "(padding-free) batches: its memories and relative positions run across the whole segment, so packed "
+            "documents would see one another. Its segments are cut from continuous streams and hold no padding to "
+            "remove: run without --padding_free."
+        )
     set_seed(training_args.seed)
 
     train_path = Path(data_args.train_file)

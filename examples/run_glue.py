@@ -19,7 +19,9 @@ Examples (see examples/README.md)::
     torchrun --nproc_per_node=2 examples/run_glue.py ...   # same arguments, data-parallel
 
 Training resumes from the last ``checkpoint-*`` in ``--output_dir`` (or ``--resume_from_checkpoint PATH``)
-unless ``--overwrite_output_dir`` is given.
+unless ``--overwrite_output_dir`` is given. ``--padding_free`` packs every batch into one row of unpadded examples
+(hf_xformers models except hfx-linformer; each example is classified as on its own, so the results are the padded
+run's).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from examples.utils_examples import (
     hub_model_id,
     load_local_file,
     model_origin,
+    packed_collator,
     parse_script_args,
     require_columns,
     resume_checkpoint,
@@ -152,6 +155,13 @@ class DataTrainingArguments:
     pad_to_max_length: bool = field(
         default=False, metadata={"help": "Pad every input to max_seq_length (default: pad each batch to its longest)."}
     )
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Pack every batch into one row of unpadded examples (hf_xformers models; not hfx-linformer): "
+            "no compute is spent on padding, and each example is classified as on its own."
+        },
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training examples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation examples."})
     max_predict_samples: int | None = field(default=None, metadata={"help": "Use only the first N test examples."})
@@ -159,6 +169,8 @@ class DataTrainingArguments:
     def __post_init__(self) -> None:
         if self.task_name is None or self.task_name.lower() not in TASKS:
             raise ValueError(f"--task_name must be one of {list(TASKS)}, got {self.task_name!r}.")
+        if self.padding_free and self.pad_to_max_length:
+            raise ValueError("--padding_free packs unpadded examples: drop --pad_to_max_length.")
         self.task_name = self.task_name.lower()
         if self.task_name != "mnli":
             for name in ("validation_mismatched_file", "test_mismatched_file", "test_ax_file"):
@@ -408,6 +420,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
     )
 
+    # A model that cannot take packed batches fails here, before the data are tokenized.
+    if data_args.padding_free:
+        collator = packed_collator(model, training_args, logger)
+    elif data_args.pad_to_max_length:
+        collator = default_data_collator
+    else:
+        collator = DataCollatorWithPadding(tokenizer)
+
     # Tokenization. hfx-longformer and RoBERTa have a single segment (type_vocab_size 1): a BERT-style tokenizer
     # would hand them segment ids 1 for the second sentence, which they cannot embed.
     max_length = data_args.max_seq_length
@@ -449,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_dataset=train,
         eval_dataset=evaluation.get("eval"),
         processing_class=tokenizer,
-        data_collator=default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(tokenizer),
+        data_collator=collator,
         compute_metrics=compute_metrics,
     )
 

@@ -8,8 +8,11 @@ hf_xformers MaskedLM model (``hfx-longformer``, ``hfx-bigbird``, ``hfx-linformer
 Data: text files (``.txt``: one document per line; ``.csv``/``.json``/``.jsonl``: the ``--text_column_name``
 column), or a Hub dataset (``--dataset_name``, a local folder also works). Documents are tokenized, concatenated
 and cut into blocks of ``--max_seq_length`` tokens (default: all the model's positions); the last partial block is
-dropped. ``DataCollatorForLanguageModeling`` masks 15 % of the tokens of every training batch. The evaluation blocks
-are masked once, with ``--seed``, so every evaluation (and every model) is scored on the same masked tokens.
+dropped; with ``--line_by_line`` every document is cut into pieces of its own instead, and ``--padding_free`` packs
+each batch of pieces into one row without padding (hf_xformers models except hfx-linformer; the losses are those of
+the padded ``--line_by_line`` run). ``DataCollatorForLanguageModeling`` masks 15 % of the tokens of every training
+batch. The evaluation blocks are masked once, with ``--seed``, so every evaluation (and every model) is scored on the
+same masked tokens.
 
 Defaults. With ``--model_name_or_path`` (a pretrained or converted model) the recipe of the Longformer paper and its
 conversion notebook applies to every option you do not set::
@@ -86,10 +89,12 @@ from examples.utils_examples import (  # noqa: E402
     hub_model_id,
     load_local_file,
     model_origin,
+    packed_collator,
     parse_script_args,
     resume_checkpoint,
     setup_logging,
 )
+from hf_xformers.padding_free import DataCollatorForPackedDocuments  # noqa: E402
 
 logger = logging.getLogger("run_mlm")
 
@@ -148,6 +153,17 @@ class DataArguments:
         default=None, metadata={"help": "tokens per block (default: all the positions of the model)"}
     )
     mlm_probability: float = field(default=0.15, metadata={"help": "fraction of tokens masked"})
+    line_by_line: bool = field(
+        default=False,
+        metadata={"help": "keep every document apart (a line of a .txt file, a row of a dataset): each one is cut "
+                  "into pieces of at most --max_seq_length tokens instead of running on into the next one's block; "
+                  "batches are padded (or packed, with --padding_free)"},
+    )  # fmt: skip
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "implies --line_by_line: pack every batch of pieces into one row without padding "
+                  "(hf_xformers models; not hfx-linformer); every piece attends only to itself, as when padded"},
+    )  # fmt: skip
     eval_bucket_size: int = field(
         default=512, metadata={"help": "positions per bucket of the per-position evaluation (e.g. the source length)"}
     )
@@ -259,9 +275,33 @@ def group_into_blocks(data: Dataset, block_size: int) -> Dataset:
     return data.map(group, batched=True, batch_size=1000, remove_columns=data.column_names, desc="grouping")
 
 
+def cut_documents(data: Dataset, block_size: int) -> Dataset:
+    """Every tokenized document on its own (``--line_by_line``), cut into pieces of at most ``block_size`` tokens (the
+    last piece of a document may be shorter). Keeps ``input_ids`` and ``special_tokens_mask``."""
+    columns = ["input_ids", "special_tokens_mask"]
+
+    def cut(batch: dict) -> dict:
+        out = {name: [] for name in columns}
+        for row in range(len(batch["input_ids"])):
+            for start in range(0, len(batch["input_ids"][row]), block_size):
+                for name in columns:
+                    out[name].append(batch[name][row][start : start + block_size])
+        return out
+
+    return data.map(cut, batched=True, remove_columns=data.column_names, desc="cutting documents")
+
+
+def unpadded(rows: torch.Tensor, lengths: list[int], padding_side: str) -> list[list[int]]:
+    """The first (right padding) or last (left padding) ``lengths[i]`` values of every row of ``rows``."""
+    if padding_side == "left":
+        return [row[len(row) - n :].tolist() for row, n in zip(rows, lengths)]
+    return [row[:n].tolist() for row, n in zip(rows, lengths)]
+
+
 def mask_once(blocks: Dataset, tokenizer: PreTrainedTokenizerBase, probability: float, seed: int) -> Dataset:
     """The evaluation blocks with their masks drawn once (``input_ids``, ``labels``): every evaluation and every
-    model sees the same masked tokens, so their losses compare token for token."""
+    model sees the same masked tokens, so their losses compare token for token. Blocks of different lengths
+    (``--line_by_line``) keep their own lengths."""
     if len(blocks) == 0:
         return Dataset.from_dict({"input_ids": [], "labels": []})
     # One call over all the blocks: the collator's own generator, seeded, draws every mask.
@@ -271,20 +311,54 @@ def mask_once(blocks: Dataset, tokenizer: PreTrainedTokenizerBase, probability: 
     collator.generator = torch.Generator().manual_seed(seed)
     batch = collator([{"input_ids": ids, "special_tokens_mask": special}
                       for ids, special in zip(blocks["input_ids"], blocks["special_tokens_mask"])])  # fmt: skip
-    return Dataset.from_dict({"input_ids": batch["input_ids"].tolist(), "labels": batch["labels"].tolist()})
+    lengths = [len(ids) for ids in blocks["input_ids"]]
+    return Dataset.from_dict({key: unpadded(batch[key], lengths, tokenizer.padding_side)
+                              for key in ("input_ids", "labels")})  # fmt: skip
 
 
 class MaskingCollator:
     """``DataCollatorForLanguageModeling`` for training blocks; evaluation blocks that already carry ``labels``
-    (:func:`mask_once`) are only stacked."""
+    (:func:`mask_once`) are only stacked (padded, with an ``attention_mask``, when their lengths differ).
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, probability: float) -> None:
+    With ``packed`` (``--padding_free``) every batch becomes one row of unpadded blocks: training blocks are masked
+    first, exactly as a padded batch of them would be (the same random draws over the padded shape), then cut back
+    to their lengths and packed, each block's labels aligned with its own tokens.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        probability: float,
+        packed: DataCollatorForPackedDocuments | None = None,
+    ) -> None:
         self.mlm = DataCollatorForLanguageModeling(tokenizer, mlm_probability=probability)
+        self.pad_token_id = tokenizer.pad_token_id
+        self.packed = packed
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        if "labels" in features[0]:
+        lengths = [len(f["input_ids"]) for f in features]
+        if self.packed is not None:
+            if "labels" not in features[0]:
+                batch = self.mlm(features)
+                side = self.mlm.tokenizer.padding_side
+                features = [{"input_ids": ids, "labels": labels} for ids, labels in
+                            zip(unpadded(batch["input_ids"], lengths, side), unpadded(batch["labels"], lengths, side))]  # fmt: skip
+            return self.packed([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features])
+        if "labels" not in features[0]:
+            return self.mlm(features)
+        if len(set(lengths)) == 1:
             return {key: torch.tensor([f[key] for f in features], dtype=torch.long) for key in ("input_ids", "labels")}
-        return self.mlm(features)
+        longest = max(lengths)
+        batch = {
+            "input_ids": torch.full((len(features), longest), self.pad_token_id, dtype=torch.long),
+            "labels": torch.full((len(features), longest), -100, dtype=torch.long),
+            "attention_mask": torch.zeros(len(features), longest, dtype=torch.long),
+        }
+        for row, (feature, n) in enumerate(zip(features, lengths)):
+            batch["input_ids"][row, :n] = torch.tensor(feature["input_ids"])
+            batch["labels"][row, :n] = torch.tensor(feature["labels"])
+            batch["attention_mask"][row, :n] = 1
+        return batch
 
 
 def characters_per_token(documents: Dataset, tokenized: Dataset) -> float:
@@ -312,9 +386,19 @@ def token_losses(logits: torch.Tensor | tuple, labels: torch.Tensor) -> torch.Te
     )
 
 
-def mlm_metrics(losses: np.ndarray, labels: np.ndarray, bucket_size: int, chars_per_token: float | None) -> dict:
+def mlm_metrics(
+    losses: np.ndarray,
+    labels: np.ndarray,
+    bucket_size: int,
+    chars_per_token: float | None,
+    positions: np.ndarray | None = None,
+    length: int | None = None,
+) -> dict:
     """Token-averaged MLM metrics of per-token ``losses`` ``(blocks, seq_len)`` (nats) over the masked positions
     (``labels != -100``), overall and per bucket of ``bucket_size`` positions.
+
+    ``positions`` ``(blocks, seq_len)``: each token's position in its block (packed rows, ``--padding_free``); by
+    default its column. ``length``: the block length the buckets cover (default ``seq_len``).
 
     Returns:
         ``mlm_loss``, ``bits_per_token``, ``bpc`` (when ``chars_per_token`` is given), ``masked_tokens`` and
@@ -328,12 +412,14 @@ def mlm_metrics(losses: np.ndarray, labels: np.ndarray, bucket_size: int, chars_
     metrics = {"mlm_loss": loss, "bits_per_token": loss / math.log(2), "masked_tokens": count}
     if chars_per_token:
         metrics["bpc"] = metrics["bits_per_token"] / chars_per_token
-    length = labels.shape[1]
+    length = labels.shape[1] if length is None else length
+    if positions is None:
+        positions = np.broadcast_to(np.arange(labels.shape[1]), labels.shape)
     for start in range(0, length, bucket_size):
         end = min(start + bucket_size, length)
-        in_bucket = masked[:, start:end]
+        in_bucket = masked & (positions >= start) & (positions < end)
         if in_bucket.any():
-            metrics[f"loss_{start}_{end - 1}"] = float(losses[:, start:end][in_bucket].sum() / in_bucket.sum())
+            metrics[f"loss_{start}_{end - 1}"] = float(losses[in_bucket].sum() / in_bucket.sum())
     return metrics
 
 
@@ -473,6 +559,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )  # fmt: skip
     if data_args.eval_bucket_size < 1:
         raise ValueError(f"--eval_bucket_size must be positive, got {data_args.eval_bucket_size}.")
+    if data_args.padding_free and not data_args.line_by_line:
+        logger.info("--padding_free: documents are kept apart (--line_by_line) and packed, not run on into blocks.")
+        data_args.line_by_line = True
     checkpoint = resume_checkpoint(training_args, run_args.overwrite_output_dir)
     set_seed(training_args.seed)
     do_train = training_args.do_train or not training_args.do_eval
@@ -509,15 +598,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             f"--copy_proj_layers: a {config.model_type!r} model has no global Q/K/V projections (only hfx-longformer has)."
         )
     block_size = block_size_for(data_args.max_seq_length, model)
+    # A model that cannot take packed batches fails here, before the data are tokenized.
+    packed = packed_collator(model, training_args, logger) if data_args.padding_free else None
+    blocks_of = cut_documents if data_args.line_by_line else group_into_blocks
 
     with training_args.main_process_first(desc="tokenizing"):
         train = None
         if do_train:
-            train = group_into_blocks(tokenize_documents(train_docs, tokenizer), block_size)
+            train = blocks_of(tokenize_documents(train_docs, tokenizer), block_size)
             if data_args.max_train_samples is not None:
                 train = train.select(range(min(data_args.max_train_samples, len(train))))
         valid_tokens = tokenize_documents(valid_docs, tokenizer)
-        valid_blocks = group_into_blocks(valid_tokens, block_size)
+        valid_blocks = blocks_of(valid_tokens, block_size)
     if data_args.max_eval_samples is not None:
         valid_blocks = valid_blocks.select(range(min(data_args.max_eval_samples, len(valid_blocks))))
     for name, blocks in (("training", train), ("evaluation", valid_blocks)):
@@ -534,18 +626,29 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )  # fmt: skip
 
     def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
-        return mlm_metrics(prediction.predictions, prediction.label_ids, data_args.eval_bucket_size, chars_per_token)
+        labels, positions = prediction.label_ids, None
+        if packed is not None:  # (labels, position_ids) of packed rows: buckets by position in the block
+            labels, positions = labels[0], labels[1] - packed.position_ids_start
+        return mlm_metrics(
+            prediction.predictions, labels, data_args.eval_bucket_size, chars_per_token, positions, block_size
+        )
+
+    def packed_token_losses(logits: torch.Tensor | tuple, labels: tuple) -> torch.Tensor:
+        return token_losses(logits, labels[0])
 
     training_args.prediction_loss_only = False  # the per-token losses reach compute_metrics
+    if packed is not None and training_args.label_names is None:
+        # A packed row's columns are no positions: its position_ids reach compute_metrics beside the labels.
+        training_args.label_names = ["labels", "position_ids"]
     trainer = Trainer(
         model=model,
         args=training_args,
         train_dataset=train,
         eval_dataset=evaluation,
         processing_class=tokenizer,
-        data_collator=MaskingCollator(tokenizer, data_args.mlm_probability),
+        data_collator=MaskingCollator(tokenizer, data_args.mlm_probability, packed),
         compute_metrics=compute_metrics,
-        preprocess_logits_for_metrics=token_losses,
+        preprocess_logits_for_metrics=token_losses if packed is None else packed_token_losses,
     )
 
     metrics: dict[str, float] = {}

@@ -26,7 +26,9 @@ fine-tuned encoder + tokenizer (reloadable with ``AutoModel``) with the candidat
         --learning_rate 3e-5 --num_train_epochs 15 --output_dir out/wikihop
 
 Training resumes from the last ``checkpoint-*`` in ``--output_dir`` (or ``--resume_from_checkpoint PATH``)
-unless ``--overwrite_output_dir`` is given.
+unless ``--overwrite_output_dir`` is given. ``--padding_free`` packs the chunks of every batch into one row without
+padding (hf_xformers encoders except hfx-linformer; every chunk attends only to itself, so the scores are the padded
+run's).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from examples.utils_examples import (
     hub_model_id,
     load_local_file,
     model_origin,
+    packed_collator,
     parse_script_args,
     require_columns,
     resume_checkpoint,
@@ -67,6 +70,7 @@ from examples.utils_examples import (
     supports_global_attention,
     take,
 )
+from hf_xformers.padding_free import DataCollatorForPackedDocuments
 
 logger = logging.getLogger("run_wikihop")
 
@@ -104,6 +108,13 @@ class DataTrainingArguments:
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training examples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation examples."})
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Pack the chunks of every batch into one row without padding (hf_xformers encoders; not "
+            "hfx-linformer): each chunk still attends only to itself, and short last chunks cost only their tokens."
+        },
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -122,6 +133,11 @@ class WikiHopModel(nn.Module):
     * ``candidate_spans``: ``(B, C, 2)``, ``[start, end)`` token positions of each candidate, the same in every
       chunk since every chunk starts with the same prefix; ``candidate_mask``: ``(B, C)``, 1 for real candidates;
     * ``labels``: ``(B,)``, the index of the answer among the candidates.
+
+    A packed batch (``--padding_free``) holds the real chunks, example by example, in one row: ``input_ids`` and
+    ``global_attention_mask`` ``(1, T)``, ``position_ids`` ``(1, T)`` restarting at every chunk, and
+    ``chunk_starts`` ``(N,)``, where each of the ``N`` real chunks starts in the row (no ``attention_mask``). The
+    encoder attends within each chunk, so the logits are those of the padded batch.
 
     Returns ``logits`` ``(B, C)`` (padding candidates at the dtype's minimum) and the cross-entropy ``loss``.
     """
@@ -151,28 +167,41 @@ class WikiHopModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
         chunk_mask: torch.Tensor,
         candidate_spans: torch.Tensor,
         candidate_mask: torch.Tensor,
         global_attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        chunk_starts: torch.Tensor | None = None,
     ) -> MultipleChoiceModelOutput:
-        batch = input_ids.shape[0]
+        batch = candidate_spans.shape[0]
         real = chunk_mask.bool()
-        # Encode only the real chunks, as one flat batch; `owner` maps each back to its example.
-        owner = torch.arange(batch, device=input_ids.device)[:, None].expand_as(real)[real]  # (N,)
-        inputs = {"input_ids": input_ids[real], "attention_mask": attention_mask[real]}
-        if self.uses_global_attention and global_attention_mask is not None:
-            inputs["global_attention_mask"] = global_attention_mask[real]
-        hidden = self.encoder(**inputs, return_dict=True).last_hidden_state  # (N, L, H)
+        # `owner` maps each real chunk back to its example.
+        owner = torch.arange(batch, device=real.device)[:, None].expand_as(real)[real]  # (N,)
+        prefix = int(candidate_spans[..., 1].max())
+        positions = torch.arange(prefix, device=real.device)
+        if chunk_starts is None:
+            # Encode only the real chunks, as one flat batch.
+            inputs = {"input_ids": input_ids[real], "attention_mask": attention_mask[real]}
+            if self.uses_global_attention and global_attention_mask is not None:
+                inputs["global_attention_mask"] = global_attention_mask[real]
+            prefix_states = self.encoder(**inputs, return_dict=True).last_hidden_state[:, :prefix]  # (N, P, H)
+        else:
+            inputs = {"input_ids": input_ids, "position_ids": position_ids}
+            if self.uses_global_attention and global_attention_mask is not None:
+                inputs["global_attention_mask"] = global_attention_mask
+            hidden = self.encoder(**inputs, return_dict=True).last_hidden_state[0]  # (T, H)
+            # A chunk shorter than the batch's longest prefix reads on into the next one: those states get weight 0.
+            index = (chunk_starts[:, None] + positions).clamp(max=hidden.shape[0] - 1)
+            prefix_states = hidden[index]  # (N, P, H)
 
         # Mean of each candidate's token states. Candidates sit in the prefix, so only its tokens are needed.
-        prefix = int(candidate_spans[..., 1].max())
-        positions = torch.arange(prefix, device=input_ids.device)
         in_span = (positions >= candidate_spans[..., :1]) & (positions < candidate_spans[..., 1:])  # (B, C, P)
-        weights = in_span.to(hidden.dtype) / in_span.sum(-1, keepdim=True).clamp(min=1)
-        candidates = torch.einsum("ncp,nph->nch", weights[owner], hidden[:, :prefix])  # (N, C, H)
+        weights = in_span.to(prefix_states.dtype) / in_span.sum(-1, keepdim=True).clamp(min=1)
+        candidates = torch.einsum("ncp,nph->nch", weights[owner], prefix_states)  # (N, C, H)
         chunk_scores = self.scorer(self.dropout(candidates)).squeeze(-1)  # (N, C)
 
         # Average the chunk scores of each example.
@@ -283,11 +312,19 @@ def featurize(examples: dict, tokenizer, max_length: int, max_chunks: int | None
 @dataclass
 class WikiHopCollator:
     """Pads a list of featurized examples into the tensors :class:`WikiHopModel` takes (chunks, tokens and
-    candidates all padded to the largest in the batch, with masks saying what is real)."""
+    candidates all padded to the largest in the batch, with masks saying what is real).
+
+    With ``packed`` (``--padding_free``) the real chunks go into one row instead, through
+    :class:`~hf_xformers.padding_free.DataCollatorForPackedDocuments` (every chunk a document, its prefix global),
+    plus ``chunk_starts``; candidates and chunks are still padded and masked as above.
+    """
 
     pad_token_id: int
+    packed: DataCollatorForPackedDocuments | None = None
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        if self.packed is not None:
+            return self.pack(features)
         batch = len(features)
         chunks = max(len(f["input_ids"]) for f in features)
         length = max(len(chunk) for f in features for chunk in f["input_ids"])
@@ -306,6 +343,26 @@ class WikiHopCollator:
                 out["input_ids"][b, k, : len(chunk)] = torch.tensor(chunk)
                 out["attention_mask"][b, k, : len(chunk)] = 1
                 out["global_attention_mask"][b, k, : feature["prefix_length"]] = 1  # question + candidates
+            out["chunk_mask"][b, : len(feature["input_ids"])] = 1
+            spans = feature["candidate_spans"]
+            out["candidate_spans"][b, : len(spans)] = torch.tensor(spans)
+            out["candidate_mask"][b, : len(spans)] = 1
+        return out
+
+    def pack(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        chunks = [chunk for f in features for chunk in f["input_ids"]]
+        out = self.packed(
+            [{"input_ids": chunk, "global_attention_mask": [1] * f["prefix_length"] + [0] * (len(chunk) - f["prefix_length"])}
+             for f in features for chunk in f["input_ids"]]
+        )  # fmt: skip
+        out["chunk_starts"] = torch.tensor([0, *(len(chunk) for chunk in chunks[:-1])], dtype=torch.long).cumsum(0)
+        most_chunks = max(len(f["input_ids"]) for f in features)
+        candidates = max(len(f["candidate_spans"]) for f in features)
+        out["chunk_mask"] = torch.zeros(len(features), most_chunks, dtype=torch.long)
+        out["candidate_spans"] = torch.zeros(len(features), candidates, 2, dtype=torch.long)
+        out["candidate_mask"] = torch.zeros(len(features), candidates, dtype=torch.long)
+        out["labels"] = torch.tensor([f["label"] for f in features], dtype=torch.long)
+        for b, feature in enumerate(features):
             out["chunk_mask"][b, : len(feature["input_ids"])] = 1
             spans = feature["candidate_spans"]
             out["candidate_spans"][b, : len(spans)] = torch.tensor(spans)
@@ -371,6 +428,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     logger.info(
         "Chunks of %d tokens; global attention on question and candidates: %s", max_length, model.uses_global_attention
     )
+    # An encoder that cannot take packed batches fails here, before the data are featurized.
+    packed = packed_collator(model.encoder, training_args, logger) if data_args.padding_free else None
 
     def prepare(dataset: Dataset, desc: str) -> Dataset:
         # The main process featurizes first and caches; torchrun replicas then read the cache.
@@ -402,7 +461,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_dataset=train,
         eval_dataset=evaluation,
         processing_class=tokenizer,
-        data_collator=WikiHopCollator(tokenizer.pad_token_id),
+        data_collator=WikiHopCollator(tokenizer.pad_token_id, packed),
         compute_metrics=accuracy,
         # Keep only the predicted candidate per batch: batches have different numbers of candidates.
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),

@@ -27,6 +27,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from hf_xformers.card import hub_model_id, save_card_data, write_model_card
 from hf_xformers.export import export_for_hub
 from hf_xformers.ops.compat import checkpointing_argv
+from hf_xformers.padding_free import DataCollatorForPackedDocuments, packing_refusal
 from hf_xformers.registration import REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -188,6 +189,36 @@ def supports_global_attention(model) -> bool:
     if attention_class is not None:
         return bool(getattr(attention_class, "supports_global_attention", False))
     return "global_attention_mask" in inspect.signature(model.forward).parameters
+
+
+def packed_collator(
+    model, training_args: TrainingArguments, log: logging.Logger, **options
+) -> DataCollatorForPackedDocuments:
+    """The collator of ``--padding_free``: every batch one row of unpadded documents
+    (:class:`hf_xformers.padding_free.DataCollatorForPackedDocuments`, ``options`` as its fields), with the model's
+    first position. Turns grouping by length off (``--train_sampling_strategy group_by_length``, ``--group_by_length``
+    on older transformers): it only served to keep padding small.
+
+    Raises:
+        ValueError: the model cannot take packed batches (Linformer, Transformer-XL, transformers' own heads), before
+            any training.
+    """
+    refusal = packing_refusal(model)
+    if refusal is not None:
+        raise ValueError(f"--padding_free: {refusal} Run without --padding_free to pad the batches instead.")
+    # Recent transformers releases name it train_sampling_strategy="group_by_length", earlier ones group_by_length.
+    if getattr(training_args, "train_sampling_strategy", None) == "group_by_length":
+        log.info("--padding_free: training batches are drawn at random, not grouped by length (no padding to save).")
+        training_args.train_sampling_strategy = "random"
+    if getattr(training_args, "group_by_length", False):
+        log.info("--padding_free: --group_by_length is off (a packed row has no padding to save).")
+        training_args.group_by_length = False
+    collator = DataCollatorForPackedDocuments.for_model(model, **options)
+    log.info(
+        "--padding_free: each batch is one row of unpadded documents (positions restart at %d in each).",
+        collator.position_ids_start,
+    )
+    return collator
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -25,13 +25,23 @@ globals().update(_EXPORTS)
 # The Hub tools load lazily (PEP 562): `python -m hf_xformers.export` would otherwise find its own module already
 # imported by the package (a RuntimeWarning), and model code need not import huggingface_hub's card machinery.
 _HUB_TOOLS = {"export_for_hub": "export", "write_model_card": "card"}
+# Padding-free batches: the collator for Trainer, and packed inference over ragged documents.
+_PACKING_TOOLS = {
+    "DataCollatorForPackedDocuments": "padding_free",
+    "pack_by_token_budget": "padding_free",
+    "position_ids_start_for": "padding_free",
+    "packing_refusal": "padding_free",
+    "classify_documents": "packed_inference",
+    "embed_documents": "packed_inference",
+}
 
 
 def __getattr__(name: str):
-    if name in _HUB_TOOLS:
+    if name in _HUB_TOOLS or name in _PACKING_TOOLS:
         import importlib
 
-        return getattr(importlib.import_module(f".{_HUB_TOOLS[name]}", __name__), name)
+        module = _HUB_TOOLS.get(name) or _PACKING_TOOLS[name]
+        return getattr(importlib.import_module(f".{module}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -42,5 +52,6 @@ __all__ = [
     "register_with_peft",
     "export_for_hub",
     "write_model_card",
+    *_PACKING_TOOLS,
     *_EXPORTS,
 ]

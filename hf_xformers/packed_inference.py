@@ -19,35 +19,9 @@ import torch
 
 from .layers.heads import pool_tokens
 from .ops.packing import positions_in_documents
+from .padding_free import pack_by_token_budget, position_ids_start_for
 
 POOLINGS = ("mean", "first", "pooler")
-
-
-def plan_rows(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices of ``lengths`` grouped into rows of at most ``max_tokens`` tokens: first-fit decreasing (each document,
-    longest first, goes into the first row with room), which wastes little of each row's budget.
-
-    Raises:
-        ValueError: a document longer than ``max_tokens``.
-    """
-    too_long = [i for i, n in enumerate(lengths) if n > max_tokens]
-    if too_long:
-        raise ValueError(
-            f"Document {too_long[0]} has {lengths[too_long[0]]} tokens, more than max_tokens={max_tokens}; raise "
-            "max_tokens or truncate the documents (tokenizer(..., truncation=True, max_length=...))."
-        )
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(max_tokens - lengths[i])
-    return rows
 
 
 def _token_ids(documents, tokenizer, model) -> list[torch.Tensor]:
@@ -60,11 +34,6 @@ def _token_ids(documents, tokenizer, model) -> list[torch.Tensor]:
     return [torch.as_tensor(ids, dtype=torch.long).reshape(-1) for ids in documents]
 
 
-def _first_position(model) -> int:
-    embeddings = getattr(model.base_model, "embeddings", None)
-    return getattr(embeddings, "position_offset", 0)
-
-
 @torch.inference_mode()
 def _run_packed(model, documents, tokenizer, max_tokens: int, read) -> torch.Tensor:
     """Run ``model`` on ``documents`` packed into rows; ``read(output, document_ids)`` gives one row of results per
@@ -74,12 +43,12 @@ def _run_packed(model, documents, tokenizer, max_tokens: int, read) -> torch.Ten
         raise ValueError("No documents given.")
     device = next(model.parameters()).device
     results: list[torch.Tensor | None] = [None] * len(ids)
-    for row in plan_rows([t.numel() for t in ids], max_tokens):
+    for row in pack_by_token_budget([t.numel() for t in ids], max_tokens):
         input_ids = torch.cat([ids[i] for i in row])[None].to(device)
         document_ids = torch.repeat_interleave(torch.arange(len(row)), torch.tensor([ids[i].numel() for i in row]))[
             None
         ].to(device)
-        position_ids = positions_in_documents(document_ids, _first_position(model))
+        position_ids = positions_in_documents(document_ids, position_ids_start_for(model))
         out = model(input_ids=input_ids, position_ids=position_ids, seq_idx=document_ids, return_dict=True)
         for i, value in zip(row, read(out, document_ids)):
             results[i] = value
@@ -122,4 +91,4 @@ def embed_documents(
     return torch.nn.functional.normalize(vectors, dim=-1) if normalize else vectors
 
 
-__all__ = ["classify_documents", "embed_documents", "plan_rows"]
+__all__ = ["classify_documents", "embed_documents"]

@@ -109,8 +109,14 @@ class PackingConformance:
                     solo_extra[i].update(
                         start_positions=starts[i : i + 1].to(self.device), end_positions=ends[i : i + 1].to(self.device)
                     )
+            # Reseeded before every forward: in training, Reformer draws its LSH rotations afresh each call (same
+            # shape whatever the length, so the same draw when the generator is in the same state).
+            torch.manual_seed(0)
             packed = model(**self.pack(model, documents, form, **extra))
-            solos = [self.solo(model, d, **solo_extra[i]) for i, d in enumerate(documents)]
+            solos = []
+            for i, d in enumerate(documents):
+                torch.manual_seed(0)
+                solos.append(self.solo(model, d, **solo_extra[i]))
             self._compare(auto_name, packed, solos, documents, counts)
 
     def _compare(self, auto_name, packed, solos, documents, counts) -> None:

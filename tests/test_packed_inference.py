@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hf_xformers import HfxLongformerConfig, HfxLongformerForSequenceClassification, HfxLongformerModel
-from hf_xformers.packed_inference import classify_documents, embed_documents, plan_rows
+from hf_xformers.packed_inference import classify_documents, embed_documents
+from hf_xformers.padding_free import pack_by_token_budget
 
 TINY = dict(
     vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
@@ -28,12 +29,12 @@ def _documents() -> list[list[int]]:
 
 
 def test_plan_rows_fits_the_budget_and_keeps_every_document():
-    rows = plan_rows(LENGTHS, 48)
+    rows = pack_by_token_budget(LENGTHS, 48)
     assert sorted(i for row in rows for i in row) == list(range(len(LENGTHS)))
     assert all(sum(LENGTHS[i] for i in row) <= 48 for row in rows)
     assert len(rows) == 3  # 137 tokens: first-fit decreasing needs 3 rows of 48
-    with pytest.raises(ValueError, match="max_tokens=30"):
-        plan_rows(LENGTHS, 30)
+    with pytest.raises(ValueError, match="more than the 30"):
+        pack_by_token_budget(LENGTHS, 30)
 
 
 def test_classify_documents_equals_each_documents_own_forward():

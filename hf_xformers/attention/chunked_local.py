@@ -10,11 +10,18 @@ length it would be padded to if it were alone) says how many chunks take part. A
 not depend on how far its batch is padded, and it equals transformers' whenever the batch is not padded beyond that
 length. An example with a single chunk attends to it once (the full attention it gets alone); with more chunks than
 one, a window wider than the chunk count repeats chunks as transformers does.
+
+Packed documents (a padding-free batch). The Reformer model lays every document of a packed row out in a region of
+an internal row that is padded to the model's chunk multiple, as the document's own forward pads it (see
+:class:`DocumentLayout`): chunks never straddle two documents, and the chunks of each document wrap around among
+themselves exactly as they do when it is alone (:func:`segment_neighbour_chunks`), so no chunk ever sees another
+document's and each document gets the windows, and the repeated chunks, of its own forward.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -51,6 +58,64 @@ def neighbour_chunks(
     # A single chunk is every key already: its copies in the other window slots are dropped (the input alone would
     # take the full-attention path). With two or more chunks a window wider than the chunk count repeats chunks, and
     # transformers counts them as often as they appear: so do we.
+    keep = (offset == -before) | (count > 1)
+    return index, keep.expand(index.shape)
+
+
+@dataclass(frozen=True)
+class DocumentLayout:
+    """Where the documents of a packed batch lie in the internal row a chunked attention runs on.
+
+    Every document fills a *region* of the row that starts at a multiple of the model's chunk multiple (the least
+    common multiple of the chunk lengths in use) and is its length rounded up to that multiple; the tail of a row after
+    its last region is a region of its own that holds no document. A document's own forward (batch 1, no padding)
+    computes on its *solo length*: its length rounded up to the chunk multiple when it exceeds the shortest chunk, its
+    length otherwise (the model pads only inputs longer than that); with an attention mask, the extent of its real
+    tokens takes the place of its length, as ``padded_lengths`` does for a padded batch.
+
+    Attributes:
+        region_start: ``(batch, length)`` long: the first slot of the region each slot lies in.
+        solo_length: ``(batch, length)`` long: the solo length of the document of that region (0 in a row's tail).
+    """
+
+    region_start: torch.Tensor
+    solo_length: torch.Tensor
+
+    def chunk_segments(self, chunk: int, num_chunks: int, scale: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunks each chunk wraps around among, for a row of ``scale`` copies of every region laid end to end
+        in each region's place (LSH's hashing rounds, sorted by document first: region ``[s, s + P)`` becomes
+        ``[scale * s, scale * (s + P))``) cut into ``num_chunks`` chunks of ``chunk`` (a divisor of every region's
+        length).
+
+        A document longer than a chunk wraps around the chunks of its solo length (``scale`` times it): its own
+        forward's chunks, in its own forward's order. A document no longer than a chunk, which attends to all of
+        its positions alone, and every chunk outside a document's solo length (padding only), see only themselves.
+
+        Returns:
+            ``(first, count)``, each ``(batch, num_chunks)`` long: chunk ``j`` wraps around chunks
+            ``first[j] ... first[j] + count[j] - 1``.
+        """
+        index = torch.arange(num_chunks, device=self.region_start.device)
+        slots = index * chunk // scale  # the slot of the region holding each chunk's first (sorted) slot
+        start = self.region_start[:, slots]
+        solo = self.solo_length[:, slots]
+        first = start * scale // chunk
+        count = (solo * scale + chunk - 1) // chunk
+        inside = (solo > chunk) & (index - first < count)
+        return torch.where(inside, first, index), torch.where(inside, count, torch.ones_like(count))
+
+
+def segment_neighbour_chunks(
+    first: torch.Tensor, count: torch.Tensor, before: int, after: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`neighbour_chunks` within segments: chunk ``j`` of segment ``first[j] ... first[j] + count[j] - 1``
+    (``(batch, num_chunks)`` long each, from :meth:`DocumentLayout.chunk_segments`) attends to the chunks
+    ``first + (j - first + offset) mod count``, with the same repeats and the same single-chunk rule as a whole
+    example's chunks. Returns ``index`` and ``keep``, ``(batch, num_chunks, window)``."""
+    chunk = torch.arange(first.shape[1], device=first.device).view(1, -1, 1)
+    offset = torch.arange(-before, after + 1, device=first.device).view(1, 1, -1)
+    first, count = first[..., None], count[..., None]
+    index = first + torch.remainder(chunk - first + offset, count)
     keep = (offset == -before) | (count > 1)
     return index, keep.expand(index.shape)
 
@@ -178,11 +243,14 @@ class HfxLocalSelfAttention(nn.Module):
         output_attentions: bool = False,
         padded_lengths: torch.Tensor | None = None,
         output_length: int | None = None,
+        documents: DocumentLayout | None = None,
     ) -> AttentionOutput:
         """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, heads * head_dim)``.
 
         ``output_length``: the model's real length when it padded the input; the returned attentions are then the
-        ``(output_length, output_length)`` corner, on the autograd path of the context."""
+        ``(output_length, output_length)`` corner, on the autograd path of the context. ``documents``: the layout of
+        a packed batch's documents in the input (its padding slots masked by ``attention_mask``); chunks then wrap
+        around within each document (module docstring)."""
         batch, seq_len, _ = hidden_states.shape
         q, k, v = self._qkv(hidden_states)
         k = k / math.sqrt(self.head_dim)
@@ -196,10 +264,14 @@ class HfxLocalSelfAttention(nn.Module):
                 f"Local attention got {seq_len} positions, not a multiple of local_attn_chunk_length "
                 f"({self.chunk_length}); the Reformer model pads its inputs, call the model rather than the layer."
             )
-        index, keep = neighbour_chunks(
-            num_chunks, self.num_chunks_before, self.num_chunks_after,
-            real_chunk_count(padded_lengths, chunk, seq_len), hidden_states.device,
-        )  # fmt: skip
+        if documents is None:
+            index, keep = neighbour_chunks(
+                num_chunks, self.num_chunks_before, self.num_chunks_after,
+                real_chunk_count(padded_lengths, chunk, seq_len), hidden_states.device,
+            )  # fmt: skip
+        else:
+            first, count = documents.chunk_segments(chunk, num_chunks)
+            index, keep = segment_neighbour_chunks(first, count, self.num_chunks_before, self.num_chunks_after)
         q = q.reshape(batch, self.num_heads, num_chunks, chunk, self.head_dim)
         k = gather_chunks(k.reshape(batch, self.num_heads, num_chunks, chunk, self.head_dim), index)
         values = v
@@ -214,7 +286,9 @@ class HfxLocalSelfAttention(nn.Module):
         if attention_mask is not None:
             key_real = gather_chunks(attention_mask.view(batch, 1, num_chunks, chunk), index)  # (batch, 1, C, K)
             mask = mask & key_real[:, :, :, None, :]
-        if not output_attentions and flex_applies(attention_implementation(self.config), hidden_states, self.training, self.dropout.p):
+        if not output_attentions and flex_applies(
+            attention_implementation(self.config), hidden_states, self.training, self.dropout.p
+        ):
             context = self._flex_attention(
                 q.flatten(2, 3), keys, values, index, keep, attention_mask, chunk, num_chunks, seq_len
             )  # fmt: skip
@@ -227,7 +301,9 @@ class HfxLocalSelfAttention(nn.Module):
         if output_attentions:
             # The context comes from the returned dense probabilities (the same numbers to rounding), so that they
             # are part of the autograd graph (`retain_grad()` on them gets a gradient).
-            attentions, rebuilt = corner_on_graph(dense_probabilities(probs, positions, key_pos, seq_len), output_length)
+            attentions, rebuilt = corner_on_graph(
+                dense_probabilities(probs, positions, key_pos, seq_len), output_length
+            )
             return AttentionOutput(merge_heads(torch.matmul(self.dropout(rebuilt), values)), attentions)
         context = unblock(torch.matmul(self.dropout(probs), v), seq_len, dim=2)  # (batch, heads, seq_len, head_dim)
         return AttentionOutput(merge_heads(context), None)
@@ -276,4 +352,12 @@ class HfxLocalSelfAttention(nn.Module):
         return merge_heads(torch.matmul(probs, v)), attentions
 
 
-__all__ = ["HfxLocalSelfAttention", "neighbour_chunks", "gather_chunks", "dense_probabilities", "real_chunk_count"]
+__all__ = [
+    "DocumentLayout",
+    "HfxLocalSelfAttention",
+    "dense_probabilities",
+    "gather_chunks",
+    "neighbour_chunks",
+    "real_chunk_count",
+    "segment_neighbour_chunks",
+]

@@ -17,6 +17,13 @@ Padding: within an example's own extent (``padded_lengths``, see ``chunked_local
 last bucket in every round, exactly as transformers does; positions beyond it are sorted after every round, so the
 result does not depend on how far the batch is padded. An example no longer than a chunk attends to all of its
 positions, as it would alone (transformers' "standard" path).
+
+Packed documents (``documents``, a :class:`~hf_xformers.attention.chunked_local.DocumentLayout` of the internal row
+the Reformer model lays them out in): positions are sorted by (document, round, bucket, position), so the rounds of
+one document fill the sorted places of its region (``num_hashes`` times its length, chunk-aligned) in the order its
+own forward sorts them, and its chunks wrap around among themselves as they do alone. A document no longer than a
+chunk keeps each round's positions in one chunk that sees only itself: all of its positions in every round, the
+attention it gets alone. No chunk holds two documents, so buckets never mix them.
 """
 
 from __future__ import annotations
@@ -38,12 +45,14 @@ from ..ops.precision import float32_autocast_off, mask_value
 from ..ops.shapes import merge_heads, split_heads
 from .base import AttentionOutput, plain_linears
 from .chunked_local import (
+    DocumentLayout,
     corner_on_graph,
     dense_probabilities,
     expand_keep,
     gather_chunks,
     neighbour_chunks,
     real_chunk_count,
+    segment_neighbour_chunks,
     window_repeats,
 )
 
@@ -233,10 +242,13 @@ class HfxLSHSelfAttention(nn.Module):
         num_hashes: int | None = None,
         buckets: torch.Tensor | None = None,
         output_length: int | None = None,
+        documents: DocumentLayout | None = None,
     ) -> AttentionOutput:
         """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, heads * head_dim)``.
 
-        ``output_length``: the model's real length when it padded the input (see ``HfxLocalSelfAttention``)."""
+        ``output_length``: the model's real length when it padded the input (see ``HfxLocalSelfAttention``).
+        ``documents``: the layout of a packed batch's documents in the input (its padding slots masked by
+        ``attention_mask``); buckets and chunks then stay within each document (module docstring)."""
         num_hashes = self.num_hashes if num_hashes is None else num_hashes
         batch, seq_len, _ = hidden_states.shape
         if plain_linears(self.query_key, self.value):
@@ -246,7 +258,7 @@ class HfxLSHSelfAttention(nn.Module):
             qk, v = self.query_key(hidden_states), self.value(hidden_states)
         qk, v = split_heads(qk, self.num_heads), split_heads(v, self.num_heads)
         chunk = self.chunk_length
-        if seq_len <= chunk:
+        if seq_len <= chunk and documents is None:
             context, attentions = self._full(qk, v, attention_mask, output_attentions, output_length)
             return AttentionOutput(merge_heads(context), attentions, None)
         if seq_len % chunk:
@@ -263,11 +275,23 @@ class HfxLSHSelfAttention(nn.Module):
                 self.rotations_for(num_hashes, qk)
         extra_bucket = math.prod(bucket_factors(self.num_buckets))
         rounds = torch.arange(num_hashes, device=qk.device).view(1, 1, -1, 1)
-        key = buckets if attention_mask is None else buckets.masked_fill(~attention_mask[:, None, None, :], extra_bucket)
+        key = (
+            buckets if attention_mask is None else buckets.masked_fill(~attention_mask[:, None, None, :], extra_bucket)
+        )
         key = key + rounds * (extra_bucket + 1)
         if padded_lengths is not None:
             beyond = torch.arange(seq_len, device=qk.device) >= padded_lengths[:, None]  # (batch, seq)
             key = key.masked_fill(beyond[:, None, None, :], num_hashes * (extra_bucket + 1))
+        if documents is not None:
+            # A document longer than a chunk sorts what lies beyond its solo length after all of its rounds, as
+            # `padded_lengths` does for an example; one no longer than a chunk keeps each round in place (its real
+            # positions then fill the first chunk of the round).
+            solo = documents.solo_length
+            inside = torch.arange(seq_len, device=qk.device) - documents.region_start
+            beyond = (solo > chunk) & (inside >= solo)
+            key = key.masked_fill(beyond[:, None, None, :], num_hashes * (extra_bucket + 1))
+            # Documents first: each one's sorted places are its region's, `num_hashes` times over.
+            key = key + documents.region_start[:, None, None, :] * (num_hashes * (extra_bucket + 1) + 1)
         # Sort by (round, bucket); ties keep (round, position) order, as transformers' stable argsort.
         if torch.compiler.is_compiling():
             # ONNX has no stable sort: traced graphs make every key distinct (slot index as the last digit), which
@@ -293,17 +317,25 @@ class HfxLSHSelfAttention(nn.Module):
             rows = x.reshape(-1, x.shape[-1]).index_select(0, (token + head_rows).flatten())
             return rows.view(batch, self.num_heads, num_chunks, chunk, x.shape[-1])
 
-        real = None if padded_lengths is None else num_hashes * padded_lengths
-        index, keep = neighbour_chunks(
-            num_chunks, self.num_chunks_before, self.num_chunks_after,
-            real_chunk_count(real, chunk, total), qk.device,
-        )  # fmt: skip
+        if documents is None:
+            real = None if padded_lengths is None else num_hashes * padded_lengths
+            index, keep = neighbour_chunks(
+                num_chunks, self.num_chunks_before, self.num_chunks_after,
+                real_chunk_count(real, chunk, total), qk.device,
+            )  # fmt: skip
+        else:
+            first, count = documents.chunk_segments(chunk, num_chunks, num_hashes)
+            index, keep = segment_neighbour_chunks(first, count, self.num_chunks_before, self.num_chunks_after)
         q = chunked(qk)
         q_pos = token.view(batch, self.num_heads, num_chunks, chunk)
         # Combining rounds needs each row's log-normaliser, which compiled FlexAttention returns on CUDA but not (torch
         # 2.13) on the CPU, where several rounds keep the chunked kernel below (the same numbers).
         lse_ok = num_hashes == 1 or flex_returns_lse(qk.device)
-        if not output_attentions and lse_ok and flex_applies(attention_implementation(self.config), qk, self.training, self.dropout.p):
+        if (
+            not output_attentions
+            and lse_ok
+            and flex_applies(attention_implementation(self.config), qk, self.training, self.dropout.p)
+        ):
             context, log_norm = self._flex_sorted(q.flatten(2, 3), chunked(v).flatten(2, 3), token, index, keep,
                                                   attention_mask, chunk, num_chunks, num_hashes > 1)  # fmt: skip
             context = context.reshape(-1, self.head_dim)
@@ -440,7 +472,8 @@ class HfxLSHSelfAttention(nn.Module):
         else:  # an adapter (LoRA ...) changes the projections: call them, keep each head's own slice
             heads = torch.arange(self.num_heads, device=states.device)
             qk, v = (
-                linear(picked).view(*picked.shape[:-1], self.num_heads, self.head_dim)[:, heads, :, :, heads]
+                linear(picked)
+                .view(*picked.shape[:-1], self.num_heads, self.head_dim)[:, heads, :, :, heads]
                 .transpose(0, 1)
                 for linear in (self.query_key, self.value)
             )

@@ -50,7 +50,8 @@ class HfxLinformerModel(HfxTextModel, HfxLinformerPreTrainedModel):
     packing_refusal = (
         "its keys and values are projected along the whole sequence (E K, F V), so every output mixes every "
         "document of the row",
-        "Pad the batch instead (DataCollatorWithPadding; Trainer(group_by_length=True) keeps the padding small).",
+        "Pad the batch instead (DataCollatorWithPadding; TrainingArguments(train_sampling_strategy=\"group_by_length\") "
+        "keeps the padding small).",
     )
 
     def prepare_attention_inputs(self, attention_mask, global_attention_mask, length, document_ids=None):

@@ -9,6 +9,14 @@ Any length up to ``max_position_embeddings`` works in training and eval: inputs 
 padded inside to a multiple of the chunk lengths and cut back, and every example is computed as it would be alone
 (see ``chunked_local.py``), so padding a batch does not change its outputs.
 
+Packed (padding-free) batches, as ``DataCollatorWithFlattening(position_ids_start=0)`` makes them (boundaries as
+restarting ``position_ids``, ``seq_idx`` or ``cu_seq_lens_q/k``): the documents of a row are laid out in an internal
+row, each in a region padded to the chunk multiple as its own forward pads it (:func:`lay_out_documents`), the layers
+run on that row with every chunk kept inside one document (``attention/chunked_local.py``, ``attention/lsh.py``) and
+the outputs are gathered back into the packed row: every document gets what its own forward gives (with fixed
+rotations: eval, or a ``hash_seed``; training rotations are one draw per layer and call, as for any batch). Positions
+restart at 0 in each document. A packed batch costs its tokens plus less than one chunk multiple per document.
+
 Mixed precision (``torch.autocast`` or ``model.to(bfloat16 / float16)``): mask logits fit the scores' dtype, LSH
 hashing and the rounds' softmax statistics compute in float32 (the fixed rotations stay a float32 buffer when the model
 is cast), and the reversible backward pass recomputes each layer under the forward's autocast state. With fixed
@@ -25,7 +33,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import ModelOutput
 
-from ...attention.chunked_local import HfxLocalSelfAttention
+from ...attention.chunked_local import DocumentLayout, HfxLocalSelfAttention
 from ...attention.lsh import HfxLSHSelfAttention
 from ...layers.encoder import INPLACE_ACTIVATIONS
 from ...layers.generation import HfxCache
@@ -39,7 +47,13 @@ from ...layers.heads import (
 from ...layers.pretrained import HfxPreTrainedModel
 from ...ops.compat import CACHE_ARGUMENT_NAMES
 from ...ops.fast_dropout import HfxDropout, fast_dropout
-from ...ops.input_checks import check_not_empty, check_token_ids, unpadded_to_none
+from ...ops.input_checks import check_not_empty, check_token_ids, is_tracing, unpadded_to_none
+from ...ops.packing import (
+    document_ids_from_inputs,
+    document_starts,
+    flat_document_index,
+    positions_in_documents,
+)
 from ...ops.shapes import ceil_div, cut_to_length
 from .configuration_reformer import HfxReformerConfig
 from .reversible import reversible_sequence
@@ -162,15 +176,16 @@ class HfxReformerAttention(nn.Module):
         self.output = HfxReformerSelfOutput(config)
 
     def forward(self, hidden_states, attention_mask=None, padded_lengths=None, num_hashes=None, buckets=None,
-                output_attentions=False, output_length=None):  # fmt: skip
+                output_attentions=False, output_length=None, documents=None):  # fmt: skip
         """``(batch, seq, hidden)`` -> (output, :class:`AttentionOutput` with the LSH buckets in ``global_attentions``'
-        place ``[2]``, the normalised input)."""
+        place ``[2]``, the normalised input). ``documents``: the :class:`DocumentLayout` of a packed batch."""
         normed = self.layer_norm(hidden_states)
         if isinstance(self.self_attention, HfxLSHSelfAttention):
             out = self.self_attention(normed, attention_mask, None, output_attentions, padded_lengths, num_hashes,
-                                      buckets, output_length)  # fmt: skip
+                                      buckets, output_length, documents=documents)  # fmt: skip
         else:
-            out = self.self_attention(normed, attention_mask, None, output_attentions, padded_lengths, output_length)
+            out = self.self_attention(normed, attention_mask, None, output_attentions, padded_lengths, output_length,
+                                      documents=documents)  # fmt: skip
         return self.output(out.context), out, normed
 
 
@@ -217,8 +232,9 @@ class HfxReformerLayer(nn.Module):
         self.attention = HfxReformerAttention(config, layer_idx)
         self.feed_forward = HfxReformerFeedForward(config)
 
-    def f(self, x2, extra=None, attention_mask=None, padded_lengths=None, num_hashes=None):
-        out, attn, _ = self.attention(x2, attention_mask, padded_lengths, num_hashes, buckets=extra)
+    def f(self, x2, extra=None, attention_mask=None, padded_lengths=None, num_hashes=None, documents=None):
+        out, attn, _ = self.attention(x2, attention_mask, padded_lengths, num_hashes, buckets=extra,
+                                      documents=documents)  # fmt: skip
         return out, attn.global_attentions
 
     def g(self, y1: torch.Tensor) -> torch.Tensor:
@@ -258,24 +274,27 @@ class HfxReformerEncoder(nn.Module):
         self.dropout = HfxDropout(config.hidden_dropout_prob, inplace_without_grad=True)
 
     def forward(self, hidden_states, attention_mask=None, padded_lengths=None, num_hashes=None,
-                output_attentions=False, output_hidden_states=False, cache=None, cache_length=None):  # fmt: skip
+                output_attentions=False, output_hidden_states=False, cache=None, cache_length=None,
+                documents=None, slots=None):  # fmt: skip
         """``(batch, seq, hidden)`` -> ``(batch, seq, 2 * hidden)``, the per-layer ``x2`` streams, attentions.
 
         ``cache``: an empty :class:`HfxReformerCache` to fill (prefill, ``cache_length`` real positions) or a filled
-        one to decode one position with.
+        one to decode one position with. A packed batch: ``hidden_states`` is the internal row of
+        :func:`lay_out_documents`, ``documents`` its layout and ``slots`` ``(batch, packed_len)`` the slot of every
+        packed token in it; the reported ``x2`` streams are then ``(batch, packed_len, hidden)``.
         """
         all_hidden, all_attn = [], []
         x1 = x2 = hidden_states
-        # Internal padding: report each stream state cut to the real length, and carry on from a tensor rebuilt from
-        # that cut (with the padded tail as it was), so that the reported states are on the autograd path of the
-        # output (`retain_grad()` on them gets gradients) and the numbers are unchanged.
-        expose = (
-            output_hidden_states
-            and cache_length is not None
-            and (torch.compiler.is_compiling() or hidden_states.shape[1] != cache_length)
+        # Internal padding: report each stream state cut to the real length (gathered from the internal row of a
+        # packed batch), and carry on from a tensor rebuilt from that cut (with the padded slots as they were), so
+        # that the reported states are on the autograd path of the output (`retain_grad()` on them gets gradients)
+        # and the numbers are unchanged.
+        expose = output_hidden_states and (
+            slots is not None
+            or (cache_length is not None and (torch.compiler.is_compiling() or hidden_states.shape[1] != cache_length))
         )
         if expose:
-            hidden, x1 = _on_path(x1, cache_length)
+            hidden, x1 = _on_path(x1, cache_length, slots)
             x2 = x1
         if cache is not None and len(cache):
             for i, layer in enumerate(self.layers):
@@ -303,19 +322,19 @@ class HfxReformerEncoder(nn.Module):
         ):  # fmt: skip
             x1, x2 = reversible_sequence(
                 self.layers, x1, x2, attention_mask=attention_mask, padded_lengths=padded_lengths,
-                num_hashes=num_hashes,
+                num_hashes=num_hashes, documents=documents,
             )  # fmt: skip
         else:
             for i, layer in enumerate(self.layers):
                 if expose:
                     if i:  # layer 0's input is the embedding output, already rebuilt above
-                        hidden, x2 = _on_path(x2, cache_length)
+                        hidden, x2 = _on_path(x2, cache_length, slots)
                     all_hidden.append(hidden)
                 elif output_hidden_states:
                     all_hidden.append(x2)
                 out, attn, normed = layer.attention(x2, attention_mask, padded_lengths, num_hashes,
                                                     output_attentions=output_attentions,
-                                                    output_length=cache_length)  # fmt: skip
+                                                    output_length=cache_length, documents=documents)  # fmt: skip
                 if cache is not None:
                     cache.states.append(normed[:, :cache_length])
                     buckets = attn.global_attentions
@@ -325,7 +344,7 @@ class HfxReformerEncoder(nn.Module):
                 x1 = x1 + out
                 x2 = x2 + layer.feed_forward(x1)
         if expose:
-            hidden, x2 = _on_path(x2, cache_length)
+            hidden, x2 = _on_path(x2, cache_length, slots)
             all_hidden.append(hidden)
         elif output_hidden_states:
             all_hidden.append(x2)
@@ -333,12 +352,73 @@ class HfxReformerEncoder(nn.Module):
         return hidden, all_hidden, all_attn
 
 
-def _on_path(x: torch.Tensor, length) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``(batch, padded, hidden)`` -> ``(real, rebuilt)``: its first ``length`` positions, and ``x`` made again
-    from them and its padded tail (the same numbers), for the forward to continue from."""
+def _on_path(x: torch.Tensor, length, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``(batch, padded, hidden)`` -> ``(real, rebuilt)``: its first ``length`` positions (or its ``slots``
+    ``(batch, packed_len)``, the packed tokens of an internal row), and ``x`` made again from them and its padded
+    places (the same numbers), for the forward to continue from."""
+    if slots is not None:
+        index = slots[..., None].expand(-1, -1, x.shape[-1])
+        real = x.gather(1, index)
+        return real, x.scatter(1, index, real)
     real = cut_to_length(x, 1, length)
     tail = x.index_select(1, torch.arange(length, x.shape[1], device=x.device))
     return real, torch.cat([real, tail], dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packed batches
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def lay_out_documents(
+    document_ids: torch.Tensor, attention_mask: torch.Tensor | None, multiple: int, min_chunk_length: int
+) -> tuple[DocumentLayout, torch.Tensor, int]:
+    """Where the documents of a packed batch go in the internal row the layers run on (eager only: two host reads).
+
+    Each document gets a region of its length rounded up to ``multiple`` (the chunk multiple), in order, so that
+    every chunk of every layer lies in one document and each document is chunked from its first token, as its own
+    forward pads and chunks it; the row is as long as the longest row's regions.
+
+    Args:
+        document_ids: ``(batch, packed_len)`` long (:func:`~hf_xformers.ops.packing.document_ids_from_inputs`).
+        attention_mask: ``(batch, packed_len)`` bool or None; a document's solo length follows the extent of its
+            real tokens (as ``padded_lengths`` does for a padded batch).
+        multiple, min_chunk_length: ``config.chunk_multiple`` and ``config.min_chunk_length``.
+    Returns:
+        ``(layout, slots, length)``: the :class:`DocumentLayout` of the internal row ``(batch, length)``, and the
+        internal slot of every packed token ``(batch, packed_len)`` long.
+    """
+    batch, packed_len = document_ids.shape
+    device = document_ids.device
+    flat = flat_document_index(document_ids)  # documents numbered across rows
+    inside = positions_in_documents(document_ids)
+    lengths = torch.bincount(flat.reshape(-1))  # (num_docs,); every document has a token
+    num_docs = lengths.shape[0]
+    extent = lengths
+    if attention_mask is not None:
+        real_end = (inside + 1) * attention_mask
+        extent = lengths.new_zeros(num_docs).scatter_reduce(0, flat.reshape(-1), real_end.reshape(-1), "amax")
+        extent = extent.clamp(min=1)
+    solo = torch.where(extent > min_chunk_length, (extent + multiple - 1) // multiple * multiple, extent)
+    region = (lengths + multiple - 1) // multiple * multiple
+    ends = region.cumsum(0)
+    starts = ends - region  # across rows: every row's first document must count from its row's start
+    row_of_doc = torch.zeros_like(lengths).scatter_(
+        0, flat.reshape(-1), torch.arange(batch, device=device).repeat_interleave(packed_len)
+    )
+    row_first = flat[:, 0]
+    start = starts - starts[row_first][row_of_doc]  # (num_docs,) region start inside its row
+    row_length = torch.zeros(batch, dtype=torch.long, device=device).index_add_(0, row_of_doc, region)
+    length = int(row_length.max())
+    slots = start[flat] + inside
+    # The document of every internal slot: marked at each region's start, carried over the region.
+    owner = torch.full((batch, length), -1, dtype=torch.long, device=device)
+    owner[row_of_doc, start] = torch.arange(num_docs, device=device)
+    owner = owner.cummax(-1).values.clamp(min=0)
+    tail = torch.arange(length, device=device) >= row_length[:, None]
+    region_start = torch.where(tail, row_length[:, None], start[owner])
+    solo_length = torch.where(tail, torch.zeros_like(region_start), solo[owner])
+    return DocumentLayout(region_start, solo_length), slots, length
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -418,16 +498,21 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings.word_embeddings = value
 
-    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, cache):
+    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, cache,
+                      document_ids=None, position_ids=None):  # fmt: skip
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
         if len(shape) != 2:
             raise ValueError(f"`input_ids` must have shape (batch, seq_len), got {shape}; add a batch dimension.")
         past = cache.get_seq_length() if cache is not None else 0
-        if past + shape[1] > self.config.max_position_embeddings:
+        longest = past + shape[1]
+        if document_ids is not None:
+            # A packed row may be longer than the table: each document must fit (its positions restart).
+            longest = int(position_ids.max()) + 1
+        if longest > self.config.max_position_embeddings:
             raise ValueError(
-                f"Sequence length {past + shape[1]} exceeds config.max_position_embeddings "
+                f"Sequence length {longest} exceeds config.max_position_embeddings "
                 f"({self.config.max_position_embeddings}); truncate the input (tokenizer(..., truncation=True))."
             )
         if past and shape[1] != 1:
@@ -459,29 +544,57 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         return_dict: bool | None = None,
         global_attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> HfxReformerModelOutput | tuple:
-        """Encode (or decode) a batch.
+        """Encode (or decode) a batch, or a packed batch of documents (transformers' ``DataCollatorWithFlattening``
+        with ``position_ids_start=0``).
 
         Args:
             input_ids: ``(batch, seq_len)`` (or ``inputs_embeds`` ``(batch, seq_len, hidden)``); any length up to
                 ``max_position_embeddings``.
             attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding.
+            position_ids: ``(batch, seq_len)`` from 0 (None: ``0, 1, ...``, or each document's own count).
             num_hashes: hashing rounds for this call (None: ``config.num_hashes``).
             past_buckets_states: cache from an earlier call (decoders): the input is then one new position.
             use_cache: return a cache (decoders in eval; default ``config.use_cache``).
+            seq_idx, cu_seq_lens_q, cu_seq_lens_k: the boundaries of a packed batch (:mod:`~hf_xformers.ops.packing`;
+                restarting ``position_ids`` alone mark them too, in eager mode): every document then gets what its own
+                forward gives, and each may be up to ``max_position_embeddings`` long. ``max_length_q/k`` are
+                accepted and not needed. Packed batches run in eager mode and take no cache.
         Returns:
             :class:`HfxReformerModelOutput`, ``last_hidden_state`` ``(batch, seq_len, 2 * hidden_size)``.
         """
         cache = past_buckets_states
-        self._check_inputs(input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, cache)
+        reference = input_ids if input_ids is not None else inputs_embeds
+        document_ids = None
+        if reference is not None and reference.dim() == (2 if input_ids is not None else 3):
+            # While tracing, positions alone never mark documents: a traced graph cannot tell restarting positions
+            # from ordinary ones, and the packed layout needs eager mode (its length depends on the documents).
+            document_ids = document_ids_from_inputs(
+                tuple(reference.shape[:2]), reference.device, None if is_tracing() else position_ids, seq_idx,
+                cu_seq_lens_q, cu_seq_lens_k,
+            )  # fmt: skip
+        if document_ids is not None:
+            position_ids = self._packed_position_ids(document_ids, position_ids, cache, use_cache)
+            use_cache = False
+        self._check_inputs(input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, cache,
+                           document_ids, position_ids)  # fmt: skip
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
         use_cache = config.use_cache if use_cache is None else use_cache
         use_cache = bool(use_cache and config.is_decoder and not self.training) or cache is not None
-        reference = input_ids if input_ids is not None else inputs_embeds
         batch, seq_len = reference.shape[:2]
         device = reference.device
+        if document_ids is not None:
+            return self._packed_forward(
+                input_ids, attention_mask, position_ids, inputs_embeds, num_hashes, document_ids, output_attentions,
+                output_hidden_states, return_dict,
+            )  # fmt: skip
 
         start = cache.get_seq_length() if cache is not None else 0
         hidden = self.embeddings(input_ids, position_ids, inputs_embeds, start=start)
@@ -522,6 +635,53 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
                 if output_attentions
                 else None
             ),
+        )
+        return self._finish(out, return_dict)
+
+    def _packed_position_ids(
+        self, document_ids: torch.Tensor, position_ids: torch.Tensor | None, cache, use_cache: bool | None
+    ) -> torch.Tensor:
+        """The positions of a packed batch (each document's own, from 0), after refusing what packing cannot do."""
+        if cache is not None or use_cache:
+            raise ValueError(
+                "A packed (padding-free) batch cannot use or fill a decoding cache: drop `past_buckets_states` and "
+                "pass use_cache=False (generate() decodes ordinary batches)."
+            )
+        if position_ids is None:
+            return positions_in_documents(document_ids, 0)
+        starts = position_ids[document_starts(document_ids)]
+        if bool((starts != 0).any()):
+            raise ValueError(
+                "In a packed batch every document's positions must start at 0, Reformer's first position, but some "
+                f"start at {sorted(set(starts.tolist()))[:4]}; use DataCollatorWithFlattening(position_ids_start=0)."
+            )
+        return position_ids
+
+    def _packed_forward(self, input_ids, attention_mask, position_ids, inputs_embeds, num_hashes, document_ids,
+                        output_attentions, output_hidden_states, return_dict):  # fmt: skip
+        """A packed batch ``(batch, packed_len)``: embed, lay the documents out in the internal row
+        (:func:`lay_out_documents`), run the layers there and gather the packed tokens back."""
+        config = self.config
+        hidden = self.embeddings(input_ids, position_ids, inputs_embeds)
+        batch = hidden.shape[0]
+        mask = None if attention_mask is None else unpadded_to_none(attention_mask.bool())
+        layout, slots, length = lay_out_documents(document_ids, mask, config.chunk_multiple, config.min_chunk_length)
+        index = slots[..., None].expand(-1, -1, hidden.shape[-1])
+        row = hidden.new_zeros(batch, length, hidden.shape[-1]).scatter(1, index, hidden)
+        real = torch.ones_like(slots, dtype=torch.bool) if mask is None else mask
+        row_mask = torch.zeros(batch, length, dtype=torch.bool, device=hidden.device).scatter(1, slots, real)
+        row, all_hidden, all_attn = self.encoder(
+            row, row_mask, None, num_hashes, output_attentions, output_hidden_states, documents=layout, slots=slots
+        )
+        attentions = None
+        if output_attentions:
+            rows = slots[:, None, :, None].expand(-1, all_attn[0].shape[1], -1, length)
+            cols = slots[:, None, None, :].expand(-1, all_attn[0].shape[1], slots.shape[1], -1)
+            attentions = tuple(a.gather(2, rows).gather(3, cols) for a in all_attn)
+        out = HfxReformerModelOutput(
+            last_hidden_state=row.gather(1, slots[..., None].expand(-1, -1, row.shape[-1])),
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            attentions=attentions,
         )
         return self._finish(out, return_dict)
 
@@ -632,14 +792,34 @@ class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> HfxReformerCausalLMOutput | tuple:
         """Returns ``logits`` ``(batch, seq_len, vocab)``; the mean next-token cross-entropy with ``labels`` or
-        ``shift_labels`` (summed and divided by ``num_items_in_batch`` when given, as Trainer does)."""
+        ``shift_labels`` (summed and divided by ``num_items_in_batch`` when given, as Trainer does).
+
+        A packed batch (``DataCollatorWithFlattening(position_ids_start=0)``: restarting ``position_ids``,
+        ``seq_idx`` or ``cu_seq_lens_q/k``) is read as documents that never see each other (see
+        :class:`HfxReformerModel`), and no document's last token is scored against the next document's first."""
+        documents = None
+        reference = input_ids if input_ids is not None else inputs_embeds
+        if reference is not None and reference.dim() == (2 if input_ids is not None else 3):
+            documents = document_ids_from_inputs(
+                tuple(reference.shape[:2]), reference.device, None if is_tracing() else position_ids, seq_idx,
+                cu_seq_lens_q, cu_seq_lens_k,
+            )  # fmt: skip
         out = self.reformer(
             input_ids, attention_mask, position_ids, inputs_embeds, num_hashes, past_buckets_states, use_cache,
-            output_attentions, output_hidden_states, return_dict=True,
+            output_attentions, output_hidden_states, return_dict=True, seq_idx=documents,
         )  # fmt: skip
         logits = self.lm_head(out.last_hidden_state)
+        if documents is not None and shift_labels is None and labels is not None:
+            shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+            next_starts = nn.functional.pad(document_starts(documents), (0, 1))[:, 1:]
+            shift_labels = shift_labels.masked_fill(next_starts, -100)
         loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
         result = HfxReformerCausalLMOutput(
             loss=loss, logits=logits, past_buckets_states=out.past_buckets_states,
