@@ -50,6 +50,15 @@ product, across chunks an exclusive prefix sum of the per-chunk ``phi(K)^T V`` s
 stabiliser a ``(chunks, chunks)`` matrix of rescaling factors, entries ``<= 1``, instead of a plain ``cumsum``). That
 is the prefix-sum formulation with one stored state per chunk instead of per position.
 
+Packed (padding-free) batches (``document_ids`` ``(batch, seq)``, :mod:`~hf_xformers.ops.packing`): every sum above
+runs over the query's own document only, and every stabiliser is the one that document's own forward takes (the max
+over the document's keys; causally, the running max restarting at the document's first token), so each document gets
+its solo output to rounding. Documents are contiguous, so they meet chunks of ``c`` positions as runs: inside a chunk a
+same-document mask on the ``(c, c)`` product; across chunks, causally, each chunk's state holds only the document
+through its last token and the ``(chunks, chunks)`` matrix keeps chunks of one document
+(:func:`causal_linear_attention`); bidirectionally, the parts of each document that crosses a chunk boundary are
+summed into one state per such document (:func:`packed_linear_attention`). Nothing costs documents x length.
+
 Cached decoding (:func:`favor_attention_with_state`) is the same causal attention in its recurrent form: per
 (batch, head) the running sum ``S = sum_j phi(k_j) [v_j, 1]`` ``(m, e + 1)`` and, for the softmax kernel, the running
 key stabiliser it is expressed against. A new token rescales ``S`` when the stabiliser rises, adds its key and reads
@@ -65,6 +74,7 @@ import torch
 
 from ..configs.choices import FAVOR_KERNELS
 from ..ops.input_checks import is_tracing
+from ..ops.packing import same_document
 from ..ops.precision import float32_autocast_off
 from ..ops.shapes import ceil_div, merge_heads, split_heads, unblock
 from .base import AttentionOutput, QKVProjection
@@ -115,8 +125,30 @@ def draw_random_features(
     return rows * norms[:, None]
 
 
+def document_max(x: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """Every position's document maximum: ``out[b, h, i] = max of x[b, h, j]`` over ``j`` in ``i``'s document.
+
+    A segment max by ``scatter_reduce`` into one slot per document (document ids are below ``seq``, so ``seq`` slots
+    per row suffice and no host read sizes the buffer), gathered back per position: linear in ``seq``.
+
+    Args:
+        x: ``(batch, heads, seq)``, may hold ``-inf``.
+        document_ids: ``(batch, seq)`` long, documents numbered from 0 in each row.
+
+    Returns:
+        ``(batch, heads, seq)``.
+    """
+    index = document_ids[:, None, :].expand_as(x)
+    slots = torch.full_like(x, float("-inf")).scatter_reduce(-1, index, x, reduce="amax", include_self=True)
+    return slots.gather(-1, index)
+
+
 def softmax_kernel_features(
-    x: torch.Tensor, projection: torch.Tensor, is_query: bool, key_mask: torch.Tensor | None = None
+    x: torch.Tensor,
+    projection: torch.Tensor,
+    is_query: bool,
+    key_mask: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Positive random features ``phi(x)`` of FAVOR+ (module docstring), stabilised, up to constant factors.
 
@@ -126,7 +158,8 @@ def softmax_kernel_features(
 
     * queries: ``exp(w_r . q_hat - max_r' w_r' . q_hat)`` (the largest feature of each row is 1);
     * keys: ``exp(w_r . k_hat - |k_hat|^2 / 2 - s)`` with ``s`` the max of the exponent over the example's real keys
-      and all features (per batch element and head); padded keys get exactly 0.
+      and all features (per batch element and head; per document of a packed row, the max the document's own
+      forward takes); padded keys get exactly 0.
 
     Computed in place on one ``(batch, heads, seq, m)`` buffer (every step is autograd-safe in place), which matters
     on CPU where each fresh tensor of that size costs page faults.
@@ -136,6 +169,7 @@ def softmax_kernel_features(
         projection: ``(m, d)`` random rows.
         is_query: which of the two stabilisers to use.
         key_mask: ``(batch, seq)`` bool, True for real tokens (keys only), or None when nothing is padded.
+        document_ids: ``(batch, seq)`` long, the document of every token of a packed batch (keys only), or None.
 
     Returns:
         ``(batch, heads, seq, m)``, in ``x``'s dtype (float32 as :func:`favor_attention` calls it).
@@ -149,7 +183,10 @@ def softmax_kernel_features(
     if key_mask is not None:
         # -inf before the max and the exponential: padded keys neither move the stabiliser nor count.
         logits.masked_fill_(~key_mask[:, None, :, None], float("-inf"))
-    stabiliser = logits.detach().amax(dim=(-2, -1), keepdim=True)
+    if document_ids is None:
+        stabiliser = logits.detach().amax(dim=(-2, -1), keepdim=True)
+    else:
+        stabiliser = document_max(logits.detach().amax(-1), document_ids).unsqueeze(-1)
     # An example made only of padding has no real key: any finite stabiliser will do (its features are all 0).
     stabiliser = torch.where(torch.isfinite(stabiliser), stabiliser, torch.zeros_like(stabiliser))
     return logits.sub_(stabiliser).exp_()
@@ -191,18 +228,46 @@ def softmax_key_logits(
     return logits
 
 
-def running_max(x: torch.Tensor, chunk_size: int = CAUSAL_CHUNK_SIZE) -> torch.Tensor:
+def _chunked_documents(document_ids: torch.Tensor, chunks: int, chunk_size: int) -> torch.Tensor:
+    """``(batch, seq)`` document ids -> ``(batch, 1, chunks, chunk_size)`` (a head dimension to broadcast), the
+    padding at the end counted in the last document (padded positions carry zero features)."""
+    batch, length = document_ids.shape
+    pad = chunks * chunk_size - length
+    padded = torch.cat([document_ids, document_ids[:, -1:].expand(batch, pad)], dim=1)
+    return padded.view(batch, 1, chunks, chunk_size)
+
+
+def _earlier_links(documents: torch.Tensor) -> torch.Tensor:
+    """``(batch, 1, chunks, chunks)`` bool: entry ``[c, c']`` is True where chunk ``c'`` comes before chunk ``c`` and
+    its last token lies in the document of chunk ``c``'s first token. Documents being contiguous runs, every chunk
+    between them then lies in that document too.
+
+    Args:
+        documents: ``(batch, 1, chunks, c)`` from :func:`_chunked_documents`.
+    """
+    first, last = documents[..., 0], documents[..., -1]  # (b, 1, C)
+    index = torch.arange(documents.shape[2], device=documents.device)
+    return (index[None, :] < index[:, None]) & (last.unsqueeze(-2) == first.unsqueeze(-1))
+
+
+def running_max(
+    x: torch.Tensor, chunk_size: int = CAUSAL_CHUNK_SIZE, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """``out[..., i] = max(x[..., :i + 1])`` along the last dimension, with operations every exporter knows.
 
     (``torch.cummax`` has no ONNX form.) Chunks of ``chunk_size``: inside a chunk a masked ``(c, c)`` max, across
     chunks a masked ``(chunks, chunks)`` max of the chunk maxima.
 
     Args:
-        x: ``(..., n)``, may hold ``-inf``.
+        x: ``(..., n)``, may hold ``-inf``; ``(batch, heads, n)`` when ``document_ids`` is given.
+        document_ids: ``(batch, n)`` long, or None. Given, the max restarts at every document's first token (over
+            ``j <= i`` in ``i``'s document only).
 
     Returns:
         ``(..., n)``.
     """
+    if document_ids is not None:
+        return _running_document_max(x, chunk_size, document_ids)
     length = x.shape[-1]
     chunks = ceil_div(length, chunk_size)
     x = torch.nn.functional.pad(x, (0, chunks * chunk_size - length), value=float("-inf"))
@@ -216,23 +281,44 @@ def running_max(x: torch.Tensor, chunk_size: int = CAUSAL_CHUNK_SIZE) -> torch.T
     return unblock(out, length, dim=out.dim() - 2)
 
 
+def _running_document_max(x: torch.Tensor, chunk_size: int, document_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`running_max` restarting at every document: ``x`` ``(batch, heads, n)``, ``document_ids``
+    ``(batch, n)``. Across chunks only the maxima of chunks whose last token lies in the document running into
+    chunk ``c`` count, and only for that document's positions."""
+    length = x.shape[-1]
+    chunks = ceil_div(length, chunk_size)
+    x = torch.nn.functional.pad(x, (0, chunks * chunk_size - length), value=float("-inf"))
+    x = x.view(*x.shape[:-1], chunks, chunk_size)
+    documents = _chunked_documents(document_ids, chunks, chunk_size)  # (b, 1, C, c)
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
+    visible = causal & (documents.unsqueeze(-1) == documents.unsqueeze(-2))  # (b, 1, C, c, c)
+    within = x.unsqueeze(-2).masked_fill(~visible, float("-inf")).amax(-1)  # (b, h, C, c)
+    before = within[..., -1].unsqueeze(-2).masked_fill(~_earlier_links(documents), float("-inf")).amax(-1)
+    continued = documents == documents[..., :1]  # positions in the document that runs in from earlier chunks
+    out = torch.maximum(within, before.unsqueeze(-1).masked_fill(~continued, float("-inf")))
+    return unblock(out, length, dim=out.dim() - 2)
+
+
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     """``-inf`` (no real key seen yet) -> 0: any finite stabiliser will do where every feature is 0."""
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
-def causal_softmax_key_features(key_logits: torch.Tensor, chunk_size: int = CAUSAL_CHUNK_SIZE):
+def causal_softmax_key_features(
+    key_logits: torch.Tensor, chunk_size: int = CAUSAL_CHUNK_SIZE, document_ids: torch.Tensor | None = None
+):
     """Causally stabilised key features: ``exp(l_j - s_j)`` with ``s_j`` the max of ``key_logits`` over keys
-    ``j' <= j`` and all features (per batch element and head).
+    ``j' <= j`` and all features (per batch element and head; in a packed batch over ``j'`` in ``j``'s document).
 
     Args:
         key_logits: ``(batch, heads, seq, m)`` from :func:`softmax_key_logits`.
+        document_ids: ``(batch, seq)`` long, or None.
 
     Returns:
         ``(features, stabiliser)``: ``(batch, heads, seq, m)`` and ``(batch, heads, seq)`` (0 where no real key has
         been seen yet, whose features are all 0), both without gradient through the stabiliser (it cancels).
     """
-    stabiliser = _finite_or_zero(running_max(key_logits.detach().amax(-1), chunk_size))
+    stabiliser = _finite_or_zero(running_max(key_logits.detach().amax(-1), chunk_size, document_ids))
     return (key_logits - stabiliser.unsqueeze(-1)).exp(), stabiliser
 
 
@@ -280,6 +366,88 @@ def linear_attention(
     if query_eps:
         out = out + query_eps * state.sum(-2, keepdim=True)  # (phi(q) + eps) . state, without adding eps to phi(q)
     return _normalise(out)
+
+
+def _pad_to_chunks(chunks: int, chunk_size: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``(batch, heads, seq, x)`` tensors -> ``(batch, heads, chunks, chunk_size, x)``, padded with zeros (padded
+    positions then add nothing to any sum)."""
+    out = []
+    for t in tensors:
+        t = torch.nn.functional.pad(t, (0, 0, 0, chunks * chunk_size - t.shape[2]))
+        out.append(t.view(*t.shape[:2], chunks, chunk_size, t.shape[-1]))
+    return out
+
+
+def packed_linear_attention(
+    query_features: torch.Tensor,
+    key_features: torch.Tensor,
+    value: torch.Tensor,
+    document_ids: torch.Tensor,
+    chunk_size: int = CAUSAL_CHUNK_SIZE,
+    query_eps: float = 0.0,
+) -> torch.Tensor:
+    """Bidirectional ``D^-1 (phi(Q) + eps) (phi(K)^T V)`` with every query reading its own document's keys only.
+
+    Documents are contiguous runs, so against chunks of ``c`` positions each one is either inside a single chunk or
+    crosses a chunk boundary. A document inside a chunk is read from a ``(c, c)`` product under a same-document mask.
+    A crossing document's state ``sum_j phi(k_j) [v_j, 1]`` is assembled from its part in each chunk it touches:
+    chunk ``c``'s keys of the document through its last token (its "tail") and, where the document running in from
+    chunk ``c - 1`` ends inside chunk ``c``, that document's keys there (its "head"). Tails of consecutive chunks
+    whose last tokens share a document, plus the head after them, are summed into one slot per document
+    (``index_add``, at most one slot per chunk), and the queries of a crossing document read that slot. The cost is
+    that of two key-value states and two reads of them, with no state per token and nothing documents x length.
+
+    Args:
+        query_features, key_features: ``(batch, heads, seq, m)``; key features need one constant per document (the
+            document's stabiliser), which then cancels.
+        value: ``(batch, heads, seq, e)``.
+        document_ids: ``(batch, seq)`` long, the document of every token (:mod:`~hf_xformers.ops.packing`).
+        chunk_size: ``c``.
+        query_eps: added to every query feature.
+
+    Returns:
+        ``(batch, heads, seq, e)``.
+    """
+    batch, heads, length, _ = query_features.shape
+    chunks = ceil_div(length, chunk_size)
+    q, k, v = _pad_to_chunks(chunks, chunk_size, query_features, key_features, _with_ones(value))
+    documents = _chunked_documents(document_ids, chunks, chunk_size)  # (b, 1, C, c)
+    first, last = documents[..., 0], documents[..., -1]  # (b, 1, C)
+    joined = first[..., 1:] == last[..., :-1]  # chunk c + 1's first token continues chunk c's last document
+    no = torch.zeros_like(first[..., :1], dtype=torch.bool)
+    runs_in, runs_on = torch.cat([no, joined], dim=-1), torch.cat([joined, no], dim=-1)  # (b, 1, C)
+    in_first = documents == first.unsqueeze(-1)  # (b, 1, C, c)
+    in_last = documents == last.unsqueeze(-1)
+    reads_in = in_first & runs_in.unsqueeze(-1)  # queries of the document running in from earlier chunks
+    reads_on = in_last & runs_on.unsqueeze(-1) & ~reads_in  # ... and of the one running on (if not the same)
+    # One slot per run of chunks whose last tokens share a document: the run's first chunk, numbered across rows.
+    index = torch.arange(chunks, device=q.device)
+    run_start = torch.where(torch.cat([~no, last[..., 1:] != last[..., :-1]], dim=-1), index, 0).cummax(-1).values
+    slot = (run_start + chunks * torch.arange(batch, device=q.device)[:, None, None]).reshape(-1)  # (b * C,)
+    previous_slot = torch.cat([slot[:1], slot[:-1]])  # chunk 0 of each row reads nothing from it (runs_in False)
+    tails = torch.matmul((k * in_last.unsqueeze(-1)).transpose(-1, -2), v)  # (b, h, C, m, e + 1)
+    ends = in_first & (runs_in & (first != last)).unsqueeze(-1)  # the document running in ends in this chunk
+    head_parts = torch.matmul((k * ends.unsqueeze(-1)).transpose(-1, -2), v)
+
+    def by_chunk(t: torch.Tensor) -> torch.Tensor:  # (b, h, C, m, e + 1) -> (b * C, h, m, e + 1)
+        return t.transpose(1, 2).flatten(0, 1)
+
+    states = torch.zeros_like(by_chunk(tails)).index_add(0, slot, by_chunk(tails))
+    states = states.index_add(0, previous_slot, by_chunk(head_parts))
+
+    def read(slots: torch.Tensor) -> torch.Tensor:  # each chunk's queries against the states in ``slots``
+        state = states.index_select(0, slots).view(batch, chunks, *states.shape[1:]).transpose(1, 2)
+        out = torch.matmul(q, state)
+        return out + query_eps * state.sum(-2, keepdim=True) if query_eps else out
+
+    across = read(previous_slot) * reads_in.unsqueeze(-1) + read(slot) * reads_on.unsqueeze(-1)
+    # Documents inside one chunk: the keys of the query's own document, for queries that read no slot.
+    visible = (documents.unsqueeze(-1) == documents.unsqueeze(-2)) & ~(reads_in | reads_on).unsqueeze(-1)
+    scores = torch.matmul(q, k.transpose(-1, -2))  # (b, h, C, c, c)
+    if query_eps:
+        scores = scores + query_eps * k.sum(-1).unsqueeze(-2)
+    within = torch.matmul(scores.masked_fill(~visible, 0.0), v)
+    return _normalise(unblock(within + across, length, dim=2))
 
 
 def blocked_softmax_attention(
@@ -341,6 +509,7 @@ def causal_linear_attention(
     chunk_size: int = CAUSAL_CHUNK_SIZE,
     query_eps: float = 0.0,
     key_stabiliser: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal ``out_i = q_i . S_i / q_i . z_i`` with ``q_i = phi(q_i) + eps``, ``S_i = sum_{j<=i} phi(k_j) v_j^T`` and
     ``z_i = sum_{j<=i} phi(k_j)``, by chunked prefix sums.
@@ -363,10 +532,17 @@ def causal_linear_attention(
         chunk_size: ``c``.
         query_eps: added to every query feature.
         key_stabiliser: ``(batch, heads, seq)`` non-decreasing along ``seq``, or None (features used as they are).
+            With ``document_ids``, non-decreasing within each document (it restarts at each one).
+        document_ids: ``(batch, seq)`` long, the document of every token of a packed batch, or None: the sums then
+            run over ``j <= i`` in ``i``'s document only (they restart at every document's first token).
 
     Returns:
         ``(batch, heads, seq, e)``.
     """
+    if document_ids is not None:
+        return _packed_causal_linear_attention(
+            query_features, key_features, value, document_ids, chunk_size, query_eps, key_stabiliser
+        )
     batch, heads, length, num_features = query_features.shape
     value = _with_ones(value)
     dim = value.shape[-1]
@@ -413,6 +589,63 @@ def causal_linear_attention(
     return _normalise(unblock(within + across, length, dim=2))
 
 
+def _packed_causal_linear_attention(
+    query_features: torch.Tensor,
+    key_features: torch.Tensor,
+    value: torch.Tensor,
+    document_ids: torch.Tensor,
+    chunk_size: int,
+    query_eps: float,
+    key_stabiliser: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`causal_linear_attention` with prefix sums that restart at every document.
+
+    Inside a chunk the causal mask is also a same-document mask. Each chunk's state holds only the keys of the
+    document through its last token (the only ones a later chunk can see), and chunk ``c`` sums the states of the
+    earlier chunks whose last token lies in the document of its own first token (the mixing matrix keeps those only),
+    read by that document's queries. With stabilisers the factors are those of the unpacked form (all ``<= 1``
+    between keys and queries of one document; pairs of different documents are masked out).
+    """
+    length = query_features.shape[2]
+    chunks = ceil_div(length, chunk_size)
+    q, k, v = _pad_to_chunks(chunks, chunk_size, query_features, key_features, _with_ones(value))
+    documents = _chunked_documents(document_ids, chunks, chunk_size)  # (b, 1, C, c)
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    visible = causal & (documents.unsqueeze(-1) == documents.unsqueeze(-2))
+    scores = torch.matmul(q, k.transpose(-1, -2))  # (b, h, C, c, c)
+    if query_eps:
+        scores = scores + query_eps * k.sum(-1).unsqueeze(-2)
+    # Keys of the document through each chunk's last token (what later chunks see) and the queries of the document
+    # through its first token (what sees earlier chunks).
+    carried = (documents == documents[..., -1:]).to(k.dtype)  # (b, 1, C, c)
+    continued = (documents == documents[..., :1]).to(q.dtype)
+    links = _earlier_links(documents)  # (b, 1, C, C)
+    if key_stabiliser is None:
+        within = torch.matmul(scores.masked_fill(~visible, 0.0), v)
+        own = torch.matmul((k * carried.unsqueeze(-1)).transpose(-1, -2), v)  # (b, h, C, m, e + 1)
+        mixing = links.to(own.dtype)
+        reference = None
+    else:
+        pad = chunks * chunk_size - length
+        s = torch.nn.functional.pad(key_stabiliser, (0, pad), mode="replicate") if pad else key_stabiliser
+        s = s.view(*s.shape[:2], chunks, chunk_size)
+        within = torch.matmul((scores * _rescale(s.unsqueeze(-2), s.unsqueeze(-1))).masked_fill(~visible, 0.0), v)
+        last = s[..., -1]  # (b, h, C): the stabiliser of the document through each chunk's end, at that end
+        weights = _rescale(s, last.unsqueeze(-1)) * carried
+        own = torch.matmul((k * weights.unsqueeze(-1)).transpose(-1, -2), v)
+        # Chunk c reads earlier states against the stabiliser at the end of chunk c - 1; it belongs to the same
+        # document wherever a link exists (documents are contiguous), so every factor is <= 1.
+        reference = torch.cat([last[..., :1], last[..., :-1]], dim=-1)
+        mixing = _rescale(last.unsqueeze(-2), reference.unsqueeze(-1)).masked_fill(~links, 0.0)  # (b, h, C, C)
+    before = torch.matmul(mixing, own.flatten(-2)).view(own.shape)
+    across = torch.matmul(q, before)
+    if query_eps:
+        across = across + query_eps * before.sum(-2, keepdim=True)
+    if reference is not None:
+        across = across * _rescale(reference.unsqueeze(-1), s).unsqueeze(-1)
+    return _normalise(unblock(within + across * continued.unsqueeze(-1), length, dim=2))
+
+
 def dense_kernel_attention(
     query_features: torch.Tensor,
     key_features: torch.Tensor,
@@ -420,9 +653,11 @@ def dense_kernel_attention(
     causal: bool = False,
     query_eps: float = 0.0,
     key_stabiliser: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The quadratic oracle of :func:`linear_attention` / :func:`causal_linear_attention`: the same features, with
-    the ``(seq, seq)`` attention matrix formed explicitly (and lower-triangular when ``causal``).
+    """The quadratic oracle of :func:`linear_attention` / :func:`causal_linear_attention` /
+    :func:`packed_linear_attention`: the same features, with the ``(seq, seq)`` attention matrix formed explicitly
+    (and lower-triangular when ``causal``; zero between documents when ``document_ids`` ``(batch, seq)`` is given).
 
     ``key_stabiliser`` ``(batch, heads, seq)``: per-position key stabilisers (causal only), as in
     :func:`causal_linear_attention`.
@@ -433,6 +668,8 @@ def dense_kernel_attention(
     scores = torch.matmul(query_features + query_eps, key_features.transpose(-1, -2))
     if key_stabiliser is not None:
         scores = scores * _rescale(key_stabiliser.unsqueeze(-2), key_stabiliser.unsqueeze(-1))
+    if document_ids is not None:
+        scores = scores.masked_fill(~same_document(document_ids, document_ids).unsqueeze(1), 0.0)
     if causal:
         scores = scores.tril()
     total = scores.sum(-1, keepdim=True)
@@ -450,6 +687,7 @@ def favor_attention(
     kernel: str = "softmax",
     output_attentions: bool = False,
     chunk_size: int = CAUSAL_CHUNK_SIZE,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FAVOR+ attention of split heads.
 
@@ -464,6 +702,10 @@ def favor_attention(
         causal: query ``i`` sees keys ``j <= i`` only.
         kernel: ``"softmax"`` (FAVOR+ positive features) or ``"relu"`` (generalized kernel).
         output_attentions: also return the implied ``(batch, heads, seq, seq)`` attention matrix (quadratic).
+        chunk_size: chunk of the causal prefix sums (and of the packed forms).
+        document_ids: ``(batch, seq)`` long, the document of every token of a packed batch
+            (:mod:`~hf_xformers.ops.packing`), or None: every query then attends within its own document only, with
+            that document's own stabilisers (module docstring), as that document's own forward would.
 
     Returns:
         ``(context, probs)``: context ``(batch, heads, seq, d)`` in ``value``'s dtype; probs (same dtype) or None.
@@ -474,7 +716,7 @@ def favor_attention(
     with float32_autocast_off(value.device.type):
         query, key, value, projection = (t.float() for t in (query, key, value, projection))
         context, probs = _favor_attention_float32(
-            query, key, value, projection, attention_mask, causal, kernel, output_attentions, chunk_size
+            query, key, value, projection, attention_mask, causal, kernel, output_attentions, chunk_size, document_ids
         )
     return context.to(dtype), None if probs is None else probs.to(dtype)
 
@@ -489,20 +731,23 @@ def _favor_attention_float32(
     kernel: str,
     output_attentions: bool,
     chunk_size: int,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`favor_attention` on float32 inputs, in their dtype (the caller has turned autocast off)."""
     # The block loop's trip count depends on the length, so traced graphs (torch.compile / torch.export) take the
     # one-shot form below: the same result to rounding, with every key feature in memory at once.
-    if kernel == "softmax" and not causal and not output_attentions and not is_tracing():
+    if kernel == "softmax" and not causal and not output_attentions and document_ids is None and not is_tracing():
         return blocked_softmax_attention(query, key, value, projection, attention_mask), None
     stabiliser = None
     if kernel == "softmax":
         query_features = softmax_kernel_features(query, projection, is_query=True)
         if causal:
             logits = softmax_key_logits(key, projection, attention_mask)
-            key_features, stabiliser = causal_softmax_key_features(logits, chunk_size)
+            key_features, stabiliser = causal_softmax_key_features(logits, chunk_size, document_ids)
         else:
-            key_features = softmax_kernel_features(key, projection, is_query=False, key_mask=attention_mask)
+            key_features = softmax_kernel_features(
+                key, projection, is_query=False, key_mask=attention_mask, document_ids=document_ids
+            )
         eps = QUERY_EPS
     else:
         query_features = relu_kernel_features(query, projection)
@@ -511,9 +756,14 @@ def _favor_attention_float32(
     if output_attentions:
         # The context comes from the returned (implied) attention matrix, the same numbers to rounding as the linear
         # form, so that the matrix is part of the autograd graph (`retain_grad()` on it gets a gradient).
-        return dense_kernel_attention(query_features, key_features, value, causal, eps, stabiliser)
+        return dense_kernel_attention(query_features, key_features, value, causal, eps, stabiliser, document_ids)
     if causal:
-        return causal_linear_attention(query_features, key_features, value, chunk_size, eps, stabiliser), None
+        return (
+            causal_linear_attention(query_features, key_features, value, chunk_size, eps, stabiliser, document_ids),
+            None,
+        )
+    if document_ids is not None:
+        return packed_linear_attention(query_features, key_features, value, document_ids, chunk_size, eps), None
     return linear_attention(query_features, key_features, value, eps), None
 
 
@@ -676,10 +926,18 @@ class HfxFavorSelfAttention(QKVProjection):
         global_attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
         cache=None,
+        document_ids: torch.Tensor | None = None,
     ) -> AttentionOutput:
         """``hidden_states`` ``(batch, seq, hidden)``; ``cache``: a decoding cache (causal only, the model's
         ``HfxPerformerCache``: ``states[layer_idx]`` is this layer's :data:`FavorState`, read and replaced here), or
-        None. With a cache, ``seq`` is the new tokens and ``attention_mask`` their mask."""
+        None. With a cache, ``seq`` is the new tokens and ``attention_mask`` their mask. ``document_ids``
+        ``(batch, seq)`` long: the documents of a packed batch (:mod:`~hf_xformers.ops.packing`), each attended
+        within as on its own; None for an ordinary batch."""
+        if cache is not None and document_ids is not None:
+            raise ValueError(
+                "A decoding cache holds one running state per row, so it cannot follow the documents of a packed "
+                "batch: decode each document in its own row (or pass use_cache=False)."
+            )
         q, k, v = (split_heads(x, self.num_heads) for x in self.fused_qkv(hidden_states))
         if cache is not None:
             state = cache.states[self.layer_idx] if self.layer_idx < len(cache.states) else None
@@ -689,6 +947,7 @@ class HfxFavorSelfAttention(QKVProjection):
             cache.set_state(self.layer_idx, state)
             return AttentionOutput(merge_heads(context), None)
         context, probs = favor_attention(
-            q, k, v, self.projection_matrix, attention_mask, self.causal, self.kernel, output_attentions
-        )
+            q, k, v, self.projection_matrix, attention_mask, self.causal, self.kernel, output_attentions,
+            document_ids=document_ids,
+        )  # fmt: skip
         return AttentionOutput(merge_heads(context), probs)

@@ -201,8 +201,9 @@ class HfxHeadMixin:
         setattr(self, self.base_model_prefix, self.base_model_class(config, add_pooling_layer=add_pooling_layer))
 
     def _documents(
-        self, input_ids, inputs_embeds, position_ids, seq_idx=None, cu_seq_lens_q=None, cu_seq_lens_k=None
-    ) -> torch.Tensor | None:
+        self, input_ids, inputs_embeds, position_ids, seq_idx=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+        attention_mask=None,
+    ) -> torch.Tensor | None:  # fmt: skip
         """The documents of a packed batch (``(batch, seq_len)`` long, :mod:`~hf_xformers.ops.packing`), or None for
         an ordinary batch. The head needs them to pool, score and unpack per document; the base model is then
         given them as ``seq_idx``."""
@@ -210,7 +211,7 @@ class HfxHeadMixin:
         if ref is None or ref.dim() < 2:
             return None
         return document_ids_from_inputs(
-            tuple(ref.shape[:2]), ref.device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k
+            tuple(ref.shape[:2]), ref.device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
         )
 
     def _encode(
@@ -326,7 +327,9 @@ class HfxCausalLMHeadMixin(HfxLMHeadMixin, HfxGenerationMixin):
         it). A packed batch (``position_ids`` restarting per document, ``seq_idx`` or ``cu_seq_lens_q/k``, as
         ``DataCollatorWithFlattening`` returns them) is read as documents that never see each other, and no document's
         last token is scored against the next document's first."""
-        documents = self._documents(input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+        documents = self._documents(
+            input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
+        )
         out = self._encode(
             input_ids, attention_mask, None, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
@@ -366,7 +369,9 @@ class HfxMaskedLMHeadMixin(HfxLMHeadMixin):
     ) -> MaskedLMOutput | tuple:
         """Returns ``logits`` ``(batch, seq_len, vocab_size)`` and the loss when ``labels`` are given. A packed batch
         (boundaries in any form of ``DataCollatorWithFlattening``) keeps its row: ``(1, total_tokens, vocab_size)``."""
-        documents = self._documents(input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+        documents = self._documents(
+            input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
+        )
         out = self._encode(
             input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
@@ -413,7 +418,9 @@ class HfxSequenceClassificationHeadMixin(HfxHeadMixin):
         A packed batch (boundaries in any form of ``DataCollatorWithFlattening``) is classified per document:
         ``logits`` ``(num_documents, num_labels)`` and ``labels`` ``(num_documents,)``, each document pooled from its
         own first token (or its own tokens' mean)."""
-        documents = self._documents(input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+        documents = self._documents(
+            input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
+        )
         out = self._encode(
             input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
@@ -463,7 +470,9 @@ class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
         ref = input_ids if input_ids is not None else inputs_embeds
         documents = None
         if ref is not None and ref.dim() == (2 if input_ids is not None else 3):
-            documents = self._documents(input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+            documents = self._documents(
+                input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
+            )
         if documents is not None:
             out = self._encode(
                 input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
@@ -541,7 +550,9 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
         ``(num_documents, longest_document)``, one row per document as its own forward gives them (places beyond a
         document's end hold the dtype's lowest value, so no softmax picks them), and ``start_positions`` /
         ``end_positions`` ``(num_documents,)`` count from each document's first token."""
-        documents = self._documents(input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+        documents = self._documents(
+            input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
+        )
         out = self._encode(
             input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
@@ -612,7 +623,9 @@ class HfxTokenClassificationHeadMixin(HfxHeadMixin):
     ) -> TokenClassifierOutput | tuple:
         """Returns ``logits`` ``(batch, seq_len, num_labels)`` (a packed batch keeps its row:
         ``(1, total_tokens, num_labels)``)."""
-        documents = self._documents(input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+        documents = self._documents(
+            input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
+        )
         out = self._encode(
             input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,

@@ -95,10 +95,13 @@ class HfxTextModel:
         seq_idx=None,
         cu_seq_lens_q=None,
         cu_seq_lens_k=None,
+        attention_mask=None,
     ) -> torch.Tensor | None:
         """The documents of a packed batch, ``(batch, seq_len)`` long, or None (:mod:`~hf_xformers.ops.packing`);
         refuses a packed batch with a ``ValueError`` if the architecture sets ``packing_refusal``."""
-        documents = document_ids_from_inputs(shape, device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+        documents = document_ids_from_inputs(
+            shape, device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
+        )
         if documents is not None and self.packing_refusal is not None:
             refuse_packed(type(self).__name__, *self.packing_refusal)
         return documents
@@ -199,7 +202,9 @@ class HfxTextModel:
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         document_ids = None
         if len(shape) == 2:
-            document_ids = self.document_ids(shape, device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+            document_ids = self.document_ids(
+                shape, device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
+            )
         if document_ids is not None:
             position_ids = self.packed_position_ids(document_ids, position_ids)
         self._check_inputs(

@@ -13,9 +13,10 @@ Forms, in the order they are used when several are given:
 * ``seq_idx`` ``(batch, seq_len)``: any integer labels; a new document starts wherever the label changes.
 * ``cu_seq_lens_q`` (= ``cu_seq_lens_k``) ``(num_docs + 1,)``: cumulative lengths ``[0, l0, l0 + l1, ..., total]`` of
   the documents of a single row (``batch`` must be 1).
-* ``position_ids`` alone, ``batch == 1``: a new document starts wherever the position does not follow on from the
-  previous one (as transformers infers packing). A batch of several rows is never inferred packed from its positions
-  (padding restarts them too); give ``seq_idx`` to pack several rows.
+* ``position_ids`` alone, ``batch == 1``, nothing padded, eager mode: a new document starts wherever the position does
+  not follow on from the previous one (as transformers infers packing). A batch of several rows, or a padded row, is
+  never inferred packed from its positions (padding restarts them too); give ``seq_idx`` to pack several rows, and
+  ``seq_idx`` or ``cu_seq_lens`` to a compiled model.
 """
 
 from __future__ import annotations
@@ -42,12 +43,17 @@ def document_ids_from_inputs(
     seq_idx: torch.Tensor | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     cu_seq_lens_k: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The document of every token, ``(batch, seq_len)`` long, or None for an ordinary batch (one document per row).
 
     Args:
         shape: ``(batch, seq_len)`` of the inputs.
         position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k: as the padding-free collator returns them (module doc).
+        attention_mask: ``(batch, seq_len)``, or None. Restarting ``position_ids`` mark documents only where nothing
+            is padded (a left-padded prompt in ``generate()`` restarts its positions after the padding), and only in
+            eager mode: a traced graph reads documents from ``seq_idx`` / ``cu_seq_lens`` alone, so that an ordinary
+            forward with ``position_ids`` traces the unpacked path.
     Returns:
         None when no boundary form is given, or (eager mode only) when the row holds a single document; else the
         document ids. While tracing the ids are returned as computed (no branch on values).
@@ -90,9 +96,11 @@ def document_ids_from_inputs(
                 )
         positions = torch.arange(length, device=device)
         documents = torch.searchsorted(cu[1:-1].contiguous(), positions, right=True)[None]
-    elif position_ids is not None and batch == 1:
+    elif position_ids is not None and batch == 1 and length > 1 and not is_tracing():
         if tuple(position_ids.shape) != (batch, length):
             return None  # a broadcast (1, seq_len) table of a wider batch: not a packed row
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            return None
         position_ids = position_ids.to(device)
         restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
         documents = torch.cat([torch.zeros_like(position_ids[:, :1]), restarts.long().cumsum(-1)], dim=-1)

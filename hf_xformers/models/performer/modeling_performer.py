@@ -27,6 +27,7 @@ from ...layers.heads import (
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
 from ...ops.compat import CACHE_NAME, cache_field, resolve_cache_argument
+from ...ops.input_checks import unpadded_to_none
 from .configuration_performer import HfxPerformerConfig
 
 
@@ -135,8 +136,18 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         past_key_values: HfxPerformerCache | None = None,
         use_cache: bool | None = None,
         cache: HfxPerformerCache | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> HfxModelOutput | tuple:
         """As :meth:`HfxTextModel.forward`, after the scheduled redraw of the projections (training mode).
+
+        A packed batch (``position_ids`` restarting per document, ``seq_idx`` or ``cu_seq_lens_q/k``, as
+        ``DataCollatorWithFlattening`` returns them; :mod:`~hf_xformers.ops.packing`) gives every document what its
+        own forward gives, bidirectional or causal. It cannot be combined with a cache (``use_cache=True`` or a
+        cache passed back): packing is for training and encoding, a cache for decoding one row at a time.
 
         Causal models (``config.is_decoder``) also decode with a cache: ``use_cache=True`` starts an
         :class:`HfxPerformerCache` (returned as the output's ``cache``; ``past_key_values`` before transformers 5.24),
@@ -151,17 +162,49 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
             if self.training_calls and self.training_calls % interval == 0:
                 self.redraw_projections()
             self.training_calls += 1
+        if use_cache or past_key_values is not None:
+            self._refuse_packed_with_cache(
+                input_ids, inputs_embeds, attention_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k
+            )
         if use_cache and past_key_values is None:
             past_key_values = HfxPerformerCache()
         if past_key_values is None:
             return super().forward(
                 input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
-                output_attentions, output_hidden_states, return_dict,
+                output_attentions, output_hidden_states, return_dict, seq_idx, cu_seq_lens_q, cu_seq_lens_k,
+                max_length_q, max_length_k,
             )  # fmt: skip
         return self._cached_forward(
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
             output_attentions, output_hidden_states, return_dict, past_key_values,
         )  # fmt: skip
+
+    def _refuse_packed_with_cache(
+        self, input_ids, inputs_embeds, attention_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k
+    ) -> None:
+        """A ``ValueError`` if a call with a cache is given a packed batch (a cache holds one state per row).
+
+        Positions are read as document boundaries only where nothing is padded: generate() numbers a left-padded
+        prompt's padding with ``padding_idx`` too, a restart that is padding, not a second document.
+        """
+        ref = input_ids if input_ids is not None else inputs_embeds
+        if ref is None or ref.dim() != (2 if input_ids is not None else 3):
+            return  # the shape checks of the forward name the problem
+        explicit = seq_idx is not None or cu_seq_lens_q is not None or cu_seq_lens_k is not None
+        # Restarting positions mark documents only in a single row of several tokens (a decoding step has one).
+        if not explicit and (position_ids is None or ref.shape[0] != 1 or ref.shape[1] < 2):
+            return
+        if not explicit and unpadded_to_none(attention_mask) is not None:
+            return
+        documents = self.document_ids(
+            tuple(ref.shape[:2]), ref.device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k
+        )
+        if documents is not None:
+            raise ValueError(
+                "A packed (padding-free) batch cannot be decoded with a cache: the cache keeps one running state per "
+                "row, not per document. Pass use_cache=False (and no past_key_values) for packed training or "
+                "encoding, and decode each document in its own row."
+            )
 
     def _cached_forward(
         self, input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -268,5 +311,3 @@ class HfxPerformerForCausalLM(HfxCausalLMHeadMixin, HfxPerformerPreTrainedModel)
             mask = torch.ones(inputs_tensor.shape[:2], dtype=torch.long, device=inputs_tensor.device)
         mask = mask.long()
         return mask.cumsum(-1) * mask + padding_idx
-
-
