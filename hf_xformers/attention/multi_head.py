@@ -28,17 +28,39 @@ from ..ops.shapes import merge_heads, split_heads
 from .base import AttentionOutput, QKVProjection
 
 
+def attention_groups(document_ids: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """``(batch, seq_len)`` long: the document of every real token of a packed batch, -1 at padding.
+
+    Queries attend to the keys of their own group: a real token to its document's real tokens, padding only to
+    padding (those rows are never read, but every row keeps a key, so none is NaN).
+    """
+    return document_ids if key_mask is None else document_ids.masked_fill(~key_mask, -1)
+
+
 def attention_mask_4d(
-    key_mask: torch.Tensor | None, query_len: int, past_len: int, causal: bool, device: torch.device
+    key_mask: torch.Tensor | None,
+    query_len: int,
+    past_len: int,
+    causal: bool,
+    device: torch.device,
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Boolean mask ``(batch or 1, 1, query_len, past_len + query_len)``, True where a query may attend.
 
     Args:
         key_mask: ``(batch, past_len + query_len)`` bool, False for padding keys, or None (no padding).
         causal: query ``i`` (absolute position ``past_len + i``) sees keys up to its own position only.
+        groups: ``(batch, query_len)`` long, a packed batch's :func:`attention_groups` (``past_len`` 0; ``key_mask``
+            is folded into them): a query sees only the keys of its own group, a block-diagonal mask.
     A query with no allowed key at all would produce NaN, so a bidirectional padding row sees every key and a causal
     one always sees itself; those rows are padding and never read.
     """
+    if groups is not None:
+        allowed = groups[:, None, :, None] == groups[:, None, None, :]
+        if causal:
+            positions = torch.arange(query_len, device=device)
+            allowed = allowed & (positions[None, :] <= positions[:, None])
+        return allowed
     if not causal:
         if key_mask is None:
             return None
@@ -50,6 +72,20 @@ def attention_mask_4d(
         return allowed[None, None]
     own = keys[None, :] == queries[:, None]
     return allowed & (key_mask[:, None, None, :] | own)
+
+
+def packed_block_mask(groups: torch.Tensor, causal: bool):
+    """FlexAttention's ``BlockMask`` of a packed batch: a query sees the keys of its own group (``groups``
+    ``(batch, seq_len)``, :func:`attention_groups`), and for a decoder only those up to itself. The kernel skips the
+    blocks between documents, so a row costs about what its documents cost alone. The pattern is the same at every
+    recurrent step: the model builds it once per forward and passes it as the ``attention_mask``."""
+
+    def keep(b, h, q_idx, kv_idx):
+        same = groups[b, q_idx] == groups[b, kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+
+    length = groups.shape[1]
+    return make_block_mask(keep, groups.shape[0], None, length, length, groups.device)
 
 
 class HfxUniversalAttention(QKVProjection):
@@ -78,10 +114,12 @@ class HfxUniversalAttention(QKVProjection):
         output_attentions: bool = False,
         is_causal: bool = False,
     ) -> AttentionOutput:
-        """``hidden_states`` ``(batch, query, hidden)``; ``attention_mask`` bool ``(batch or 1, 1, query, keys)`` or
-        None; ``is_causal``: causal self-attention with ``attention_mask`` None and no earlier tokens (query ``i``
-        sees keys ``0..i``). Returns an :class:`~hf_xformers.attention.base.AttentionOutput`: the ``context``
-        ``(batch, query, hidden)`` (before the output projection) and the probabilities ``attentions`` or None."""
+        """``hidden_states`` ``(batch, query, hidden)``; ``attention_mask`` bool ``(batch or 1, 1, query, keys)``, a
+        FlexAttention ``BlockMask`` (:func:`packed_block_mask`: the model chose FlexAttention for a packed batch and
+        built the mask once for every step), or None; ``is_causal``: causal self-attention with ``attention_mask``
+        None and no earlier tokens (query ``i`` sees keys ``0..i``). Returns an
+        :class:`~hf_xformers.attention.base.AttentionOutput`: the ``context`` ``(batch, query, hidden)`` (before the
+        output projection) and the probabilities ``attentions`` or None."""
         if key_value_states is None:
             q, k, v = (split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
             if cache is not None:
@@ -95,6 +133,8 @@ class HfxUniversalAttention(QKVProjection):
                 v = split_heads(self.value(key_value_states), self.num_heads)
                 if cache is not None:
                     cache.cross_key_value = (k, v)
+        if attention_mask is not None and not torch.is_tensor(attention_mask):
+            return AttentionOutput(merge_heads(flex_attention(q, k, v, block_mask=attention_mask)))
         dropout = self.dropout_p if self.training else 0.0
         implementation = attention_implementation(self.config)
         # Cached decoding (one new query against a growing cache) keeps SDPA: the compiled kernel is static in the key
@@ -118,6 +158,7 @@ class HfxUniversalAttention(QKVProjection):
         or the given ``(batch or 1, 1, query, keys)`` mask read per score; no mask: dense."""
         query_len, key_len = q.shape[2], k.shape[2]
         if is_causal:
+
             def keep(b, h, q_idx, kv_idx):
                 return q_idx >= kv_idx
 

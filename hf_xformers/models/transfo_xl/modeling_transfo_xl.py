@@ -30,6 +30,7 @@ from ...attention.relative_memory import (
 from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import pool_tokens, sequence_classification_loss
 from ...ops.input_checks import check_not_empty, check_token_ids, is_tracing, unpadded_to_none
+from ...ops.packing import document_ids_from_inputs, refuse_packed
 from .adaptive_softmax import HfxAdaptiveEmbedding, HfxAdaptiveLogSoftmax
 from .configuration_transfo_xl import HfxTransfoXLConfig
 
@@ -247,6 +248,35 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
                     )
         return shape
 
+    def _refuse_packed(
+        self,
+        shape: tuple[int, int],
+        device: torch.device,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        seq_idx: torch.Tensor | None,
+        cu_seq_lens_q: torch.Tensor | None,
+        cu_seq_lens_k: torch.Tensor | None,
+    ) -> None:
+        """Raise the ``ValueError`` of :func:`~hf_xformers.ops.packing.refuse_packed` for a packed batch (several
+        documents in a row, in any of ``DataCollatorWithFlattening``'s forms); an ordinary batch passes.
+
+        ``position_ids`` mark documents only in eager mode and where nothing is padded: ``generate()`` passes
+        positions that restart at left padding (and those of every step while tracing), which are no documents.
+        """
+        padded = attention_mask is not None and unpadded_to_none(attention_mask.bool()) is not None
+        boundary_positions = None if padded or is_tracing() else position_ids
+        documents = document_ids_from_inputs(shape, device, boundary_positions, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+        if documents is not None:
+            refuse_packed(
+                type(self).__name__,
+                "its memories carry hidden states across the segments of one stream, so packed documents would "
+                "attend to each other through the memory and the relative positions, which run across the whole row",
+                "Feed one stream per row instead, with examples/run_clm.py (HfxStreamSegments + HfxRecurrentTrainer "
+                "carry the memories across steps), or pad the batch (DataCollatorWithPadding) rather than "
+                "flattening it.",
+            )
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -256,6 +286,12 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        position_ids: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> HfxTransfoXLModelOutput | tuple:
         """Encode one segment of each stream.
 
@@ -269,10 +305,19 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
                 masked. It may also cover earlier tokens (``(batch, past + seq_len)``, what ``generate()`` passes):
                 its last ``memory + seq_len`` columns then mask the memory too; memory it does not cover counts as
                 real.
+            position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k: accepted so that a
+                packed (padding-free) batch from ``DataCollatorWithFlattening`` is refused with a ``ValueError``
+                instead of mixing its documents (positions are relative here: ``position_ids`` of an ordinary batch
+                are not used).
         Returns:
             :class:`HfxTransfoXLModelOutput`.
         """
         batch, query_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, mems)
+        if position_ids is not None or seq_idx is not None or cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+            device = input_ids.device if input_ids is not None else inputs_embeds.device
+            self._refuse_packed(
+                (batch, query_len), device, attention_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k
+            )
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -405,19 +450,28 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        position_ids: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> HfxTransfoXLCausalLMOutput | tuple:
         """Returns ``logits`` (log-probabilities) ``(batch, seq_len, vocab_size)`` unless ``return_logits=False``
         (training needs only the loss, which the adaptive softmax computes for the target clusters alone), the
         new ``mems``, and with ``labels`` (shifted inside) or ``shift_labels`` (already aligned; they take precedence,
         as in transformers' causal LMs) the per-token ``losses`` and their mean ``loss`` (their sum over
         ``num_items_in_batch`` when Trainer passes it). ``use_cache`` is accepted for ``generate()`` and has no effect:
-        the memories are the cache.
+        the memories are the cache. A packed batch (``position_ids`` restarting inside a row, ``seq_idx``,
+        ``cu_seq_lens_q/k``) is refused (see :meth:`HfxTransfoXLModel.forward`).
         """
         if shift_labels is not None:
             labels = None
         out = self.transformer(
             input_ids, mems=mems, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+            position_ids=position_ids, seq_idx=seq_idx, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q, max_length_k=max_length_k,
         )  # fmt: skip
         hidden = out.last_hidden_state
         batch, length, _ = hidden.shape
@@ -506,12 +560,21 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        position_ids: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> HfxTransfoXLSequenceClassifierOutput | tuple:
         """Returns ``logits`` ``(batch, num_labels)``, the loss when ``labels`` ``(batch,)`` (or multi-hot
-        ``(batch, num_labels)``) are given, and the new ``mems``."""
+        ``(batch, num_labels)``) are given, and the new ``mems``. A packed batch is refused (see
+        :meth:`HfxTransfoXLModel.forward`)."""
         out = self.transformer(
             input_ids, mems=mems, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+            position_ids=position_ids, seq_idx=seq_idx, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
+            max_length_q=max_length_q, max_length_k=max_length_k,
         )  # fmt: skip
         logits = self.classifier(self.dropout(self._pool(out.last_hidden_state, input_ids, attention_mask)))
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None

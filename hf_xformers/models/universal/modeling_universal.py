@@ -29,7 +29,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils import ModelOutput
 
-from ...attention.multi_head import attention_mask_4d
+from ...attention.multi_head import attention_groups, attention_mask_4d, packed_block_mask
 from ...layers.encoder import HfxPooler
 from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import (
@@ -41,8 +41,17 @@ from ...layers.heads import (
     token_cross_entropy,
 )
 from ...layers.pretrained import HfxPreTrainedModel
+from ...ops.attention_switch import attention_implementation, flex_applies
 from ...ops.compat import CACHE_NAME, cache_field, output_cache, resolve_cache_argument
-from ...ops.input_checks import check_not_empty, check_token_ids, check_type_ids, unpadded_to_none
+from ...ops.input_checks import check_not_empty, check_token_ids, check_type_ids, is_tracing, unpadded_to_none
+from ...ops.packing import (
+    PACKING_KWARGS,
+    document_ids_from_inputs,
+    document_lengths,
+    document_starts,
+    positions_in_documents,
+    refuse_packed,
+)
 from .adaptive_computation_time import HfxHaltingUnit, ponder_loss
 from .configuration_universal import HfxUniversalConfig
 from .recurrent_block import (
@@ -280,13 +289,6 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             raise ValueError(
                 f"`input_ids` must have shape (batch, seq_len), got {shape}. Add a batch dimension with `unsqueeze(0)`."
             )
-        limit = self.config.max_position_embeddings
-        if past_len + shape[1] > limit:
-            raise ValueError(
-                f"{past_len + shape[1]} tokens (past {past_len} + new {shape[1]}) exceed "
-                f"config.max_position_embeddings={limit}. Truncate the input or raise max_position_embeddings (with "
-                "sinusoidal positions this adds no parameters)."
-            )
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
         if attention_mask is not None:
@@ -305,6 +307,86 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         if not self.config.add_cross_attention and encoder_hidden_states is not None:
             raise ValueError("`encoder_hidden_states` given, but config.add_cross_attention is False.")
 
+    def _check_length(
+        self, past_len: int, length: int, document_ids: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> None:
+        """Past plus new tokens within ``config.max_position_embeddings``; in a packed batch each document (a row may
+        be longer: positions restart), checked in eager mode only (it reads values)."""
+        limit = self.config.max_position_embeddings
+        if document_ids is None:
+            if past_len + length > limit:
+                raise ValueError(
+                    f"{past_len + length} tokens (past {past_len} + new {length}) exceed "
+                    f"config.max_position_embeddings={limit}. Truncate the input or raise max_position_embeddings "
+                    "(with sinusoidal positions this adds no parameters)."
+                )
+            return
+        if is_tracing():
+            return
+        longest = int(position_ids.max()) + 1 if position_ids is not None else int(document_lengths(document_ids).max())
+        if longest > limit:
+            raise ValueError(
+                f"A packed document of {longest} tokens exceeds config.max_position_embeddings={limit}. Truncate the "
+                "documents or raise max_position_embeddings (with sinusoidal positions this adds no parameters)."
+            )
+
+    def _packed_inputs(
+        self,
+        shape: tuple[int, int],
+        device: torch.device,
+        key_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        seq_idx: torch.Tensor | None,
+        cu_seq_lens_q: torch.Tensor | None,
+        cu_seq_lens_k: torch.Tensor | None,
+        uses_cache: bool,
+        encoder_hidden_states: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(document_ids, position_ids)`` of a packed batch (:mod:`~hf_xformers.ops.packing`): the documents
+        ``(batch, seq_len)`` long, and positions restarting at 0 in every document (the caller's, checked, or counted
+        here), as each document's solo forward numbers them; ``(None, position_ids)`` for an ordinary batch.
+
+        ``position_ids`` mark documents only where nothing is padded and, while tracing, no cache is used: a padded
+        row's positions restart at its padding and a cached step's continue earlier tokens (``generate()`` passes
+        both), so there they are positions and nothing more. ``seq_idx`` / ``cu_seq_lens`` always mark documents.
+
+        Raises:
+            ValueError: a packed batch with a cache (its keys would mix documents across calls), with
+                cross-attention, or whose positions do not start at 0 in every document.
+        """
+        boundary_positions = position_ids if key_mask is None and not (uses_cache and is_tracing()) else None
+        document_ids = document_ids_from_inputs(
+            shape, device, boundary_positions, seq_idx, cu_seq_lens_q, cu_seq_lens_k
+        )
+        if document_ids is None:
+            return None, position_ids
+        name = type(self).__name__
+        if uses_cache:
+            refuse_packed(
+                f"{name} with a cache",
+                "the cache keeps one stream of tokens per row, and later tokens would attend to every packed "
+                "document before them",
+                "Pass use_cache=False and no past_key_values for packed training or scoring, and generate from "
+                "unpacked (padded) prompts.",
+            )
+        if encoder_hidden_states is not None:
+            refuse_packed(
+                f"{name} with cross-attention",
+                "each packed document would need its own encoder states, which encoder_hidden_states cannot say",
+                "Pad the batch (DataCollatorForSeq2Seq) for the encoder-decoder model.",
+            )
+        if position_ids is None:
+            return document_ids, positions_in_documents(document_ids)
+        if not is_tracing():
+            starts = position_ids[document_starts(document_ids)]
+            if bool((starts != 0).any()):
+                raise ValueError(
+                    "In a packed batch every document's positions must start at 0, as in its own forward, but some "
+                    f"start at {sorted(set(starts.tolist()))[:4]}; use DataCollatorWithFlattening(position_ids_start=0) "
+                    "(its default)."
+                )
+        return document_ids, position_ids
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -320,8 +402,14 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         cache: HfxUniversalCache | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> HfxUniversalModelOutput | tuple:
-        """Encode (or, for a decoder, continue) a batch.
+        """Encode (or, for a decoder, continue) a batch, or a packed batch of documents (transformers'
+        ``DataCollatorWithFlattening``, positions from 0: ``position_ids_start=0``).
 
         Args:
             input_ids: ``(batch, seq_len)`` token ids (or ``inputs_embeds``, see :class:`HfxUniversalEmbeddings`).
@@ -333,8 +421,14 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
                 ``encoder_attention_mask`` ``(batch, src_len)``.
             past_key_values: a :class:`HfxUniversalCache` to extend (decoders); ``use_cache=True`` starts one.
             cache: the same, under transformers 5.24's name (pass one of the two).
+            position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k: the boundaries of a packed batch, in any of the
+                collator's forms (:mod:`~hf_xformers.ops.packing`): every document then gets what its own forward
+                gives (attention, separable convolutions and positions stay inside it; ACT halts per position as
+                always). ``max_length_q/k`` are accepted and not needed. No cache and no cross-attention then.
         Returns:
-            :class:`HfxUniversalModelOutput`.
+            :class:`HfxUniversalModelOutput`; for a packed batch ``pooler_output`` is ``(num_documents, hidden)``, one
+            row per document in order, and ``ponder_loss`` the mean over all real tokens of the batch (as for a
+            padded batch of the same documents: the solo runs' ponder losses weighted by their lengths).
         """
         config = self.config
         past_key_values = resolve_cache_argument(past_key_values, cache)
@@ -357,6 +451,11 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         # "Is anything padded?" is decided here, once per forward (one host read in eager mode): below, None means no
         # padding, and the attention gets no mask (or is_causal) so that SDPA can use its fused kernels.
         key_mask = unpadded_to_none(attention_mask.bool()) if attention_mask is not None else None
+        document_ids, position_ids = self._packed_inputs(
+            (batch, length), device, key_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k,
+            past_key_values is not None or bool(use_cache), encoder_hidden_states,
+        )  # fmt: skip
+        self._check_length(past_len, length, document_ids, position_ids)
         real_mask = (
             key_mask[:, past_len:]
             if key_mask is not None
@@ -370,26 +469,40 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
 
         hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
         causal = bool(config.is_decoder)
-        # An uncached causal pass without padding is SDPA's own is_causal (top-left aligned, which is right only
-        # when there are no earlier tokens); one new token after a cache sees every key and needs no mask at all.
-        is_causal = causal and key_mask is None and past_len == 0
-        if is_causal or (causal and key_mask is None and past_key_values is not None and length == 1):
-            mask = None
+        groups = None
+        if document_ids is not None:
+            # Block-diagonal (causal within each document for a decoder), built once for every step: as a BlockMask
+            # where FlexAttention runs (no (seq, seq) tensor; blocks between documents skipped), else dense.
+            groups = attention_groups(document_ids, key_mask)
+            is_causal = False
+            dropout = config.attention_probs_dropout_prob
+            implementation = attention_implementation(config)
+            if not output_attentions and flex_applies(implementation, hidden, self.training, dropout):
+                mask = packed_block_mask(groups, causal)
+            else:
+                mask = attention_mask_4d(key_mask, length, 0, causal, device, groups)
         else:
-            mask = attention_mask_4d(key_mask, length, past_len, causal, device)
+            # An uncached causal pass without padding is SDPA's own is_causal (top-left aligned, which is right only
+            # when there are no earlier tokens); one new token after a cache sees every key and needs no mask at all.
+            is_causal = causal and key_mask is None and past_len == 0
+            if is_causal or (causal and key_mask is None and past_key_values is not None and length == 1):
+                mask = None
+            else:
+                mask = attention_mask_4d(key_mask, length, past_len, causal, device)
         cross_mask = None
         if encoder_hidden_states is not None and encoder_attention_mask is not None:
             cross_mask = attention_mask_4d(unpadded_to_none(encoder_attention_mask.bool()), 1, 0, False, device)
         out = self.encoder(
             hidden, real_mask, mask, position_ids, encoder_hidden_states, cross_mask, past_key_values,
             output_attentions, output_hidden_states, is_causal=is_causal, padded=key_mask is not None,
+            document_ids=groups,
         )  # fmt: skip
         loss = None
         if config.use_act:
             loss = ponder_loss(out.ponder_steps, out.ponder_remainders, real_mask, config.act_loss_weight)
         result = HfxUniversalModelOutput(
             last_hidden_state=out.last_hidden_state,
-            pooler_output=self.pooler(out.last_hidden_state) if self.pooler is not None else None,
+            pooler_output=self.pooler(out.last_hidden_state, document_ids) if self.pooler is not None else None,
             hidden_states=out.hidden_states,
             attentions=out.attentions,
             cross_attentions=out.cross_attentions,
@@ -568,13 +681,31 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         cache: HfxUniversalCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> HfxUniversalSeq2SeqLMOutput | tuple:
         """Returns ``logits`` ``(batch, tgt_len, vocab)``, the decoder cache when one is used, and with ``labels`` the
         cross-entropy (mean over labelled tokens, or sum over ``num_items_in_batch``) plus the ponder loss.
 
         ``input_ids``/``attention_mask`` ``(batch, src_len)`` feed the encoder unless ``encoder_outputs`` are given
         (``generate()`` encodes once); ``decoder_attention_mask`` is ``(batch, past + tgt_len)`` with a cache.
+        ``position_ids`` and the padding-free collator's boundaries (``seq_idx``, ``cu_seq_lens_q/k``,
+        ``max_length_q/k``) are accepted only to refuse them with a ``ValueError``: packed batches are not supported
+        here.
         """
+        packing = dict(zip(PACKING_KWARGS, (seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)))
+        given = [name for name, value in {"position_ids": position_ids, **packing}.items() if value is not None]
+        if given:
+            refuse_packed(
+                type(self).__name__,
+                f"it was given {', '.join(given)}; source and target documents would have to be packed in step, and "
+                "its positions always count from 0 in each row",
+                "Pad the batch instead (DataCollatorForSeq2Seq).",
+            )
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
                 input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,

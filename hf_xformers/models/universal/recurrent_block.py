@@ -129,9 +129,12 @@ class HfxSeparableConv1d(nn.Module):
         self.depthwise = nn.Conv1d(in_channels, in_channels, kernel_size, groups=in_channels, bias=False)
         self.pointwise = nn.Linear(in_channels, out_channels)
 
-    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, tail: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` ``(batch, seq, in)``; ``tail`` ``(batch, k - 1, in)``: the inputs before ``x`` (causal only; None:
-        zeros). Returns the output and, when causal, the new tail (the last ``k - 1`` inputs)."""
+        zeros); ``document_ids`` ``(batch, seq)`` long: the documents of a packed batch (no tail), each convolved as
+        if alone. Returns the output and, when causal, the new tail (the last ``k - 1`` inputs)."""
         k = self.kernel_size
         new_tail = None
         if self.causal:
@@ -140,7 +143,26 @@ class HfxSeparableConv1d(nn.Module):
             new_tail = full[:, full.shape[1] - (k - 1) :]
         else:
             full = F.pad(x, (0, 0, (k - 1) // 2, k // 2))
+        if document_ids is not None:
+            return self.pointwise(self._within_documents(full, document_ids)), new_tail
         return self.pointwise(self.depthwise(full.transpose(1, 2)).transpose(1, 2)), new_tail
+
+    def _within_documents(self, full: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+        """The depthwise convolution of a packed row, ``full`` ``(batch, left + seq + right, in)`` (the row with its
+        zero margins) -> ``(batch, seq, in)``: each tap reads a neighbour only inside the output's own document, so a
+        document's edges see the zeros its solo forward pads with. ``k`` masked multiply-adds over the row: the
+        convolution's own cost, whatever the number of documents."""
+        k, length = self.kernel_size, document_ids.shape[1]
+        left = k - 1 if self.causal else (k - 1) // 2
+        # The margins hold zeros already: any label serves there.
+        documents = F.pad(document_ids, (left, k - 1 - left), value=-1)
+        weight = self.depthwise.weight[:, 0].to(full.dtype)  # (in, k)
+        out = None
+        for j in range(k):
+            same = (documents[:, j : j + length] == document_ids).unsqueeze(-1)
+            tap = full[:, j : j + length] * same * weight[:, j]
+            out = tap if out is None else out + tap
+        return out
 
 
 class HfxSeparableConvTransition(nn.Module):
@@ -164,8 +186,10 @@ class HfxSeparableConvTransition(nn.Module):
         nonpadding: torch.Tensor | None = None,
         step: int = 0,
         cache: HfxUniversalCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``nonpadding`` ``(batch, seq, 1)``: 1 at real positions, 0 at padding (None: no padding)."""
+        """``nonpadding`` ``(batch, seq, 1)``: 1 at real positions, 0 at padding (None: no padding);
+        ``document_ids`` ``(batch, seq)``: a packed batch's documents (see :class:`HfxSeparableConv1d`)."""
         h = hidden_states
         for i, conv in enumerate((self.conv1, self.conv2)):
             if i == 1:
@@ -173,7 +197,7 @@ class HfxSeparableConvTransition(nn.Module):
             if nonpadding is not None:
                 h = h * nonpadding
             tail = cache.conv_tails.get((step, i)) if cache is not None else None
-            h, new_tail = conv(h, tail)
+            h, new_tail = conv(h, tail, document_ids)
             if cache is not None and new_tail is not None:
                 cache.conv_tails[(step, i)] = new_tail
         return h
@@ -217,18 +241,22 @@ class HfxUniversalLayer(GradientCheckpointingLayer):
         past_key_values: HfxUniversalCache | None = None,
         output_attentions: bool = False,
         is_causal: bool = False,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One application of the block.
 
         Args:
             hidden_states: ``(batch, seq, hidden)``, the state with this step's signals added.
-            attention_mask: bool ``(batch or 1, 1, seq, keys)`` (see :func:`attention_mask_4d`) or None (no mask).
+            attention_mask: bool ``(batch or 1, 1, seq, keys)`` (see :func:`attention_mask_4d`), a FlexAttention
+                ``BlockMask`` (``packed_block_mask``) or None (no mask).
             is_causal: causal self-attention without a mask (``attention_mask`` None, no cached tokens).
             nonpadding: ``(batch, seq, 1)`` 1/0 mask for the separable convolutions, or None.
             encoder_hidden_states: ``(batch, src_len, hidden)`` for cross-attention (decoders of seq2seq models).
             encoder_attention_mask: bool ``(batch, 1, 1, src_len)`` or None.
             step: the recurrent step (0-based): which cache slot to read and extend.
             past_key_values: the decoder cache, extended in place, or None.
+            document_ids: ``(batch, seq)`` long, a packed batch's documents (``attention_mask`` keeps the attention
+                inside them): the separable convolutions stay inside each document too. None: an ordinary batch.
         Returns:
             ``(new_state, self-attention probabilities or None, cross-attention probabilities or None)``.
         """
@@ -241,7 +269,7 @@ class HfxUniversalLayer(GradientCheckpointingLayer):
                 attended, encoder_attention_mask, encoder_hidden_states, step, past_key_values, output_attentions
             )
         if self.use_sepconv:
-            transformed = self.transition(attended, nonpadding, step, past_key_values)
+            transformed = self.transition(attended, nonpadding, step, past_key_values, document_ids)
         else:
             transformed = self.intermediate(attended)
         return self.output(transformed, attended), self_probs, cross_probs
@@ -286,6 +314,7 @@ class HfxUniversalRecurrentEncoder(nn.Module):
         output_hidden_states: bool = False,
         is_causal: bool = False,
         padded: bool = True,
+        document_ids: torch.Tensor | None = None,
     ) -> RecurrenceOutput:
         """Run the recurrence.
 
@@ -296,7 +325,8 @@ class HfxUniversalRecurrentEncoder(nn.Module):
             is_causal: causal self-attention without a mask (see :class:`HfxUniversalAttention`).
             padded: whether ``real_mask`` may hold False (else the separable convolutions skip zeroing padding).
             position_ids: ``(batch, seq)`` position of each token (for the sinusoidal position signal).
-            encoder_hidden_states, encoder_attention_mask, past_key_values: see :class:`HfxUniversalLayer`.
+            encoder_hidden_states, encoder_attention_mask, past_key_values, document_ids: see
+                :class:`HfxUniversalLayer` (``position_ids`` of a packed batch restart at every document).
         Returns:
             :class:`RecurrenceOutput`; ``hidden_states`` holds the embeddings and the state after every step that ran
             (all ``act_max_steps`` of them when hidden states or attentions are asked for).
@@ -324,6 +354,7 @@ class HfxUniversalRecurrentEncoder(nn.Module):
             return self.layer(
                 x, attention_mask, nonpadding, encoder_hidden_states, encoder_attention_mask,
                 step=step, past_key_values=past_key_values, output_attentions=output_attentions, is_causal=is_causal,
+                document_ids=document_ids,
             )  # fmt: skip
 
         all_hidden = (hidden_states,) if output_hidden_states else None
