@@ -341,3 +341,24 @@ def test_transfo_xl_generates_from_a_left_padded_prompt():
     out = model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=1)
     alone = model.generate(input_ids=prompt[:, 2:], max_new_tokens=3, do_sample=False, pad_token_id=1)
     assert torch.equal(out[:, 2:], alone)
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+def test_sdpa_runs_per_document_on_an_unpadded_packed_row(decoder, monkeypatch):
+    """One unpadded packed row under SDPA attends document by document (each call sees one document's tokens), so a
+    row costs what its documents cost alone, not the row's squared length."""
+    from hf_xformers.attention import multi_head
+
+    lengths = []
+    real_sdpa = multi_head.F.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v, **kwargs):
+        lengths.append(q.shape[2])
+        return real_sdpa(q, k, v, **kwargs)
+
+    model = build(HfxUniversalForCausalLM if decoder else HfxUniversalModel, "eval", is_decoder=decoder)
+    inputs, _ = collate(documents(), "seq_idx")
+    monkeypatch.setattr(multi_head.F, "scaled_dot_product_attention", recording_sdpa)
+    with torch.no_grad():
+        model(**inputs)
+    assert lengths and set(lengths) == set(LENGTHS)

@@ -11,7 +11,7 @@ Transformer has one block shared by every step, so the attention is built once, 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +74,15 @@ def attention_mask_4d(
     return allowed & (key_mask[:, None, None, :] | own)
 
 
+class DocumentSpans(NamedTuple):
+    """The documents of one unpadded packed row as ``(start, end)`` token spans, for SDPA per document: a row then
+    costs the sum of its documents' squared lengths (their own forwards' cost), where a block-diagonal dense mask
+    costs the row's squared length. The model builds it once per forward and passes it as the ``attention_mask``."""
+
+    spans: tuple[tuple[int, int], ...]
+    causal: bool
+
+
 def packed_block_mask(groups: torch.Tensor, causal: bool):
     """FlexAttention's ``BlockMask`` of a packed batch: a query sees the keys of its own group (``groups``
     ``(batch, seq_len)``, :func:`attention_groups`), and for a decoder only those up to itself. The kernel skips the
@@ -116,7 +125,7 @@ class HfxUniversalAttention(QKVProjection):
     ) -> AttentionOutput:
         """``hidden_states`` ``(batch, query, hidden)``; ``attention_mask`` bool ``(batch or 1, 1, query, keys)``, a
         FlexAttention ``BlockMask`` (:func:`packed_block_mask`: the model chose FlexAttention for a packed batch and
-        built the mask once for every step), or None; ``is_causal``: causal self-attention with ``attention_mask``
+        built the mask once for every step), :class:`DocumentSpans` (SDPA per document of a packed row), or None; ``is_causal``: causal self-attention with ``attention_mask``
         None and no earlier tokens (query ``i`` sees keys ``0..i``). Returns an
         :class:`~hf_xformers.attention.base.AttentionOutput`: the ``context`` ``(batch, query, hidden)`` (before the
         output projection) and the probabilities ``attentions`` or None."""
@@ -133,9 +142,20 @@ class HfxUniversalAttention(QKVProjection):
                 v = split_heads(self.value(key_value_states), self.num_heads)
                 if cache is not None:
                     cache.cross_key_value = (k, v)
+        dropout = self.dropout_p if self.training else 0.0
+        if isinstance(attention_mask, DocumentSpans):
+            context = torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], dropout_p=dropout, is_causal=attention_mask.causal
+                    )
+                    for a, b in attention_mask.spans
+                ],
+                dim=2,
+            )
+            return AttentionOutput(merge_heads(context))
         if attention_mask is not None and not torch.is_tensor(attention_mask):
             return AttentionOutput(merge_heads(flex_attention(q, k, v, block_mask=attention_mask)))
-        dropout = self.dropout_p if self.training else 0.0
         implementation = attention_implementation(self.config)
         # Cached decoding (one new query against a growing cache) keeps SDPA: the compiled kernel is static in the key
         # length, so FlexAttention would compile anew at every generated token.

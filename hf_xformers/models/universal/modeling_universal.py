@@ -29,7 +29,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils import ModelOutput
 
-from ...attention.multi_head import attention_groups, attention_mask_4d, packed_block_mask
+from ...attention.multi_head import DocumentSpans, attention_groups, attention_mask_4d, packed_block_mask
 from ...layers.encoder import HfxPooler
 from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import (
@@ -41,7 +41,7 @@ from ...layers.heads import (
     token_cross_entropy,
 )
 from ...layers.pretrained import HfxPreTrainedModel
-from ...ops.attention_switch import attention_implementation, flex_applies
+from ...ops.attention_switch import EAGER, attention_implementation, flex_applies
 from ...ops.compat import CACHE_NAME, cache_field, output_cache, resolve_cache_argument
 from ...ops.input_checks import check_not_empty, check_token_ids, check_type_ids, is_tracing, unpadded_to_none
 from ...ops.packing import (
@@ -479,6 +479,10 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             implementation = attention_implementation(config)
             if not output_attentions and flex_applies(implementation, hidden, self.training, dropout):
                 mask = packed_block_mask(groups, causal)
+            elif not output_attentions and implementation != EAGER and key_mask is None and batch == 1:
+                # One unpadded row: SDPA per document costs what the documents cost alone (one host read).
+                ends = torch.cumsum(document_lengths(document_ids), 0).tolist()
+                mask = DocumentSpans(tuple(zip([0, *ends[:-1]], ends)), causal)
             else:
                 mask = attention_mask_4d(key_mask, length, 0, causal, device, groups)
         else:
