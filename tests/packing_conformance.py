@@ -33,6 +33,8 @@ class PackingConformance:
     packing_refusal: str | None = None
     # Lengths of the documents packed into one row: shorter and longer than the tiny windows, blocks and chunks.
     packing_lengths: tuple[int, ...] = (10, 23, 7)
+    # Config overrides for the packing tests (BigBird: random blocks fixed, so that training draws what eval does).
+    packing_config: dict = {}
 
     # ----- helpers -------------------------------------------------------------------------------
     def packing_position_start(self, model) -> int:
@@ -77,7 +79,7 @@ class PackingConformance:
         documents = self.packing_documents()
         num_docs = len(documents)
         for auto_name in self._packable_heads():
-            model = self.make_model(auto_name)
+            model = self.make_model(auto_name, **self.packing_config)
             model.train(mode == "train")  # the tiny configs have every dropout at 0
             extra, solo_extra, counts = {}, [{} for _ in documents], None
             if auto_name in ("AutoModelForMaskedLM", "AutoModelForCausalLM", "AutoModelForTokenClassification"):
@@ -164,7 +166,7 @@ class PackingConformance:
         loss of the unpacked forwards."""
         if "AutoModelForMultipleChoice" not in self.heads or self.packing_refusal is not None:
             pytest.skip("no multiple-choice head, or packing refused")
-        model = self.make_model("AutoModelForMultipleChoice")
+        model = self.make_model("AutoModelForMultipleChoice", **self.packing_config)
         documents = self.packing_documents() + self.packing_documents()[:1]  # 2 examples x 2 choices
         labels = torch.tensor([1, 0])
         packed = model(**self.pack(model, documents, "seq_idx", labels=labels, num_choices=2))
@@ -186,7 +188,7 @@ class PackingConformance:
         for auto_name in self.heads:
             if auto_name == "AutoModelForMultipleChoice":
                 continue
-            model = self.make_model(auto_name)
+            model = self.make_model(auto_name, **self.packing_config)
             for form in PACKING_FORMS:
                 with pytest.raises(ValueError, match=self.packing_refusal):
                     model(**self.pack(model, documents, form))
@@ -196,7 +198,7 @@ class PackingConformance:
         a ValueError names ``position_ids_start``."""
         if self.packing_refusal is not None:
             pytest.skip("packing refused")
-        model = self.make_model("AutoModel")
+        model = self.make_model("AutoModel", **self.packing_config)
         start = self.packing_position_start(model)
         if start == 0:
             pytest.skip("positions start at 0")

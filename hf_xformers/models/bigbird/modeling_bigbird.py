@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ...attention.block_sparse import HfxBlockSparseSelfAttention
+from ...attention.block_sparse import HfxBlockSparseSelfAttention, plan_documents
 from ...layers.heads import (
     HfxLMHead,
     HfxMaskedLMHeadMixin,
@@ -106,6 +106,25 @@ class HfxBigBirdModel(HfxTextModel, HfxBigBirdPreTrainedModel):
 
     attention_class = HfxBlockSparseSelfAttention
     embeddings_class = HfxBigBirdEmbeddings
+
+    def prepare_attention_inputs(
+        self,
+        attention_mask: torch.Tensor | None,
+        global_attention_mask: torch.Tensor | None,
+        length: int,
+        document_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+        """As :meth:`HfxTextModel.prepare_attention_inputs`; for a packed batch also ``document_blocks``, where its
+        documents lie on the block grid (:func:`~hf_xformers.attention.block_sparse.plan_documents`: one host read
+        per forward, shared by every layer)."""
+        attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
+            attention_mask, global_attention_mask, length, document_ids
+        )
+        if document_ids is not None and self.config.attention_type == "block_sparse":
+            kwargs["document_blocks"] = plan_documents(
+                document_ids, attention_mask, self.config.block_size, self.config.num_random_blocks
+            )
+        return attention_mask, global_attention_mask, kwargs
 
 
 class HfxBigBirdForMaskedLM(HfxMaskedLMHeadMixin, HfxBigBirdPreTrainedModel):
