@@ -1,7 +1,8 @@
 """hfx-longformer on packed (padding-free) batches (issue 34): every document of a row built by transformers'
 ``DataCollatorWithFlattening`` gets what its own forward gives, under each ``attn_implementation``, with and without
-global tokens; the band, the global rows and columns and FlexAttention's block lists stop at document boundaries; the
-tasks' default global tokens are chosen per document.
+global tokens; the band, the global rows and columns and FlexAttention's block lists stop at document boundaries, and
+the global rows and columns cost per document (not the row's length times its global tokens); the tasks' default
+global tokens are chosen per document.
 
 FlexAttention runs in its eager (reference) form except in one test of the compiled kernel (inference on the CPU).
 """
@@ -9,6 +10,7 @@ FlexAttention runs in its eager (reference) form except in one test of the compi
 from __future__ import annotations
 
 import os
+from math import ceil
 
 import pytest
 import torch
@@ -340,3 +342,150 @@ def test_default_global_tokens_need_a_separator_in_every_document(task):
     document_ids = document_ids_from_inputs(ids.shape, ids.device, seq_idx=packed(docs, "seq_idx")["seq_idx"])
     with pytest.raises(ValueError, match="separator"):
         model.default_global_attention_mask(task, ids, None, document_ids=document_ids)
+
+
+def many_documents(count: int = 20, seed: int = 5) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``count`` documents of 6 to 29 tokens, most with several global tokens (the first and up to four others)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(6, 30, (count,), generator=g).tolist()
+    docs = documents(lengths, seed)
+    globs = []
+    for i, n in enumerate(lengths):
+        glob = torch.zeros(n, dtype=torch.bool)
+        if i % 7 != 3:  # a few documents without global tokens
+            glob[0] = True
+            glob[torch.randint(0, n, (int(torch.randint(0, 5, (), generator=g)),), generator=g)] = True
+        globs.append(glob)
+    return docs, globs
+
+
+@pytest.mark.parametrize("output_attentions", [False, True], ids=["context", "attentions"])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
+def test_many_packed_documents_with_global_tokens(implementation, output_attentions, eager_flex):
+    """Twenty documents with up to five global tokens each in one row: every query block sees the global slots of its
+    own few documents and every document's global tokens attend to that document's keys, each document getting its
+    own forward's result (also through the explicit probabilities of ``output_attentions``)."""
+    model = build()
+    model.set_attn_implementation(implementation)
+    docs, globs = many_documents()
+    inputs = packed(docs, "seq_idx")
+    with torch.no_grad():
+        out = model(**inputs, global_attention_mask=torch.cat(globs)[None], output_attentions=output_attentions)
+        for doc, glob, span in zip(docs, globs, spans(docs)):
+            reference = solo(model, doc, glob)
+            assert (out.last_hidden_state[0, span] - reference.last_hidden_state[0]).abs().max() < ATOL
+
+
+def test_packed_attention_maps_stay_on_the_autograd_path():
+    """The band and global probabilities returned for a packed row with global tokens are what the context was
+    computed from: gradients reach them (as unpacked, where ``retain_grad`` on them works)."""
+    model = build().train()
+    docs, globs = many_documents(count=6, seed=6)
+    out = model(**packed(docs, "seq_idx"), global_attention_mask=torch.cat(globs)[None], output_attentions=True)
+    for probs in (*out.attentions, *out.global_attentions):
+        probs.retain_grad()
+    out.last_hidden_state.pow(2).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in (*out.attentions, *out.global_attentions))
+
+
+def test_packed_rows_with_and_without_global_tokens():
+    """Two packed rows, the second padded and without any global token (all its slots empty)."""
+    model = build()
+    docs, globs = many_documents(count=8, seed=7)
+    rows = [docs[:5], docs[5:]]
+    lengths = [sum(len(d) for d in row) for row in rows]
+    length = max(lengths)
+    ids = torch.full((2, length), TINY["pad_token_id"])
+    mask = torch.zeros(2, length, dtype=torch.long)
+    glob = torch.zeros(2, length, dtype=torch.bool)
+    seq_idx = torch.full((2, length), 99)
+    for r, row in enumerate(rows):
+        ids[r, : lengths[r]] = torch.cat(row)
+        mask[r, : lengths[r]] = 1
+        seq_idx[r, : lengths[r]] = torch.repeat_interleave(torch.arange(len(row)), torch.tensor([len(d) for d in row]))
+    glob[0, : lengths[0]] = torch.cat(globs[:5])
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, global_attention_mask=glob, seq_idx=seq_idx).last_hidden_state
+        for r, row in enumerate(rows):
+            for i, (doc, span) in enumerate(zip(row, spans(row))):
+                reference = solo(model, doc, globs[i] if r == 0 else None).last_hidden_state[0]
+                assert (out[r, span] - reference).abs().max() < ATOL
+
+
+def test_packed_global_cost_does_not_grow_with_the_number_of_documents(monkeypatch):
+    """The attention problems of a packed row with global tokens, recorded at the kernel: each query block's global
+    keys are those of the documents it touches (here at most two documents of three global tokens: 6 keys, not the
+    row's 3 per document), and the global rows are one problem per document over that document's keys. So the score
+    elements per token are the same for 5 and for 40 documents (the whole row's global keys would grow with them)."""
+    config = HfxLongformerConfig(**{**TINY, "attention_window": 8, "max_position_embeddings": 800})
+    torch.manual_seed(0)
+    layer = sliding_window.HfxSlidingWindowSelfAttention(config).eval()
+    w, b = layer.one_sided_window, layer.query_block
+    calls = []
+
+    def recorded(q, k, v, mask=None, dropout_p=0.0):
+        calls.append((q.shape, k.shape))
+        return switch_attention(q, k, v, mask, dropout_p)
+
+    switch_attention = sliding_window.attention
+    monkeypatch.setattr(sliding_window, "attention", recorded)
+    per_token = []
+    for count in (5, 40):
+        length, per_document = 18, 3  # 18 tokens: query blocks of 4 straddle document boundaries
+        document_ids = torch.arange(count).repeat_interleave(length)[None]
+        is_global = (torch.arange(count * length) % length < per_document)[None]
+        hidden = torch.randn(1, count * length, TINY["hidden_size"])
+        calls.clear()
+        with torch.no_grad():
+            out = layer(hidden, None, is_global, document_ids=document_ids).context
+        (band_q, band_k), (rows_q, rows_k) = calls
+        assert band_q[0] == ceil(count * length / b) and band_k[2] == 2 * per_document + b + 2 * w
+        assert rows_q[0] == count and rows_q[2] == per_document and rows_k[2] == length
+        per_token.append(sum(q.numel() // q[-1] * k[2] for q, k in calls) / (count * length))
+        # still each document's own result
+        second = slice(length, 2 * length)
+        with torch.no_grad():
+            alone = layer(hidden[:, second], None, is_global[:, second]).context
+        assert (out[:, second] - alone).abs().max() < ATOL
+    assert per_token[0] == pytest.approx(per_token[1], rel=0.05)
+
+
+def test_model_lays_out_packed_global_tokens_once_per_forward(monkeypatch):
+    """The model works out the per-document layout of the global tokens once, for the block sizes of all its layers
+    (windows 8 and 4 here): no layer computes it again."""
+    model = build()
+    docs, globs = many_documents(count=6, seed=8)
+    inputs = packed(docs, "position_ids")
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a layer laid out the packed global tokens itself")
+
+    monkeypatch.setattr(sliding_window, "packed_globals_of", refused)
+    with torch.no_grad():
+        model(**inputs, global_attention_mask=torch.cat(globs)[None])
+
+
+@pytest.mark.parametrize("output_attentions", [False, True], ids=["context", "attentions"])
+def test_traced_layout_of_packed_global_tokens(output_attentions, monkeypatch):
+    """A traced graph cannot size tensors by values: there every query block sees every global slot and all global
+    tokens form one group over the whole row, masked by document. Forced here in eager mode, the same results."""
+    config = HfxLongformerConfig(**TINY)
+    torch.manual_seed(0)
+    layer = sliding_window.HfxSlidingWindowSelfAttention(config).eval()
+    docs, globs = many_documents(count=6, seed=9)
+    lengths = [len(d) for d in docs]
+    document_ids = torch.arange(len(docs)).repeat_interleave(torch.tensor(lengths))[None]
+    hidden = torch.randn(1, sum(lengths), TINY["hidden_size"])
+    is_global = torch.cat(globs)[None]
+    with torch.no_grad():
+        references = [
+            layer(hidden[:, span], None, g[None] if g.any() else None).context for g, span in zip(globs, spans(docs))
+        ]
+        monkeypatch.setattr(sliding_window, "is_tracing", lambda: True)
+        layout = sliding_window.packed_globals_of(
+            document_ids, sliding_window.global_slots_of(is_global), (layer.query_block,)
+        )
+        assert layout.columns[layer.query_block][1] == is_global.shape[1]  # every slot for every block
+        out = layer(hidden, None, is_global, output_attentions=output_attentions, document_ids=document_ids).context
+    for reference, span in zip(references, spans(docs)):
+        assert (out[:, span] - reference).abs().max() < ATOL

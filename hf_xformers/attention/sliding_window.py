@@ -20,10 +20,16 @@ copies; there are no overlapping-chunk products and no ``(seq, 2w + 1)`` score t
 window covers the whole sequence one plain dense call is made instead: the same result (every key is in
 every window), and faster. A packed batch adds its document condition in the same layouts: the documents of the
 key neighbourhoods are ``unfold`` views of ``document_ids`` like the keys themselves, so the mask stays the size of
-the band (no ``(seq_len, seq_len)`` tensor).
+the band (no ``(seq_len, seq_len)`` tensor). Global tokens stay within their documents too (:func:`packed_globals_of`):
+a query block gets only the global keys of the documents it touches, and the global queries of each document only
+that document's keys, so a packed row with global tokens costs what its documents' own forwards cost, not
+``seq_len x G``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +108,90 @@ def global_slots_of(is_global: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     global_idx = torch.argsort((~is_global).to(torch.int8), dim=-1, stable=True)[:, :num_global]
     global_valid = torch.arange(num_global, device=is_global.device)[None, :] < counts[:, None]
     return global_idx, global_valid
+
+
+class PackedGlobals(NamedTuple):
+    """Where the global tokens of a packed batch meet their documents (:func:`packed_globals_of`), the same for every
+    layer. ``G`` is the number of global slots (:func:`global_slots_of`), ``nb`` a layer's number of query blocks.
+
+    * ``slot_docs`` ``(batch, G)``: the document of every global slot (the row's length for empty slots, past any
+      document, so that the row stays sorted).
+    * ``columns``: by query block size ``b``, ``(first, width)``: ``first`` ``(batch, nb)`` the first global slot of
+      the documents that a query block touches, ``width`` the most slots such a range holds in any block.
+    * ``members`` ``(batch, D, Gd)``: the global slots of every document that has some (``D`` the most such documents
+      in a row, ``Gd`` the most global tokens of one document; unused places point at slot 0), ``member_docs``
+      ``(batch, D, Gd)`` their documents (the row's length for unused places).
+    * ``place`` ``(batch, G)``: every slot's place in the flattened ``(D * Gd)`` members (``D * Gd`` for empty slots).
+    * ``key_positions`` ``(batch, D, K)``: the ``K`` tokens from the first of every such document, ``K`` the
+      longest of them (clamped to the row), and ``key_docs`` ``(batch, D, K)`` their documents (-1 for tokens past the
+      row's end, clamped duplicates).
+    """
+
+    slot_docs: torch.Tensor
+    columns: dict[int, tuple[torch.Tensor, int]]
+    members: torch.Tensor
+    member_docs: torch.Tensor
+    place: torch.Tensor
+    key_positions: torch.Tensor
+    key_docs: torch.Tensor
+
+
+def packed_globals_of(
+    document_ids: torch.Tensor, global_slots: tuple[torch.Tensor, torch.Tensor], query_blocks: Iterable[int]
+) -> PackedGlobals:
+    """The per-document layout of the global tokens of a packed batch, so that a layer's global keys and global
+    queries meet only their own documents: cost ``blocks x b x width`` for the global columns and
+    ``D x Gd x K`` for the global rows, where the whole row would cost ``seq_len x G`` for each.
+
+    Documents are contiguous runs numbered upwards and the global slots are in row order, so the slots of the
+    documents that a query block touches are one contiguous range (found by binary search), and so are the slots of
+    one document. ``document_ids``: ``(batch, seq_len)`` long; ``global_slots``: :func:`global_slots_of`;
+    ``query_blocks``: the query block sizes of the layers. In eager mode the widths are one device-to-host read (the
+    model calls this once per forward); a traced graph cannot size tensors by values and takes the whole row instead
+    (every block sees every slot, and all slots form one group over all keys): the same result, at the cost of the
+    unpacked layout.
+    """
+    global_idx, global_valid = global_slots
+    (batch, length), num_global = document_ids.shape, global_idx.shape[1]
+    device = document_ids.device
+    docs = document_ids.contiguous()
+    slot = torch.arange(num_global, device=device)
+    slot_docs = torch.where(global_valid, docs.gather(1, global_idx), length)
+    starts = {}
+    for b in sorted(set(query_blocks)):
+        first_query = torch.arange(ceil_div(length, b), device=device) * b
+        last_query = (first_query + b).clamp(max=length) - 1
+        first = torch.searchsorted(slot_docs, docs[:, first_query])
+        starts[b] = (first, torch.searchsorted(slot_docs, docs[:, last_query], right=True) - first)
+    if is_tracing():
+        columns = {b: (torch.zeros_like(first), num_global) for b, (first, _) in starts.items()}
+        members, member_docs = slot.expand(batch, 1, num_global), slot_docs[:, None]
+        place = slot.expand(batch, num_global)
+        key_positions = torch.arange(length, device=device).expand(batch, 1, length)
+        return PackedGlobals(slot_docs, columns, members, member_docs, place, key_positions, docs[:, None])
+    first_key = torch.searchsorted(docs, slot_docs)
+    doc_length = torch.searchsorted(docs, slot_docs, right=True) - first_key  # 0 for empty slots
+    new_group = global_valid.clone()
+    new_group[:, 1:] &= slot_docs[:, 1:] != slot_docs[:, :-1]
+    rank = slot - torch.where(new_group, slot, 0).cummax(-1).values
+    widths = torch.stack([
+        new_group.sum(-1).max(), rank.masked_fill(~global_valid, 0).max() + 1, doc_length.max(),
+        *(count.max() for _, count in starts.values()),
+    ]).tolist()  # fmt: skip
+    num_groups, group_size, key_width = widths[:3]
+    columns = {b: (first, width) for (b, (first, _)), width in zip(starts.items(), widths[3:])}
+    size = num_groups * group_size
+    place = torch.where(global_valid, (new_group.long().cumsum(-1) - 1) * group_size + rank, size)
+    # Empty slots all land on the extra place ``size``, cut off.
+    members = torch.zeros(batch, size + 1, dtype=torch.long, device=device).scatter(1, place, slot.expand(batch, -1))
+    member_docs = torch.full_like(members, length).scatter(1, place, slot_docs)
+    members = members[:, :size].view(batch, num_groups, group_size)
+    member_docs = member_docs[:, :size].view(batch, num_groups, group_size)
+    key_positions = first_key.gather(1, members[..., 0])[..., None] + torch.arange(key_width, device=device)
+    inside = key_positions < length
+    key_positions = key_positions.clamp(max=length - 1)
+    key_docs = torch.where(inside, docs.gather(1, key_positions.view(batch, -1)).view_as(inside), -1)
+    return PackedGlobals(slot_docs, columns, members, member_docs, place, key_positions, key_docs)
 
 
 # Query and key block size of Longformer's FlexAttention BlockMask (FlexAttention's default).
@@ -203,6 +293,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         global_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
         flex_masks: dict | None = None,
         document_ids: torch.Tensor | None = None,
+        packed_globals: PackedGlobals | None = None,
     ) -> AttentionOutput:
         """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, hidden)``.
 
@@ -211,7 +302,8 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         ``flex_masks`` the FlexAttention block masks by one-sided window (:func:`band_block_mask`, which the model builds
         once per forward under ``attn_implementation="flex_attention"``; None: built here). ``document_ids``
         ``(batch, seq_len)`` long: the documents of a packed batch (:mod:`~hf_xformers.ops.packing`), each attended
-        to as if alone; None: one document per row.
+        to as if alone; None: one document per row. ``packed_globals``: :func:`packed_globals_of` for a packed batch
+        with global tokens, which the model computes once for all layers (None: computed here).
         """
         implementation = attention_implementation(self.config)
         batch, length, hidden = hidden_states.shape
@@ -224,6 +316,10 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
                 else:
                     global_slots = global_slots_of(is_global)
         global_idx, global_valid = global_slots if is_global is not None else (None, None)
+        if is_global is None or document_ids is None:
+            packed_globals = None
+        elif packed_globals is None or self.query_block not in packed_globals.columns:
+            packed_globals = packed_globals_of(document_ids, global_slots, (self.query_block,))
 
         # Up to one block's key span (b + 2w) the blocked computation does no less work than one dense call over
         # all keys, so short inputs take the dense call with the band as a mask: the same result at the speed
@@ -243,8 +339,9 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             context, probs = self._dense_attention(hidden_states, attention_mask, is_global, document_ids), None
         else:
             context, probs = self._banded_attention(
-                hidden_states, attention_mask, is_global, global_idx, global_valid, eager, document_ids
-            )
+                hidden_states, attention_mask, is_global, global_idx, global_valid, eager, document_ids,
+                packed_globals, output_attentions,
+            )  # fmt: skip
             probs = probs if output_attentions else None
         if attention_mask is not None:
             # Padding queries give zeros, as in the reference implementation.
@@ -253,7 +350,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         global_probs = None
         if is_global is not None:
             global_context, global_probs = self._global_attention(
-                hidden_states, attention_mask, global_idx, global_valid, eager, document_ids
+                hidden_states, attention_mask, global_idx, global_valid, eager, packed_globals, output_attentions
             )
             global_probs = global_probs if output_attentions else None
             # Written through an extra row that the empty slots point at (no boolean indexing: traceable).
@@ -296,13 +393,17 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         return merge_heads(attention(q, k, v, mask, dropout))
 
     def _banded_attention(
-        self, hidden_states, attention_mask, is_global, global_idx, global_valid, output_attentions, document_ids=None
+        self, hidden_states, attention_mask, is_global, global_idx, global_valid, output_attentions, document_ids=None,
+        packed_globals=None, return_probs=True,
     ):  # fmt: skip
         """Sliding-window attention (plus global keys) computed block by block.
 
         Shapes inside: ``nb`` blocks of ``b`` queries (``b = self.query_block``); each block sees the
         ``span = b + 2w`` local keys around it and ``G`` global keys. ``document_ids`` ``(batch, seq_len)`` (a packed
-        batch) masks every key of another document, in the same block layout.
+        batch) masks every key of another document, in the same block layout; with global tokens
+        (``packed_globals``) a block sees only the ``W`` global slots of the documents it touches instead of all
+        ``G``. ``output_attentions`` selects the explicit softmax; ``return_probs`` False lets a packed batch with
+        global tokens skip the band layout of the probabilities (nobody asked for them).
         """
         batch, length, hidden = hidden_states.shape
         heads, dim, w, b = self.num_heads, self.head_dim, self.one_sided_window, self.query_block
@@ -356,6 +457,11 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             bias.masked_fill_(query_pad, 0.0)
 
         num_global = 0
+        if packed_globals is not None:
+            return self._packed_banded_attention(
+                qb, kb, vb, bias, query_docs, query_pad, k, v, is_global, global_idx, packed_globals,
+                output_attentions, return_probs, length,
+            )  # fmt: skip
         if is_global is not None:
             num_global = global_idx.shape[1]
             gk = k.gather(1, (global_idx + w)[..., None, None].expand(-1, -1, heads, dim)).transpose(1, 2)
@@ -364,11 +470,6 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             gk, gv = _fold_blocks(gk[:, None].expand(expand)), _fold_blocks(gv[:, None].expand(expand))
             kb, vb = torch.cat([gk, kb], dim=2), torch.cat([gv, vb], dim=2)
             global_bias = torch.where(global_valid, 0.0, neg_inf)[:, None, None, :].expand(batch, nb, b, num_global)
-            if query_docs is not None:
-                # Only the global tokens of the query's own document.
-                global_docs = document_ids.gather(1, global_idx)
-                same = query_docs[..., None] == global_docs[:, None, None, :]
-                global_bias = global_bias.masked_fill(~same, float("-inf"))
             bias = torch.cat([_fold_blocks(global_bias[:, :, None]), bias], -1)
 
         dropout = self.dropout_p if self.training else 0.0
@@ -394,6 +495,81 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         out = out.view(batch, nb, heads, b, dim).transpose(2, 3)  # (batch, nb, b, heads, dim)
         return unblock(out, length).reshape(batch, length, hidden), probs
 
+    def _packed_banded_attention(
+        self, qb, kb, vb, bias, query_docs, query_pad, k, v, is_global, global_idx, packed_globals, explicit,
+        return_probs, length,
+    ):  # fmt: skip
+        """The banded attention of a packed batch with global tokens: each query block gets the ``W`` global slots
+        ``first .. first + W`` of ``packed_globals.columns[b]`` (those of the documents it touches, then slots of
+        later documents or past the end, masked by document), not all ``G``.
+
+        ``qb`` ``(batch * nb, heads, b, dim)``, ``kb`` / ``vb`` ``(batch * nb, heads, span, dim)`` and ``bias``
+        ``(batch * nb, 1, b, span)``: the local problem; ``query_docs`` ``(batch, nb, b)``; ``query_pad`` the padding
+        queries in the bias layout; ``k`` / ``v`` ``(batch, nb * b + 2w, heads, dim)`` the padded keys and values.
+        ``explicit``: the explicit softmax; ``return_probs``: also the ``(batch, heads, seq_len, G + 2w + 1)`` band
+        layout (global columns by slot, as unpacked). Returns the context ``(batch, seq_len, hidden)`` and the
+        probabilities or None.
+        """
+        batch, nb, b = query_docs.shape
+        heads, dim, w = self.num_heads, self.head_dim, self.one_sided_window
+        num_global = global_idx.shape[1]
+        first, width = packed_globals.columns[b]
+        slots = first[..., None] + torch.arange(width, device=first.device)  # (batch, nb, W)
+        inside = slots < num_global  # past the last slot: clamped onto it below, a duplicate to mask
+        slots = slots.clamp(max=num_global - 1).view(batch, nb * width)
+        position = (global_idx.gather(1, slots) + w)[..., None, None].expand(-1, -1, heads, dim)
+        global_v = v.gather(1, position).view(batch, nb, width, heads, dim)
+        gk = _fold_blocks(k.gather(1, position).view(batch, nb, width, heads, dim).transpose(2, 3))
+        gv = _fold_blocks(global_v.transpose(2, 3))
+        slot_docs = packed_globals.slot_docs.gather(1, slots).view(batch, nb, 1, width)
+        # Padding queries (document -1) see no global key; the local bias has let them see their neighbourhood.
+        same = (query_docs[..., None] == slot_docs) & inside[:, :, None, :]  # (batch, nb, b, W)
+        global_bias = torch.where(same, 0.0, float("-inf")).to(bias.dtype)
+        bias = torch.cat([_fold_blocks(global_bias[:, :, None]), bias], -1)
+        kb, vb = torch.cat([gk, kb], dim=2), torch.cat([gv, vb], dim=2)
+        dropout = self.dropout_p if self.training else 0.0
+        if not explicit:
+            out = attention(qb, kb, vb, bias, dropout)
+        else:
+            scores = _block_matmul(qb, kb.transpose(-1, -2)) * dim**-0.5 + bias
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).masked_fill(query_pad, 0.0).to(qb.dtype)
+            if return_probs:
+                return self._packed_probs_and_context(
+                    weights, v, global_v, is_global, slots, inside, num_global, length
+                )
+            out = _block_matmul(F.dropout(weights, dropout, self.training), vb)
+        out = out.view(batch, nb, heads, b, dim).transpose(2, 3)  # (batch, nb, b, heads, dim)
+        return unblock(out, length).reshape(batch, length, heads * dim), None
+
+    def _packed_probs_and_context(self, weights, v, global_v, is_global, slots, inside, num_global, length):
+        """:meth:`_packed_banded_attention`'s probabilities in the band layout (``G`` global columns by slot, then
+        offsets ``-w .. w``) and the context computed from them, so that they are on the autograd path as unpacked.
+
+        ``weights`` ``(batch * nb, heads, b, W + span)``; ``v`` the padded values; ``global_v``
+        ``(batch, nb, W, heads, dim)`` each block's global values; ``slots`` ``(batch, nb * W)`` each block's slots
+        (clamped), ``inside`` ``(batch, nb, W)`` those that are not clamped duplicates. Only here, because they are
+        asked for, do the ``(seq_len, G)`` global columns exist.
+        """
+        heads, dim, w, b = self.num_heads, self.head_dim, self.one_sided_window, self.query_block
+        batch, nb, width = inside.shape
+        band = self._to_band_layout(weights[..., width:], batch, nb, 0, length)  # (batch, heads, length, 2w + 1)
+        # Each block's weights into its slots' columns; clamped duplicates go to an extra column, cut off.
+        target = torch.where(inside, slots.view(batch, nb, width), num_global)[:, :, None, None, :]
+        target = target.expand(batch, nb, heads, b, width)
+        columns = weights[..., :width].reshape(batch, nb, heads, b, width)
+        columns = columns.new_zeros(batch, nb, heads, b, num_global + 1).scatter(-1, target, columns)
+        columns = unblock(columns[..., :num_global].transpose(2, 3), length).transpose(1, 2)
+        probs = torch.cat([columns, band], dim=-1).masked_fill(is_global[:, None, :, None], 0.0)
+        dropped = F.dropout(probs, self.dropout_p if self.training else 0.0, self.training)
+        local_v = cut_to_length(v.unfold(1, 2 * w + 1, 1), 1, length)  # (batch, length, heads, dim, 2w + 1)
+        out = torch.einsum("bhlj,blhdj->blhd", dropped[..., num_global:], local_v)
+        # The global columns back to each block's slots, duplicates zeroed.
+        back = F.pad(dropped[..., :num_global], (0, 0, 0, nb * b - length)).view(batch, heads, nb, b, num_global)
+        back = back.gather(-1, slots.view(batch, 1, nb, 1, width).expand(batch, heads, nb, b, width))
+        back = back.masked_fill(~inside[:, None, :, None, :], 0.0)
+        out_global = torch.einsum("bhnrc,bnchd->bnrhd", back, global_v).reshape(batch, nb * b, heads, dim)
+        return (out + out_global[:, :length]).reshape(batch, length, heads * dim), probs
+
     def _to_band_layout(self, weights, batch, nb, num_global, length) -> torch.Tensor:
         """``(batch * nb, heads, b, G + span)`` block weights -> ``(batch, heads, length, G + 2w + 1)``."""
         w, b, heads = self.one_sided_window, self.query_block, self.num_heads
@@ -404,14 +580,21 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         return unblock(both.view(batch, nb, heads, b, -1).transpose(2, 3), length).transpose(1, 2)
 
     def _global_attention(
-        self, hidden_states, attention_mask, global_idx, global_valid, output_attentions, document_ids=None
+        self, hidden_states, attention_mask, global_idx, global_valid, output_attentions, packed_globals=None,
+        return_probs=True,
     ):  # fmt: skip
-        """Global queries attend to every real token (of their own document, given ``document_ids``
-        ``(batch, seq_len)``) through the global projections.
+        """Global queries attend to every real token (of their own document, given ``packed_globals``) through the
+        global projections.
 
-        Returns ``(batch, G, hidden)`` contexts and, if asked, ``(batch, heads, G, seq_len)`` probabilities.
+        Returns ``(batch, G, hidden)`` contexts and, if asked, ``(batch, heads, G, seq_len)`` probabilities
+        (``output_attentions`` selects the explicit softmax; ``return_probs`` False lets a packed batch skip the
+        ``(G, seq_len)`` layout).
         """
         picked = hidden_states.gather(1, global_idx[..., None].expand(-1, -1, hidden_states.shape[-1]))
+        if packed_globals is not None:
+            return self._packed_global_attention(
+                hidden_states, attention_mask, picked, global_valid, output_attentions, packed_globals, return_probs
+            )
         q = split_heads(self.query_global(picked), self.num_heads)
         k = split_heads(self.key_global(hidden_states), self.num_heads)
         v = split_heads(self.value_global(hidden_states), self.num_heads)
@@ -419,11 +602,6 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         if attention_mask is not None:
             # Empty slots (examples with fewer globals) may look at everything; their output is dropped.
             mask = (attention_mask[:, None, :] | ~global_valid[:, :, None])[:, None]
-        if document_ids is not None:
-            # (batch, 1, G, seq_len), the size of the global scores; empty slots again see everything.
-            same = document_ids.gather(1, global_idx)[:, :, None] == document_ids[:, None, :]
-            same = (same | ~global_valid[:, :, None])[:, None]
-            mask = same if mask is None else mask & same
         dropout = self.dropout_p if self.training else 0.0
         if not output_attentions:
             return merge_heads(attention(q, k, v, mask, dropout)), None
@@ -434,3 +612,81 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         probs = probs.masked_fill(~global_valid[:, None, :, None], 0.0)
         out = torch.matmul(F.dropout(probs, dropout, self.training), v)
         return merge_heads(out), probs
+
+    def _packed_global_attention(
+        self, hidden_states, attention_mask, picked, global_valid, explicit, packed_globals, return_probs
+    ):  # fmt: skip
+        """The global rows of a packed batch, document by document: the ``Gd`` global queries of each of ``D``
+        documents (``packed_globals.members``) attend to the ``K`` keys from the document's first token
+        (``packed_globals.key_positions``), masked to the document: cost ``D x Gd x K``, not ``G x seq_len``.
+
+        ``picked`` ``(batch, G, hidden)``: the global tokens' hidden states; ``explicit``: the explicit softmax.
+        Returns ``(batch, G, hidden)`` contexts and, if ``return_probs``, ``(batch, heads, G, seq_len)``
+        probabilities (zeros outside the document).
+        """
+        batch, length, hidden = hidden_states.shape
+        heads, dim = self.num_heads, self.head_dim
+        members, positions, place = packed_globals.members, packed_globals.key_positions, packed_globals.place
+        groups, group_size, width = members.shape[1], members.shape[2], positions.shape[2]
+
+        def by_group(x: torch.Tensor, rows: int) -> torch.Tensor:
+            """``(batch, groups * rows, hidden)`` -> ``(batch * groups, heads, rows, dim)``."""
+            return x.view(batch, groups, rows, heads, dim).transpose(2, 3).reshape(batch * groups, heads, rows, dim)
+
+        def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            """Rows ``index`` ``(batch, n)`` of ``x`` ``(batch, m, hidden)``."""
+            return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+
+        # The whole row is projected once (as unpacked), then each document's keys are gathered.
+        q = by_group(gather_rows(self.query_global(picked), members.view(batch, -1)), group_size)
+        k = by_group(gather_rows(self.key_global(hidden_states), positions.view(batch, -1)), width)
+        v = by_group(gather_rows(self.value_global(hidden_states), positions.view(batch, -1)), width)
+        key_docs = packed_globals.key_docs
+        if attention_mask is not None:
+            key_docs = key_docs.masked_fill(~attention_mask.gather(1, positions.view(batch, -1)).view_as(key_docs), -1)
+        mask = packed_globals.member_docs[..., None] == key_docs[:, :, None, :]  # (batch, D, Gd, K)
+        # Unused places (and empty slots) see every gathered key: no NaN, and their output is dropped.
+        mask = (mask | ~mask.any(-1, keepdim=True)).view(batch * groups, 1, group_size, width)
+        dropout = self.dropout_p if self.training else 0.0
+
+        def to_slots(out: torch.Tensor) -> torch.Tensor:
+            """``(batch * D, heads, Gd, dim)`` -> ``(batch, G, hidden)`` (empty slots read an extra zero row)."""
+            out = out.view(batch, groups, heads, group_size, dim).transpose(2, 3).reshape(batch, -1, hidden)
+            return gather_rows(F.pad(out, (0, 0, 0, 1)), place)
+
+        if not explicit:
+            return to_slots(attention(q, k, v, mask, dropout)), None
+        scores = torch.matmul(q, k.transpose(-1, -2)) * dim**-0.5
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+        if not return_probs:
+            return to_slots(torch.matmul(F.dropout(probs, dropout, self.training), v)), None
+        full, dropped = self._packed_global_layout(probs, packed_globals, global_valid, length)
+        return to_slots(torch.matmul(dropped, v)), full
+
+    def _packed_global_layout(self, probs, packed_globals, global_valid, length):
+        """:meth:`_packed_global_attention`'s probabilities ``(batch * D, heads, Gd, K)`` in the returned layout
+        ``(batch, heads, G, seq_len)`` (zeros outside each slot's document), and back from it with dropout, in the
+        member layout: the context is computed from the returned probabilities, which so stay on the autograd path
+        as unpacked. Only here, because they are asked for, do the ``(G, seq_len)`` rows exist.
+        """
+        heads = self.num_heads
+        members, positions, place = packed_globals.members, packed_globals.key_positions, packed_globals.place
+        (batch, groups, group_size), width, num_global = members.shape, positions.shape[2], place.shape[1]
+        size = groups * group_size
+        # Every slot's row of its document's keys (empty slots: the extra zero row) and the columns they belong in
+        # (the row's length, an extra column cut off, for keys of other documents and clamped duplicates).
+        by_slot = probs.view(batch, groups, heads, group_size, width).transpose(2, 3).reshape(batch, size, heads, -1)
+        by_slot = F.pad(by_slot, (0, 0, 0, 0, 0, 1)).gather(1, place[..., None, None].expand(-1, -1, heads, width))
+        group = torch.div(place, group_size, rounding_mode="floor").clamp(max=groups - 1)[..., None]
+        own = packed_globals.key_docs.gather(1, group.expand(-1, -1, width)) == packed_globals.slot_docs[..., None]
+        column = torch.where(own, positions.gather(1, group.expand(-1, -1, width)), length)  # (batch, G, K)
+        full = by_slot.new_zeros(batch, num_global, heads, length + 1)
+        full = full.scatter(-1, column[:, :, None, :].expand(-1, -1, heads, -1), by_slot)[..., :length]
+        full = full.transpose(1, 2).masked_fill(~global_valid[:, None, :, None], 0.0)
+        dropped = F.dropout(full, self.dropout_p if self.training else 0.0, self.training).transpose(1, 2)
+        dropped = dropped.gather(-1, column.clamp(max=length - 1)[:, :, None, :].expand(-1, -1, heads, -1))
+        dropped = dropped.masked_fill(~own[:, :, None, :], 0.0)  # (batch, G, heads, K)
+        index = place[..., None, None].expand(-1, -1, heads, width)
+        dropped = dropped.new_zeros(batch, size + 1, heads, width).scatter(1, index, dropped)[:, :size]
+        dropped = dropped.view(batch, groups, group_size, heads, width).transpose(2, 3)
+        return full, dropped.reshape(batch * groups, heads, group_size, width)

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from ...attention.sliding_window import HfxSlidingWindowSelfAttention, band_block_mask, global_slots_of
+from ...attention.sliding_window import (
+    HfxSlidingWindowSelfAttention,
+    band_block_mask,
+    global_slots_of,
+    packed_globals_of,
+)
 from ...layers.heads import (
     HfxMaskedLMHeadMixin,
     HfxMultipleChoiceHeadMixin,
@@ -110,13 +115,17 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
     attention_class = HfxSlidingWindowSelfAttention
 
     def prepare_attention_inputs(self, attention_mask, global_attention_mask, length, document_ids=None):
-        """As :meth:`HfxTextModel.prepare_attention_inputs`, plus where the global tokens are (``global_slots``): the
-        same for every layer, and finding out how many there are is a device-to-host read."""
+        """As :meth:`HfxTextModel.prepare_attention_inputs`, plus where the global tokens are (``global_slots``) and, in
+        a packed batch, which documents they belong to (``packed_globals``): the same for every layer, and finding out
+        how many there are is a device-to-host read."""
         attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
             attention_mask, global_attention_mask, length, document_ids
         )
         if global_attention_mask is not None:
             kwargs["global_slots"] = global_slots_of(global_attention_mask)
+            if document_ids is not None:
+                blocks = {layer.attention.self.query_block for layer in self.encoder.layer}
+                kwargs["packed_globals"] = packed_globals_of(document_ids, kwargs["global_slots"], blocks)
         if attention_implementation(self.config) == FLEX:
             # One block mask per window size for all layers (the band, global columns, padding and documents are per
             # example).
