@@ -225,3 +225,29 @@ def test_left_padded_prompt_with_a_cache_is_not_a_packed_batch():
         cached = model(input_ids=prompt, attention_mask=mask, position_ids=position_ids, use_cache=True)
         alone = model(input_ids=prompt[:, 3:])
     torch.testing.assert_close(cached.last_hidden_state[:, 3:], alone.last_hidden_state, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_one_unpadded_row_runs_each_documents_own_favor(causal, monkeypatch):
+    """One unpadded packed row runs FAVOR+ document by document (the spans worked out once per forward), at the
+    cost of the documents alone; the vectorised packed form serves padded and multi-row batches."""
+    from hf_xformers.attention import favor
+
+    lengths = []
+    real = favor.favor_attention
+
+    def recording(query, *args, **kwargs):
+        lengths.append((query.shape[2], kwargs.get("document_ids") is not None))
+        return real(query, *args, **kwargs)
+
+    monkeypatch.setattr(favor, "favor_attention", recording)
+    model = build(causal).eval()
+    docs = documents()
+    with torch.no_grad():
+        packed = model(**pack(docs, "seq_idx")).last_hidden_state
+        solo = [model(input_ids=torch.tensor([d])).last_hidden_state[0] for d in docs]
+    packed_calls = lengths[: len(LENGTHS) * model.config.num_hidden_layers]
+    assert sorted({n for n, _ in packed_calls}) == sorted(set(LENGTHS))
+    assert not any(vectorised for _, vectorised in packed_calls)
+    for span, s in zip(spans(LENGTHS), solo):
+        torch.testing.assert_close(packed[0, span], s, atol=ATOL, rtol=0)

@@ -133,6 +133,13 @@ def document_lengths(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(counts)
 
 
+def document_spans(document_ids: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The ``(start, end)`` token spans of the documents of a single packed row ``(1, seq_len)`` (a host read: eager
+    only), for mechanisms that run each document as its own forward would (SDPA, FAVOR+ per document)."""
+    ends = torch.cumsum(document_lengths(document_ids[:1]), 0).tolist()
+    return tuple(zip([0, *ends[:-1]], ends))
+
+
 def flat_document_index(document_ids: torch.Tensor) -> torch.Tensor:
     """``(batch, seq_len)`` long: document numbers that run on across rows (row 1's first document follows row 0's
     last), so that ``index_add`` / ``scatter`` over this index give one slot per document of the whole batch."""
@@ -166,6 +173,7 @@ __all__ = [
     "PACKING_KWARGS",
     "document_ids_from_inputs",
     "document_lengths",
+    "document_spans",
     "document_starts",
     "flat_document_index",
     "positions_in_documents",

@@ -27,7 +27,8 @@ from ...layers.heads import (
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
 from ...ops.compat import CACHE_NAME, cache_field, resolve_cache_argument
-from ...ops.input_checks import unpadded_to_none
+from ...ops.input_checks import is_tracing, unpadded_to_none
+from ...ops.packing import document_spans
 from .configuration_performer import HfxPerformerConfig
 
 
@@ -117,6 +118,16 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
     """
 
     attention_class = HfxFavorSelfAttention
+
+    def prepare_attention_inputs(self, attention_mask, global_attention_mask, length, document_ids=None):
+        """As :meth:`HfxTextModel.prepare_attention_inputs`, plus, for one unpadded packed row, its documents' spans
+        (``document_spans``, one host read for all layers): each layer then runs every document's own FAVOR+."""
+        attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
+            attention_mask, global_attention_mask, length, document_ids
+        )
+        if document_ids is not None and attention_mask is None and document_ids.shape[0] == 1 and not is_tracing():
+            kwargs["document_spans"] = document_spans(document_ids)
+        return attention_mask, global_attention_mask, kwargs
 
     def __init__(self, config, add_pooling_layer: bool = True) -> None:
         super().__init__(config, add_pooling_layer)

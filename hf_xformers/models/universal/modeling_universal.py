@@ -48,6 +48,7 @@ from ...ops.packing import (
     PACKING_KWARGS,
     document_ids_from_inputs,
     document_lengths,
+    document_spans,
     document_starts,
     positions_in_documents,
     refuse_packed,
@@ -481,8 +482,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
                 mask = packed_block_mask(groups, causal)
             elif not output_attentions and implementation != EAGER and key_mask is None and batch == 1:
                 # One unpadded row: SDPA per document costs what the documents cost alone (one host read).
-                ends = torch.cumsum(document_lengths(document_ids), 0).tolist()
-                mask = DocumentSpans(tuple(zip([0, *ends[:-1]], ends)), causal)
+                mask = DocumentSpans(document_spans(document_ids), causal)
             else:
                 mask = attention_mask_4d(key_mask, length, 0, causal, device, groups)
         else:
