@@ -47,7 +47,7 @@ from ...layers.heads import (
 from ...layers.pretrained import HfxPreTrainedModel
 from ...ops.compat import CACHE_ARGUMENT_NAMES
 from ...ops.fast_dropout import HfxDropout, fast_dropout
-from ...ops.input_checks import check_not_empty, check_token_ids, is_tracing, unpadded_to_none
+from ...ops.input_checks import check_not_empty, check_token_ids, unpadded_to_none
 from ...ops.packing import (
     document_ids_from_inputs,
     document_starts,
@@ -572,10 +572,10 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         reference = input_ids if input_ids is not None else inputs_embeds
         document_ids = None
         if reference is not None and reference.dim() == (2 if input_ids is not None else 3):
-            # While tracing, positions alone never mark documents: a traced graph cannot tell restarting positions
-            # from ordinary ones, and the packed layout needs eager mode (its length depends on the documents).
+            # While tracing, positions alone never mark documents (document_ids_from_inputs): a traced graph cannot
+            # tell restarting positions from ordinary ones, and the packed layout needs eager mode.
             document_ids = document_ids_from_inputs(
-                tuple(reference.shape[:2]), reference.device, None if is_tracing() else position_ids, seq_idx,
+                tuple(reference.shape[:2]), reference.device, position_ids, seq_idx,
                 cu_seq_lens_q, cu_seq_lens_k,
             )  # fmt: skip
         if document_ids is not None:
@@ -808,7 +808,7 @@ class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel):
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference is not None and reference.dim() == (2 if input_ids is not None else 3):
             documents = document_ids_from_inputs(
-                tuple(reference.shape[:2]), reference.device, None if is_tracing() else position_ids, seq_idx,
+                tuple(reference.shape[:2]), reference.device, position_ids, seq_idx,
                 cu_seq_lens_q, cu_seq_lens_k,
             )  # fmt: skip
         out = self.reformer(

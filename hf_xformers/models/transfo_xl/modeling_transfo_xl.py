@@ -264,9 +264,9 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         ``position_ids`` mark documents only in eager mode and where nothing is padded: ``generate()`` passes
         positions that restart at left padding (and those of every step while tracing), which are no documents.
         """
-        padded = attention_mask is not None and unpadded_to_none(attention_mask.bool()) is not None
-        boundary_positions = None if padded or is_tracing() else position_ids
-        documents = document_ids_from_inputs(shape, device, boundary_positions, seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+        documents = document_ids_from_inputs(
+            shape, device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
+        )
         if documents is not None:
             refuse_packed(
                 type(self).__name__,

@@ -355,9 +355,8 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             ValueError: a packed batch with a cache (its keys would mix documents across calls), with
                 cross-attention, or whose positions do not start at 0 in every document.
         """
-        boundary_positions = position_ids if key_mask is None and not (uses_cache and is_tracing()) else None
         document_ids = document_ids_from_inputs(
-            shape, device, boundary_positions, seq_idx, cu_seq_lens_q, cu_seq_lens_k
+            shape, device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, key_mask
         )
         if document_ids is None:
             return None, position_ids
