@@ -8,8 +8,14 @@ for that shape); the three implementations of one length run back to back in the
 Usage (from the repository root)::
 
     python -m benchmarks.benchmark_attention_switch                              # CPU, float32, forward
-    python -m benchmarks.benchmark_attention_switch --device cuda --dtype bfloat16 \\
+    python -m benchmarks.benchmark_attention_switch --device cuda --dtype bfloat16 --autocast \\
         --lengths 4096 8192 16384 32768 --modes forward train                   # a GPU
+
+``--dtype`` casts the weights of every model (forward, and train without ``--autocast``); ``--autocast`` trains
+float32 weights with the forward under ``torch.autocast(--dtype)``, as ``Trainer(bf16=True)`` does
+(:mod:`benchmarks.precision`). On ``--device cuda`` each cell also records its peak memory
+(``torch.cuda.max_memory_allocated`` above what the model and inputs hold, reset per cell). Results go to
+``attention_switch_<device>_<dtype>[_autocast].{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import hf_xformers  # noqa: E402
+from benchmarks.precision import AUTOCAST_HELP, DEVICE_HELP, DEVICES, DTYPE_HELP, DTYPES, DeviceMemory, Precision  # noqa: E402
 
 HIDDEN, HEADS, LAYERS, INTERMEDIATE, VOCAB = 768, 12, 2, 3072, 1000
 IMPLEMENTATIONS = ("sdpa", "flex_attention", "transformers")
@@ -78,14 +85,16 @@ def time_calls(step, repeats: int, warmup: int, device: str) -> float:
     return statistics.median(times)
 
 
-def measure(arch: str, implementation: str, length: int, mode: str, args) -> float | str:
-    dtype = getattr(torch, args.dtype)
+def measure(arch: str, implementation: str, length: int, mode: str, args) -> tuple[float | str, float | None]:
+    """Median seconds of the cell (or why it did not run) and, on a GPU, its peak memory growth in MiB."""
     if mode == "train" and implementation == "flex_attention" and args.device == "cpu":
-        return "n/a (no CPU backward)"
-    model = build(arch, implementation, args.max_length).to(args.device, dtype)
+        return "n/a (no CPU backward)", None
+    precision = Precision.from_args(args)
+    training = mode == "train"
+    model = precision.prepare(build(arch, implementation, args.max_length), training)
     ids = torch.randint(5, VOCAB, (args.batch, length), device=args.device)
     mask = torch.ones_like(ids)
-    if mode == "forward":
+    if not training:
         model.eval()
 
         def step():
@@ -96,18 +105,24 @@ def measure(arch: str, implementation: str, length: int, mode: str, args) -> flo
         model.train()
 
         def step():
-            model(input_ids=ids, attention_mask=mask).last_hidden_state.float().sum().backward()
+            model.zero_grad(set_to_none=True)
+            with precision.context(training):
+                out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            out.float().sum().backward()
 
+    memory = DeviceMemory(args.device) if args.device == "cuda" else None
     try:
-        return time_calls(step, args.repeats, args.warmup, args.device)
+        seconds = time_calls(step, args.repeats, args.warmup, args.device)
     except (RuntimeError, torch.OutOfMemoryError) as error:  # out of memory at long lengths
-        return f"failed: {type(error).__name__}"
+        return f"failed: {type(error).__name__}", None
+    return seconds, memory.peak_mib() if memory else None
 
 
 def machine(args) -> dict:
     info = {
         "device": args.device,
         "dtype": args.dtype,
+        "autocast": args.autocast,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
@@ -125,6 +140,10 @@ def _ms(value) -> str:
     return f"{value * 1000:.0f} ms" if isinstance(value, float) else str(value)
 
 
+def _mib(value) -> str:
+    return f"{value:,.0f}" if isinstance(value, float) else "-"
+
+
 def _ratio(cell: dict, name: str) -> str:
     a, b = cell.get(name), cell.get("sdpa")
     return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"
@@ -132,22 +151,29 @@ def _ratio(cell: dict, name: str) -> str:
 
 def table(results: list[dict]) -> str:
     lines = []
+    with_memory = any(r.get("peak_mib") is not None for r in results)
     for mode in sorted({r["mode"] for r in results}):
         for arch in sorted({r["arch"] for r in results}):
             rows = [r for r in results if r["arch"] == arch and r["mode"] == mode]
             if not rows:
                 continue
+            memory_head = " sdpa MiB | flex MiB | transformers MiB |" if with_memory else ""
             lines += [
                 f"### {arch}, {mode}",
                 "",
-                "| tokens | ours, sdpa path | ours, flex_attention | transformers | flex / sdpa | transformers / sdpa |",
-                "|---|---|---|---|---|---|",
+                "| tokens | ours, sdpa path | ours, flex_attention | transformers | flex / sdpa | transformers / sdpa |"
+                + memory_head,
+                "|---|---|---|---|---|---|" + ("---|" * 3 if with_memory else ""),
             ]
             for length in sorted({r["length"] for r in rows}):
                 cell = {r["implementation"]: r["seconds"] for r in rows if r["length"] == length}
+                peak = {r["implementation"]: r.get("peak_mib") for r in rows if r["length"] == length}
+                memory = (f" {_mib(peak.get('sdpa'))} | {_mib(peak.get('flex_attention'))} | "
+                          f"{_mib(peak.get('transformers'))} |" if with_memory else "")  # fmt: skip
                 lines.append(
                     f"| {length:,} | {_ms(cell.get('sdpa'))} | {_ms(cell.get('flex_attention'))} | "
                     f"{_ms(cell.get('transformers'))} | {_ratio(cell, 'flex_attention')} | {_ratio(cell, 'transformers')} |"
+                    + memory
                 )
             lines.append("")
     return "\n".join(lines)
@@ -182,14 +208,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
     parser.add_argument("--modes", nargs="+", default=["forward"], choices=["forward", "train"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", choices=DEVICES, help=DEVICE_HELP)
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help=DTYPE_HELP)
+    parser.add_argument("--autocast", action="store_true", help=AUTOCAST_HELP)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
+    try:
+        precision = Precision.from_args(args)
+        precision.check_available()
+    except ValueError as error:
+        parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
     args.max_length = max(args.lengths)
@@ -200,17 +232,21 @@ def main(argv: list[str] | None = None) -> None:
         for arch in args.archs:
             for length in args.lengths:
                 for implementation in args.implementations:
-                    seconds = measure(arch, implementation, length, mode, args)
+                    seconds, peak_mib = measure(arch, implementation, length, mode, args)
                     results.append(dict(arch=arch, mode=mode, length=length, implementation=implementation,
-                                        seconds=seconds))  # fmt: skip
+                                        seconds=seconds, peak_mib=peak_mib))  # fmt: skip
                     print(json.dumps(results[-1]), flush=True)
     if hasattr(os, "getloadavg"):
         info["load_average_1min_after"] = os.getloadavg()[0]
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"attention_switch_{args.device}_{args.dtype}"
+    stem = args.out / f"attention_switch_{args.device}_{args.dtype}{'_autocast' if args.autocast else ''}"
     stem.with_suffix(".json").write_text(json.dumps({"machine": info, "results": results}, indent=1))
     report = table(results)
-    stem.with_suffix(".md").write_text(f"Machine: `{json.dumps(info)}`\n\n{report}")
+    modes = set(args.modes)
+    header = precision.describe(forward="forward" in modes, training="train" in modes)
+    memory = ("; memory: growth of `torch.cuda.max_memory_allocated` over warm-up + timed calls, reset per cell"
+              if args.device == "cuda" else "")  # fmt: skip
+    stem.with_suffix(".md").write_text(f"Machine: `{json.dumps(info)}`\n\n{header}; device {args.device}{memory}.\n\n{report}")
     plot(results, stem.with_suffix(".png"))
     print(report)
 

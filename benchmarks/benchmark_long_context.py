@@ -13,6 +13,14 @@ growth of the process's peak RSS over warm-up + timed calls, above the RSS after
 Every (impl, length, mode) runs in a fresh subprocess (this file with ``--worker``), so peaks do not leak between
 cells; a run that exceeds ``--timeout`` or ``--mem-limit-gib`` (or dies) shows as ``timeout`` / ``OOM``.
 
+Precision and device (the same flags as every benchmark here, :mod:`benchmarks.precision`): ``--dtype`` casts every
+model's weights (ours and the references alike) for the forward mode, and for the backward mode unless
+``--autocast``, which trains float32 weights with the forward under ``torch.autocast`` (``Trainer(bf16=True)``);
+``--device cuda`` times with ``torch.cuda.synchronize()`` and measures ``torch.cuda.max_memory_allocated``. The
+table's header says which; results of a run other than float32 on the CPU go to files with a suffix (``_bf16``,
+``_bf16_autocast``, ``_cuda``). ``--compare FP32_JSON`` adds a table of this run against another (bf16 against
+fp32: the speed-up of each implementation and ours against the reference in each).
+
 Adding an architecture is one registry entry (in ``benchmarks/long_context_models.py``)::
 
     ARCHS["bigbird"] = Arch(build_hfx=lambda c, L: ..., build_reference=lambda c, L: ...)
@@ -23,6 +31,8 @@ Usage::
 
     HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_long_context --arch longformer \
         --lengths 512 1024 2048 4096 8192 16384 --repeats 3 --modes forward backward --out benchmarks/results
+    HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_long_context --arch longformer --dtype bfloat16 --autocast \
+        --compare benchmarks/results/longformer_w512_h256_l4_b1.json
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from benchmarks.long_context_models import ARCHS, IMPLS, BenchConfig  # noqa: E402
 from benchmarks.long_context_worker import run_cell, run_worker_and_report  # noqa: E402
 from benchmarks.measurement import git_describe  # noqa: E402
+from benchmarks.precision import AUTOCAST_HELP, DEVICE_HELP, DEVICES, DTYPE_HELP, DTYPES, Precision  # noqa: E402
 
 IMPL_LABELS = {"hfx": "hfx (ours)", "ref": "transformers reference", "sdpa": "RoBERTa full attention (SDPA)"}
 MODE_LABELS = {"forward": "forward (eval, inference_mode)", "backward": "forward+backward (train)"}
@@ -82,7 +93,7 @@ def loglog_slope(results: dict, impl: str, mode: str, short: int, long: int) -> 
     """How time grows with length between two lengths: ``log(t_long / t_short) / log(long / short)`` (1 = linear,
     2 = quadratic), or None when either cell is missing."""
     a, b = results.get(key(impl, short, mode)), results.get(key(impl, long, mode))
-    if not (a and b and a["status"] == b["status"] == "ok"):
+    if short == long or not (a and b and a["status"] == b["status"] == "ok"):
         return None
     return math.log(b["time_s"] / a["time_s"]) / math.log(long / short)
 
@@ -99,6 +110,20 @@ def slope_line(results: dict, lengths: list[int], mode: str) -> str:
     return f"Log-log slope of time from {short} to {long} tokens (1 = linear, 2 = quadratic): {', '.join(parts)}."
 
 
+def device_text(meta: dict) -> str:
+    """The device of a run: ``cpu`` (older results files say nothing: the CPU), or ``cuda (GPU name)``."""
+    device = meta.get("device", "cpu")
+    return f"{device} ({meta['gpu']})" if meta.get("gpu") else device
+
+
+def memory_text(precision: Precision) -> str:
+    if precision.device == "cuda":
+        return ("- memory = growth of `torch.cuda.max_memory_allocated` (peak reset after building model and inputs) "
+                "over warm-up + timed calls, MiB.")  # fmt: skip
+    return ("- memory = growth of the process's peak RSS (VmHWM reset after building model and inputs) over warm-up + "
+            "timed calls, MiB.")  # fmt: skip
+
+
 def render_markdown(meta: dict, results: dict) -> str:
     lengths = sorted({int(k.split("|")[1]) for k in results})
     modes = [m for m in ("forward", "backward") if any(k.endswith("|" + m) for k in results)]
@@ -106,6 +131,7 @@ def render_markdown(meta: dict, results: dict) -> str:
     # Merged runs may differ in --repeats: name every count that occurs among the cells.
     counts = sorted({len(v["times_s"]) for v in results.values() if v.get("times_s")}) or [meta["repeats"]]
     repeats = " or ".join(str(n) for n in counts)
+    precision = Precision.from_record(meta)
     out = [
         f"# Long-context benchmark: `{meta['arch']}`",
         "",
@@ -114,11 +140,11 @@ def render_markdown(meta: dict, results: dict) -> str:
         f"- config: hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, intermediate {c['intermediate']}, "
         f"vocab {c['vocab']}, window {c['window']}, batch {c['batch']}, dropout {c['dropout']}; random weights, "
         "random token ids in [5, vocab), attention_mask all ones, no global tokens.",
+        f"- {precision.describe()}; device {device_text(meta)}.",
         f"- {meta['threads']} threads; median of {repeats} timed calls after 1 warm-up; each (impl, length, mode) "
         "in its own process. forward = eval + `torch.inference_mode`; fwd+bwd = train mode, "
         "`last_hidden_state.sum().backward()`.",
-        "- memory = growth of the process's peak RSS (VmHWM reset after building model and inputs) over warm-up + "
-        "timed calls, MiB.",
+        memory_text(precision),
         f"- ratios > 1 mean ours is faster / leaner. Machine: {meta['machine']}; torch {meta.get('torch', '?')}, "
         f"transformers {meta.get('transformers', '?')}; hf_xformers {meta.get('git', '?')}; run {meta['date']}.",
         "",
@@ -141,7 +167,7 @@ def render_markdown(meta: dict, results: dict) -> str:
                 f"| {L} | {fmt_time(h)} | {fmt_time(r)} | {fmt_time(s)} | - | - | {fmt_mib(h)} | {fmt_mib(r)} | "
                 f"{fmt_mib(s)} | - | - | - |"
             )
-        out += ["", slope_line(results, lengths, mode), ""]
+        out += ["", slope_line(results, lengths, mode), ""] if len(lengths) > 1 else [""]
     hashes = {v.get("hfx_model_src") for k, v in results.items() if v.get("hfx_model_src")}
     if len(hashes) > 1:
         out += [f"**Warning:** the hfx model's source files changed between cells ({len(hashes)} versions: "
@@ -154,6 +180,55 @@ def render_markdown(meta: dict, results: dict) -> str:
     errors = [(k, v) for k, v in results.items() if v["status"] == "error"]
     if errors:
         out += ["## Errors", ""] + [f"- `{k}`: {v.get('error', '')}" for k, v in errors] + [""]
+    return "\n".join(out)
+
+
+def run_label(meta: dict, mode: str) -> str:
+    """What a run computed in ``mode``, in a few characters: ``fp32``, ``bf16``, ``bf16 autocast`` (+ `` cuda``)."""
+    precision = Precision.from_record(meta)
+    label = precision.label(training=mode == "backward")
+    return label + (" cuda" if precision.device == "cuda" else "")
+
+
+def render_comparison(meta: dict, results: dict, other_meta: dict, other_results: dict) -> str:
+    """A table of this run (A, e.g. bfloat16) against another of the same arch and config (B, e.g. float32): per
+    mode and length, each implementation's time B / A (> 1: A faster), ours against the reference in A and in B,
+    and the memory B / A."""
+    for field in ("arch", "config"):
+        if meta[field] != other_meta[field]:
+            raise ValueError(
+                f"--compare needs a results file of the same {field}: {meta[field]!r} here, {other_meta[field]!r} "
+                "there; pass the JSON of the same --arch and sizes"
+            )
+    lengths = sorted({int(k.split("|")[1]) for k in results} & {int(k.split("|")[1]) for k in other_results})
+    out = []
+    for mode in ("forward", "backward"):
+        if not any(k.endswith("|" + mode) for k in results) or not any(k.endswith("|" + mode) for k in other_results):
+            continue
+        a, b = run_label(meta, mode), run_label(other_meta, mode)
+        if a == b:
+            a, b = "A", "B"
+        out += [
+            f"## {a} against {b}: {MODE_LABELS[mode]}",
+            "",
+            f"A = this run ({a}), B = the run of {other_meta.get('date', '?')} ({b}). `B/A` = B's time (memory) "
+            f"over A's: > 1 means {a} is faster (leaner) than {b}. `ref/hfx` > 1 means ours is faster.",
+            "",
+            "| length | hfx A s | hfx B s | hfx B/A | ref B/A | sdpa B/A | ref/hfx A | ref/hfx B | sdpa/hfx A "
+            "| hfx mem B/A | ref mem B/A |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for L in lengths:
+            this = {impl: results.get(key(impl, L, mode)) for impl in IMPLS}
+            other = {impl: other_results.get(key(impl, L, mode)) for impl in IMPLS}
+            out.append(
+                f"| {L} | {fmt_time(this['hfx'])} | {fmt_time(other['hfx'])} | "
+                f"{ratio(other['hfx'], this['hfx'], 'time_s')} | {ratio(other['ref'], this['ref'], 'time_s')} | "
+                f"{ratio(other['sdpa'], this['sdpa'], 'time_s')} | {ratio(this['ref'], this['hfx'], 'time_s')} | "
+                f"{ratio(other['ref'], other['hfx'], 'time_s')} | {ratio(this['sdpa'], this['hfx'], 'time_s')} | "
+                f"{ratio(other['hfx'], this['hfx'], 'peak_mib')} | {ratio(other['ref'], this['ref'], 'peak_mib')} |"
+            )
+        out.append("")
     return "\n".join(out)
 
 
@@ -194,8 +269,10 @@ def render_plot(meta: dict, results: dict, path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     c = meta["config"]
+    precision = Precision.from_record(meta)
     fig.suptitle(f"{meta['arch']}: hidden {c['hidden']}, {c['layers']} layers, window {c['window']}, "
-                 f"batch {c['batch']}, {meta['threads']} threads")
+                 f"batch {c['batch']}, {meta['threads']} threads, {precision.label(False)} forward / "
+                 f"{precision.label(True)} training, {precision.device}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -235,6 +312,12 @@ def main(argv=None) -> int:
                    "counted calls saw more than --max-background of other CPU load, or that failed with an error; "
                    "implies --merge")
     p.add_argument("--render-only", action="store_true", help="only redraw the table and plot from the JSON")
+    p.add_argument("--compare", type=Path, metavar="OTHER_JSON",
+                   help="add a table of this run against another results JSON of the same arch and config (e.g. this "
+                   "bfloat16 run against the float32 one): speed-ups and ours/reference in each")  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help=DTYPE_HELP)
+    p.add_argument("--autocast", action="store_true", help=AUTOCAST_HELP)
+    p.add_argument("--device", default="cpu", choices=DEVICES, help=DEVICE_HELP)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -242,6 +325,10 @@ def main(argv=None) -> int:
         run_worker_and_report(args.worker)
         return 0
 
+    try:
+        precision = Precision.from_args(args)
+    except ValueError as error:
+        p.error(str(error))
     cfg = BenchConfig(hidden=args.hidden, layers=args.layers, heads=args.heads,
                       intermediate=args.intermediate or 4 * args.hidden, vocab=args.vocab, window=args.window,
                       batch=args.batch, dropout=args.dropout)
@@ -249,6 +336,7 @@ def main(argv=None) -> int:
     stem = f"{args.arch}_w{cfg.window}_h{cfg.hidden}_l{cfg.layers}_b{cfg.batch}"
     if cfg.dropout != 0.1:
         stem += f"_drop{cfg.dropout:g}"
+    stem += precision.suffix()
     json_path, md_path, png_path = (args.out / f"{stem}.{ext}" for ext in ("json", "md", "png"))
 
     results: dict = {}
@@ -276,12 +364,23 @@ def main(argv=None) -> int:
                        f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM",
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "git": git_describe(),
+            **precision.record(),
         }
+        try:
+            precision.check_available()
+        except ValueError as error:
+            p.error(str(error))
+        if precision.device == "cuda":
+            meta["gpu"] = torch.cuda.get_device_name()
+        impls = list(args.impls)
+        if "ref" in impls and ARCHS[args.arch].build_reference is None:
+            print(f"{args.arch} has no reference implementation: its 'ref' cells are left out", flush=True)
+            impls.remove("ref")
         # Lengths outermost and implementations innermost, so slow drifts of machine load hit all three alike.
         previous = dict(results)
         for L in args.lengths:
             for mode in args.modes:
-                for impl in args.impls:
+                for impl in impls:
                     if args.rerun_noisy:
                         old = previous.get(key(impl, L, mode))
                         noisy = old is None or old["status"] == "error" or (
@@ -290,7 +389,8 @@ def main(argv=None) -> int:
                             continue
                     spec = {"arch": args.arch, "impl": impl, "length": L, "mode": mode, "config": dataclasses.asdict(cfg),
                             "repeats": args.repeats, "threads": args.threads, "seed": args.seed,
-                            "max_background": args.max_background, "quiet_wait": args.quiet_wait}
+                            "max_background": args.max_background, "quiet_wait": args.quiet_wait,
+                            **precision.record()}
                     res = run_cell(spec, args.timeout, args.mem_limit_gib)
                     results[key(impl, L, mode)] = res
                     extra = (f"{res['time_s']:.3f}s {res['peak_mib']:.0f}MiB times={[f'{t:.3f}' for t in res['times_s']]} "
@@ -302,7 +402,14 @@ def main(argv=None) -> int:
     if not results:
         print("no results", file=sys.stderr)
         return 1
-    md_path.write_text(render_markdown(meta, results))
+    text = render_markdown(meta, results)
+    if args.compare:
+        other = json.loads(args.compare.read_text())
+        try:
+            text += "\n" + render_comparison(meta, results, other["meta"], other["results"])
+        except ValueError as error:
+            p.error(str(error))
+    md_path.write_text(text)
     render_plot(meta, results, png_path)
     print(f"wrote {md_path}, {png_path}, {json_path}")
     return 0

@@ -19,9 +19,16 @@ drifts of the machine's load hit them alike. Timed calls during which other proc
 neighbours) move single cells by ~10 % even on a quiet machine; ``--rounds N`` runs the whole set N times (the
 order of implementations flipping every round) and reports the median over all rounds' calls.
 
+Precision and device (:mod:`benchmarks.precision`, as in every benchmark here): ``--dtype`` casts the weights and
+the pixels of every model for the forward mode, and for the backward mode unless ``--autocast``, which trains float32
+weights with the forward under ``torch.autocast(--dtype)`` (``Trainer(bf16=True)``); ``--device cuda`` times with
+``torch.cuda.synchronize()`` and measures ``torch.cuda.max_memory_allocated``. Results of such runs go to
+``swin_bf16.{md,json}``, ``swin_bf16_autocast...``, ``swin..._cuda...``, beside the float32 ``swin.{md,json}``.
+
 Usage::
 
     HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_swin --repeats 5 --rounds 3  # -> benchmarks/results/swin.{md,json}
+    HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_swin --repeats 5 --dtype bfloat16 --autocast  # -> swin_bf16_autocast
     HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_swin --repeats 5 --sizes 224 --modes backward --merge  # redo cells
 """
 
@@ -40,7 +47,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.measurement import BackgroundLoad, PeakRSS, hfx_source_hash, rss_kib  # noqa: E402
+from benchmarks.measurement import BackgroundLoad, hfx_source_hash  # noqa: E402
+from benchmarks.precision import AUTOCAST_HELP, DEVICE_HELP, DEVICES, DTYPE_HELP, DTYPES, DeviceMemory, Precision  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -74,31 +82,37 @@ def run_worker(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
     image_size, batch = SIZES[spec["size"]]
+    precision = Precision.from_record(spec)  # older specs without the fields: float32 on the CPU
+    training = spec["mode"] == "backward"
     try:
         model, features = build(spec["impl"], image_size)
     except ImportError as error:
         note = " (timm imports torchvision, which has no CPU build on this registry)" if spec["impl"] == "timm" else ""
         return {"status": "unavailable", "error": f"{spec['impl']}: {type(error).__name__}: {error}{note}"}
+    precision.prepare(model, training)
     x = torch.randn(batch, 3, image_size, image_size, generator=torch.Generator().manual_seed(1))
+    x = precision.cast(x, training)
     params = sum(p.numel() for p in model.parameters())
 
-    if spec["mode"] == "forward":
+    if not training:
         model.eval()
 
         def step():
             with torch.inference_mode():
-                features(x).sum().item()
+                features(x).sum().item()  # .item() waits for the device too
 
     else:
         model.train()
 
         def step():
             model.zero_grad(set_to_none=True)
-            features(x).float().sum().backward()
+            with precision.context(training):
+                out = features(x)
+            out.float().sum().backward()
+            precision.synchronize()
 
     gc.collect()
-    base = rss_kib() * 1024
-    peak = PeakRSS()
+    memory = DeviceMemory(precision.device)
     load = BackgroundLoad()
     warm_t, _ = load.measure(step)
     times, loads, calls, waited = [], [], [], 0.0
@@ -123,8 +137,10 @@ def run_worker(spec: dict) -> dict:
         "warmup_s": warm_t,
         "attempts": len(calls),
         "waited_s": waited,
-        "peak_mib": max(0, peak.peak_bytes() - base) / 2**20,
+        "peak_mib": memory.peak_mib(),
+        "mem_method": memory.mode,
         "params_m": params / 1e6,
+        **precision.record(),
         "hfx_src": hfx_source_hash(),
     }
 
@@ -182,6 +198,13 @@ def render_markdown(meta: dict, results: dict) -> str:
     # Cells merged from several runs may have different numbers of rounds.
     rounds = sorted({r.get("rounds", 1) for r in results.values() if r["status"] == "ok"}) or [1]
     rounds_text = str(rounds[0]) if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
+    precision = Precision.from_record(meta)
+    memory = (
+        "MiB = growth of `torch.cuda.max_memory_allocated` over model + inputs (median over rounds)"
+        if precision.device == "cuda"
+        else "MiB = growth of peak RSS over model + inputs (median over rounds)"
+    )
+    device = f"{precision.device} ({meta['gpu']})" if meta.get("gpu") else precision.device
     out = [
         "# Swin-T benchmark: hfx-swin vs transformers' Swin",
         "",
@@ -189,7 +212,8 @@ def render_markdown(meta: dict, results: dict) -> str:
         "weights, base models (no classifier).",
         f"- {meta['threads']} threads; median of {meta['repeats']} timed calls after 1 warm-up per process, over "
         f"{rounds_text} round(s) per cell; every (impl, size, mode) of every round in a fresh process. fwd = eval + `torch.inference_mode`; fwd+bwd = train mode, "
-        "`last_hidden_state.float().sum().backward()`. MiB = growth of peak RSS over model + inputs (median over rounds).",
+        f"`last_hidden_state.float().sum().backward()`. {memory}.",
+        f"- {precision.describe()}; device {device}.",
         f"- Machine: {meta['machine']}; torch {meta['torch']}, transformers {meta['transformers']}; "
         f"hf_xformers src {meta['src']}; run {meta['date']}. Ratios: transformers / ours (> 1: ours faster or leaner).",
         "",
@@ -252,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--merge", action="store_true", help="keep the cells of the saved swin.json this run does not redo")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help=DTYPE_HELP)
+    p.add_argument("--autocast", action="store_true", help=AUTOCAST_HELP)
+    p.add_argument("--device", default="cpu", choices=DEVICES, help=DEVICE_HELP)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -263,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
+    try:
+        precision = Precision.from_args(args)
+        precision.check_available()
+    except ValueError as error:
+        p.error(str(error))
     meta = {
         "threads": args.threads,
         "repeats": args.repeats,
@@ -272,9 +304,13 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM",
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "src": hfx_source_hash(),
+        **precision.record(),
     }
+    if precision.device == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name()
     results = {}
-    saved = args.out / "swin.json"
+    stem = "swin" + precision.suffix()
+    saved = args.out / f"{stem}.json"
     if args.merge and saved.exists():  # e.g. redo the cells a busy machine spoilt
         results = json.loads(saved.read_text())["results"]
         meta["date"] += " (merged with an earlier run)"
@@ -285,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                 # Alternate the order between rounds too, so neither implementation always runs first.
                 for impl in args.impls if round_ % 2 == 0 else args.impls[::-1]:
                     spec = {"impl": impl, "size": size, "mode": mode, "repeats": args.repeats, "threads": args.threads,
-                            "max_background": args.max_background, "quiet_wait": args.quiet_wait}  # fmt: skip
+                            "max_background": args.max_background, "quiet_wait": args.quiet_wait,
+                            **precision.record()}  # fmt: skip
                     res = run_cell(spec, args.timeout)
                     runs.setdefault(f"{impl}|{size}|{mode}", []).append(res)
                     detail = (
@@ -299,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{res['status']} {detail}", flush=True)  # fmt: skip
     results.update({k: combine(v) for k, v in runs.items()})
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "swin.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    (args.out / "swin.md").write_text(render_markdown(meta, results))
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (args.out / f"{stem}.md").write_text(render_markdown(meta, results))
     print(render_markdown(meta, results))
     return 0
 

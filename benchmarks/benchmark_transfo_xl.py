@@ -13,6 +13,10 @@ Reports tokens per second of each and their ratio (the paper: up to 1,800x at C 
 Inputs are random ids (speed does not depend on the text); eval mode, ``torch.inference_mode``, fixed threads.
 
     HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_transfo_xl --spans 128 512 --out benchmarks/results
+
+``--dtype`` runs both models with weights in that dtype, ``--device cuda`` on a GPU (timed with
+``torch.cuda.synchronize()``); there is no training mode, hence no ``--autocast`` (:mod:`benchmarks.precision`).
+Results of such runs go to ``transfo_xl_eval_speed_bf16...`` beside the float32 ``transfo_xl_eval_speed``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from benchmarks.measurement import BackgroundLoad  # noqa: E402
+from benchmarks.precision import DEVICE_HELP, DEVICES, DTYPE_HELP, DTYPES, Precision  # noqa: E402
 from hf_xformers import HfxTransfoXLConfig, HfxTransfoXLForCausalLM  # noqa: E402
 
 
@@ -40,7 +45,7 @@ def build(args: argparse.Namespace, mem_len: int) -> HfxTransfoXLForCausalLM:
         vocab_size=args.vocab, cutoffs=[], div_val=1, d_model=args.hidden, n_head=args.heads, d_inner=4 * args.hidden,
         n_layer=args.layers, mem_len=mem_len, same_length=mem_len > 0, clamp_len=0, dropout=0.0,
     )  # fmt: skip
-    return HfxTransfoXLForCausalLM(config).eval()
+    return Precision.from_args(args).prepare(HfxTransfoXLForCausalLM(config), training=False).eval()
 
 
 def time_memory(model: HfxTransfoXLForCausalLM, ids: torch.Tensor, span: int) -> float:
@@ -48,6 +53,8 @@ def time_memory(model: HfxTransfoXLForCausalLM, ids: torch.Tensor, span: int) ->
     start, mems = time.perf_counter(), None
     for pos in range(0, ids.shape[1], span):
         mems = model(input_ids=ids[:, pos : pos + span], mems=mems).mems
+    if ids.is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -57,6 +64,8 @@ def time_sliding(model: HfxTransfoXLForCausalLM, ids: torch.Tensor, span: int, t
     start = time.perf_counter()
     for i in range(0, windows.shape[0], batch):
         model(input_ids=windows[i : i + batch]).logits[:, -1]
+    if ids.is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -73,7 +82,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="directory for transfo_xl_eval_speed.{json,md}")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help=DTYPE_HELP)
+    parser.add_argument("--device", default="cpu", choices=DEVICES, help=DEVICE_HELP)
     args = parser.parse_args(argv)
+    precision = Precision.from_args(args)
+    try:
+        precision.check_available()
+    except ValueError as error:
+        parser.error(str(error))
     torch.set_num_threads(args.threads)
 
     load = BackgroundLoad()
@@ -82,7 +98,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     load.wait_quiet(0.15, 60.0)
     rows = []
     for span in args.spans:
-        ids = torch.randint(0, args.vocab, (1, max(args.text_tokens, span + args.sliding_tokens)))
+        ids = torch.randint(0, args.vocab, (1, max(args.text_tokens, span + args.sliding_tokens)), device=args.device)
         with torch.inference_mode():
             memory_model, sliding_model = build(args, span), build(args, 0)
             time_memory(memory_model, ids[:, : 2 * span], span)  # warm-up
@@ -103,12 +119,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.out.mkdir(parents=True, exist_ok=True)
         setup = {k: v for k, v in vars(args).items() if k != "out"}
         setup.update(torch=torch.__version__, machine=platform.processor() or platform.machine(), cpus=os.cpu_count())
-        (args.out / "transfo_xl_eval_speed.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
+        stem = "transfo_xl_eval_speed" + precision.suffix()
+        (args.out / f"{stem}.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
         lines = [
             "# Transformer-XL: evaluation with memory vs sliding-context recomputation",
             "",
             f"Model: {args.layers} layers, d_model {args.hidden}, {args.heads} heads, vocabulary {args.vocab}; "
-            f"CPU, {args.threads} threads, torch {torch.__version__}, median of {args.repeats}. Memory: mem_len = "
+            f"{args.device}, {args.threads} threads, torch {torch.__version__}, median of {args.repeats}; "
+            f"{precision.describe(training=False)}. Memory: mem_len = "
             f"segment = span, same_length; {args.text_tokens} tokens. Sliding: one span-token window per token, "
             f"batches of {args.window_batch}, {args.sliding_tokens} tokens.",
             "",
@@ -121,7 +139,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "row (the benchmark first waits up to a minute for it to fall below 15 %).",
             "",
         ]
-        (args.out / "transfo_xl_eval_speed.md").write_text("\n".join(lines))
+        (args.out / f"{stem}.md").write_text("\n".join(lines))
     return rows
 
 

@@ -41,10 +41,11 @@ class BenchConfig:
 class Arch:
     """``build_hfx(cfg, length)`` / ``build_reference(cfg, length)`` return an ``nn.Module`` whose forward takes
     ``input_ids`` and ``attention_mask`` and returns an output with ``last_hidden_state``; the builder sizes the
-    position table for ``length`` itself."""
+    position table for ``length`` itself. ``build_reference`` is None where no library has the architecture (its
+    cells are not run; the table shows ``-``)."""
 
     build_hfx: Callable
-    build_reference: Callable
+    build_reference: Callable | None
     description: str = ""
 
 
@@ -387,10 +388,103 @@ ARCHS["reformer_lucidrains"] = Arch(
 )
 
 
+# The Universal Transformer: one shared block applied --layers times (fixed steps, no ACT, so every implementation
+# does the same work per layer), full softmax attention through SDPA; --window is not used. Its reference is the
+# full-attention baseline itself (`sdpa`, a RoBERTa of the same width and depth): no library has the architecture
+# with a long-context encoder (transformers has none).
+def _hfx_universal(c: BenchConfig, length: int):
+    import hf_xformers
+
+    config = hf_xformers.HfxUniversalConfig(
+        vocab_size=c.vocab,
+        hidden_size=c.hidden,
+        num_hidden_layers=c.layers,
+        num_attention_heads=c.heads,
+        intermediate_size=c.intermediate,
+        use_act=False,
+        max_position_embeddings=length,
+        hidden_dropout_prob=c.dropout,
+        attention_probs_dropout_prob=c.dropout,
+        type_vocab_size=1,
+    )
+    return hf_xformers.HfxUniversalModel(config, add_pooling_layer=False)
+
+
+ARCHS["universal"] = Arch(
+    build_hfx=_hfx_universal,
+    build_reference=None,
+    description="none (transformers has no Universal Transformer; compare with `sdpa`, full attention of the same "
+    "size); ours: one shared block applied --layers times, no ACT, sinusoidal positions and timestep signal",
+)
+
+
+# Transformer-XL reads a long text in segments of --window tokens, each attending to itself and the memory of the
+# previous --window tokens (mem_len = --window, same_length): the way it covers a long context in linear time. The
+# memories are detached, as in its training, so a backward flows through each segment only. transformers 5 has no
+# Transformer-XL any more (deprecated in 4.35, removed in 5.0): no reference.
+def _hfx_transfo_xl(c: BenchConfig, length: int):
+    from types import SimpleNamespace
+
+    import torch
+
+    import hf_xformers
+
+    if c.hidden % c.heads:
+        raise ValueError(f"transfo_xl: --hidden ({c.hidden}) must be a multiple of --heads ({c.heads})")
+    config = hf_xformers.HfxTransfoXLConfig(
+        vocab_size=c.vocab,
+        cutoffs=[],
+        div_val=1,
+        d_model=c.hidden,
+        n_head=c.heads,
+        d_head=c.hidden // c.heads,
+        d_inner=c.intermediate,
+        n_layer=c.layers,
+        mem_len=c.window,
+        same_length=True,
+        clamp_len=0,
+        dropout=c.dropout,
+        dropatt=c.dropout,
+    )
+    segment = c.window
+
+    class TransfoXLSegmentReader(torch.nn.Module):
+        """Reads a row in segments, carrying the memories; ``last_hidden_state`` (batch, length, hidden)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = hf_xformers.HfxTransfoXLModel(config)
+            self.config = config  # what the worker's source hash reads
+
+        def forward(self, input_ids, attention_mask=None):
+            mems, states = None, []
+            for start in range(0, input_ids.shape[1], segment):
+                mask = None if attention_mask is None else attention_mask[:, start : start + segment]
+                out = self.model(input_ids=input_ids[:, start : start + segment], attention_mask=mask, mems=mems)
+                mems = out.mems
+                states.append(out.last_hidden_state)
+            return SimpleNamespace(last_hidden_state=torch.cat(states, dim=1))
+
+    return TransfoXLSegmentReader()
+
+
+ARCHS["transfo_xl"] = Arch(
+    build_hfx=_hfx_transfo_xl,
+    build_reference=None,
+    description="none (transformers 5 has no Transformer-XL); ours reads the row in segments of --window tokens "
+    "with memories of --window tokens (mem_len = --window, same_length, detached as in training), plain embeddings "
+    "and no adaptive softmax",
+)
+
+
 def build_model(arch: str, impl: str, c: BenchConfig, length: int) -> nn.Module:
     """The model of one cell: ``impl`` (one of :data:`IMPLS`) of ``arch`` (a key of :data:`ARCHS`) at ``length``."""
     if impl == "sdpa":
         return build_sdpa_roberta(c, length)
     entry = ARCHS[arch]
-    return entry.build_hfx(c, length) if impl == "hfx" else entry.build_reference(c, length)
+    if impl == "hfx":
+        return entry.build_hfx(c, length)
+    if entry.build_reference is None:
+        raise ValueError(f"{arch} has no reference implementation; run it with --impls hfx sdpa")
+    return entry.build_reference(c, length)
 

@@ -15,14 +15,18 @@ import time
 from pathlib import Path
 
 from benchmarks.long_context_models import BenchConfig, build_model
-from benchmarks.measurement import BackgroundLoad, PeakRSS, hfx_source_hash, rss_kib
+from benchmarks.measurement import BackgroundLoad, hfx_source_hash
+from benchmarks.precision import DeviceMemory, Precision
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_worker(spec: dict) -> dict:
     """Build the cell's model and inputs, then time ``spec["repeats"]`` calls after one warm-up and measure the peak
-    RSS growth over them; the result row (``status`` ``"ok"``, times, background loads, memory, sizes)."""
+    memory growth over them; the result row (``status`` ``"ok"``, times, background loads, memory, sizes).
+
+    ``spec`` may carry ``dtype``, ``autocast`` and ``device`` (:class:`~benchmarks.precision.Precision`; absent:
+    float32 on the CPU)."""
     import torch
 
     threads = spec["threads"]
@@ -30,19 +34,22 @@ def run_worker(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     c = BenchConfig(**spec["config"])
     length, mode = spec["length"], spec["mode"]
+    precision = Precision.from_record(spec)
+    training = mode == "backward"
 
-    model = build_model(spec["arch"], spec["impl"], c, length)
+    model = precision.prepare(build_model(spec["arch"], spec["impl"], c, length), training)
     gen = torch.Generator().manual_seed(spec["seed"])
-    input_ids = torch.randint(5, c.vocab, (c.batch, length), generator=gen)
-    attention_mask = torch.ones(c.batch, length, dtype=torch.long)
+    input_ids = precision.cast(torch.randint(5, c.vocab, (c.batch, length), generator=gen), training)
+    attention_mask = precision.cast(torch.ones(c.batch, length, dtype=torch.long), training)
     params = sum(p.numel() for p in model.parameters())
     src = hfx_source_hash(model) if spec["impl"] == "hfx" else None
 
-    if mode == "forward":
+    if not training:
         model.eval()
 
         def step():
             with torch.inference_mode():
+                # .item() waits for the device too.
                 model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.sum().item()
 
     else:
@@ -50,12 +57,13 @@ def run_worker(spec: dict) -> dict:
 
         def step():
             model.zero_grad(set_to_none=True)
-            out = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            with precision.context(training):
+                out = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             out.float().sum().backward()
+            precision.synchronize()
 
     gc.collect()
-    base = rss_kib() * 1024
-    peak = PeakRSS()
+    memory = DeviceMemory(precision.device)
     load = BackgroundLoad()
 
     warm_t, warm_load = load.measure(step)
@@ -80,7 +88,7 @@ def run_worker(spec: dict) -> dict:
     if len(times) < spec["repeats"]:
         quietest = sorted(all_calls, key=lambda x: x[1])[: spec["repeats"]]
         times, loads = [t for t, _ in quietest], [o for _, o in quietest]
-    peak_b = peak.peak_bytes()
+    peak_mib = memory.peak_mib()
 
     return {
         "status": "ok",
@@ -90,10 +98,11 @@ def run_worker(spec: dict) -> dict:
         "background_cpu": loads,
         "attempts": attempts,
         "waited_s": waited,
-        "peak_mib": max(0, peak_b - base) / 2**20,
-        "baseline_mib": base / 2**20,
+        "peak_mib": peak_mib,
+        "baseline_mib": memory.base / 2**20,
         "params_m": params / 1e6,
-        "mem_method": peak.mode,
+        "mem_method": memory.mode,
+        **precision.record(),
         "hfx_model_src": src,
         "torch": torch.__version__,
     }

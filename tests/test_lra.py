@@ -64,3 +64,36 @@ def test_bad_command_lines_and_inputs_are_refused(capsys):
         build_model("hfx-swin", "listops", vocab_size=20, length=100, num_labels=10)
     with pytest.raises(ValueError, match="setting"):
         build_model("hfx-bigbird", "listops", vocab_size=20, length=100, num_labels=10, setting="huge")
+
+
+def test_bf16_flags_train_and_evaluate_in_the_asked_precision(tmp_path, monkeypatch):
+    """--dtype bfloat16 trains bfloat16 weights; --autocast keeps float32 weights under Trainer's bf16 autocast. Each
+    cell records its precision, the table states it, and the cells are not mistaken for float32 ones."""
+    import transformers
+
+    seen = []
+    real_trainer = transformers.Trainer
+
+    def watching_trainer(*args, **kwargs):
+        model = kwargs["model"]
+        seen.append((next(model.parameters()).dtype, kwargs["args"].bf16))
+        return real_trainer(*args, **kwargs)
+
+    monkeypatch.setattr(transformers, "Trainer", watching_trainer)
+    for extra, expected in (([], (torch.bfloat16, False)), (["--autocast"], (torch.float32, True))):
+        out = tmp_path / ("autocast" if extra else "pure")
+        argv = ["--smoke", "--task", "image", "--arch", "hfx-swin", "--out", str(out), "--no_progress",
+                "--dtype", "bfloat16", *extra]  # fmt: skip
+        assert lra.main(argv) == 0
+        assert seen[-1] == expected
+        cell = json.loads((out / "cells" / "image__hfx-swin.json").read_text())
+        assert (cell["dtype"], cell["autocast"]) == ("bfloat16", bool(extra)) and 0.0 <= cell["test_accuracy"] <= 1.0
+        table = (out / "lra_results.md").read_text()
+        training = "autocast bfloat16, fp32 weights" if extra else "pure bfloat16: bfloat16 weights, no autocast"
+        assert f"Precision: dtype: {training} (training and evaluation)." in table
+    fp32, bf16 = lra.parse_args(["--smoke"]), lra.parse_args(["--smoke", "--dtype", "bfloat16", "--autocast"])
+    assert lra.cell_key("listops", "hfx-bigbird", fp32) != lra.cell_key("listops", "hfx-bigbird", bf16)
+    assert lra.parse_args(["--dtype", "bfloat16", "--autocast"]).out == lra.RESULTS.with_name("lra_bf16_autocast")
+    assert lra.parse_args([]).out == lra.RESULTS
+    with pytest.raises(SystemExit):
+        lra.parse_args(["--autocast"])  # autocast to float32 means nothing

@@ -274,6 +274,7 @@ class SwinOnPixels(nn.Module):
         self.image_shape = tuple(image_shape)
 
     def forward(self, input_ids, attention_mask=None, labels=None) -> SequenceClassifierOutput:
-        pixels = (input_ids.float() - 1.0).clamp(min=0.0) / 127.5 - 1.0
+        # In the weights' dtype (a bfloat16 model takes bfloat16 pixels; under autocast the weights stay float32).
+        pixels = ((input_ids.float() - 1.0).clamp(min=0.0) / 127.5 - 1.0).to(self.model.dtype)
         out = self.model(pixel_values=pixels.view(-1, 1, *self.image_shape), labels=labels, return_dict=True)
         return SequenceClassifierOutput(loss=out.loss, logits=out.logits)

@@ -13,6 +13,13 @@ result exists with the same settings is not rerun (``--overwrite`` reruns it). A
 (``lra_results.md``, with the published figures beside ours) and the plot (``lra_results.png``: accuracy against
 speed, bubble area = memory, as LRA's Figure 3) are rewritten from all cells present.
 
+Precision (:mod:`benchmarks.precision`, as in every benchmark here): ``--dtype bfloat16`` trains and evaluates the
+models with bfloat16 weights ("pure" bfloat16); with ``--autocast`` the weights stay float32 and the Trainer runs
+its forward under ``torch.autocast`` (``TrainingArguments(bf16=True)``, or ``fp16=True`` for float16), and so does
+the evaluation. The table records the precision of its cells; a run other than float32 writes to
+``results/lra_bf16[_autocast]/`` by default, beside the float32 ``results/lra/``. ``--device`` picks the device
+(default: CUDA when there is one).
+
 Data: :mod:`benchmarks.lra.data` (generators for ListOps and Pathfinder, readers for the release files, offline
 stand-ins for Text, Retrieval and Image); models: :mod:`benchmarks.lra.models`.
 """
@@ -20,6 +27,7 @@ stand-ins for Text, Retrieval and Image); models: :mod:`benchmarks.lra.models`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -29,6 +37,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.precision import AUTOCAST_HELP, DEVICES, DTYPE_HELP, DTYPES, Precision
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "lra"
 TASK_ORDER = ("listops", "text", "retrieval", "image", "pathfinder")
@@ -51,6 +61,14 @@ PUBLISHED = {
         "hfx-reformer": (37.68, 62.93, 78.99, 48.87, 66.49),
     },
 }
+
+
+def _precision(args) -> Precision:
+    """The run's precision on its device (``--device`` absent: CUDA when there is one, as before the flag)."""
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return Precision(args.dtype, args.autocast, device)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,8 +101,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="every task and architecture at tiny lengths for 2 steps, in this process (tests)")
     p.add_argument("--in_process", action="store_true", help="run cells in this process (memory is then shared)")
     p.add_argument("--no_progress", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help=DTYPE_HELP)
+    p.add_argument("--autocast", action="store_true", help=AUTOCAST_HELP)
+    p.add_argument("--device", default=None, choices=DEVICES, help="default: cuda when available, else cpu")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        Precision(args.dtype, args.autocast)
+    except ValueError as error:
+        p.error(str(error))
+    if args.out == RESULTS and (args.dtype != "float32" or args.autocast):
+        args.out = RESULTS.with_name(RESULTS.name + Precision(args.dtype, args.autocast).suffix())
     args.task = list(TASKS) if args.task == ["all"] else args.task
     args.arch = list(ARCHS) if args.arch == ["all"] else args.arch
     for task in args.task:
@@ -142,6 +169,8 @@ def cell_key(task: str, arch: str, args) -> str:
         warmup=args.warmup_ratio, wd=args.weight_decay, dropout=args.dropout, seed=args.seed,
         data=task_options(task, args),
     )  # fmt: skip
+    if args.dtype != "float32" or args.autocast:  # float32 cells keep the keys they were saved with
+        fields.update(dtype=args.dtype, autocast=args.autocast)
     return hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -159,12 +188,14 @@ def _collate(rows: list[dict]) -> dict:
     return batch
 
 
-def accuracy(model, rows: list[dict], batch_size: int, device) -> float:
+def accuracy(model, rows: list[dict], batch_size: int, device, precision: Precision | None = None) -> float:
     import torch
 
     model.eval()
     correct = 0
-    with torch.no_grad():
+    # Under --autocast the evaluation runs as the training forward did (Trainer's own evaluation does the same).
+    autocast = precision.context(training=True) if precision else contextlib.nullcontext()
+    with torch.no_grad(), autocast:
         for start in range(0, len(rows), batch_size):
             batch = {k: v.to(device) for k, v in _collate(rows[start : start + batch_size]).items()}
             labels = batch.pop("labels")
@@ -199,7 +230,11 @@ def run_cell(task: str, arch: str, args) -> dict:
         two_tower=data.two_tower, image_shape=data.image_shape, setting=args.setting, dropout=args.dropout,
         seed=args.seed,
     )  # fmt: skip
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = _precision(args)
+    precision.check_available()
+    device = torch.device(precision.device)
+    if not args.autocast:
+        model.to(precision.torch_dtype())  # pure --dtype training (a no-op for float32)
     labels = [row["label"] for row in data.test]
     majority = max(labels.count(c) for c in set(labels)) / len(labels)
     with tempfile.TemporaryDirectory() as scratch:
@@ -209,7 +244,8 @@ def run_cell(task: str, arch: str, args) -> dict:
             weight_decay=args.weight_decay, max_grad_norm=1.0, seed=args.seed, data_seed=args.seed,
             logging_steps=max(1, args.steps // 20), save_strategy="no", eval_strategy="no", report_to="none",
             remove_unused_columns=False, use_cpu=device.type == "cpu", disable_tqdm=args.no_progress or args.smoke,
-            dataloader_drop_last=True,
+            dataloader_drop_last=True, bf16=args.autocast and args.dtype == "bfloat16",
+            fp16=args.autocast and args.dtype == "float16",
         )  # fmt: skip
         trainer = Trainer(model=model, args=training, train_dataset=data.train, data_collator=_collate)
         rss_before = _peak_rss_mib()
@@ -226,15 +262,15 @@ def run_cell(task: str, arch: str, args) -> dict:
     record = {
         "task": task, "arch": arch, "steps": args.steps, "batch_size": args.batch_size, "length": data.max_length,
         "setting": settings, "source": data.source, "num_train": len(data.train), "num_test": len(data.test),
-        "test_accuracy": accuracy(model, data.test, args.batch_size, device),
-        "validation_accuracy": accuracy(model, data.validation, args.batch_size, device),
+        "test_accuracy": accuracy(model, data.test, args.batch_size, device, precision),
+        "validation_accuracy": accuracy(model, data.validation, args.batch_size, device, precision),
         "majority_baseline": majority, "train_seconds": seconds, "steps_per_second": args.steps / seconds,
         "final_train_loss": losses[-1] if losses else result.training_loss, "loss_curve": losses,
         "parameters": sum(p.numel() for p in model.parameters()),
         "peak_rss_mib": _peak_rss_mib(), "rss_before_training_mib": rss_before,
         "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
         "threads": torch.get_num_threads(), "device": str(device), "torch": torch.__version__,
-        "own_cpu_load": own_load, "background_load": background,
+        "own_cpu_load": own_load, "background_load": background, "dtype": args.dtype, "autocast": args.autocast,
     }  # fmt: skip
     return record
 
@@ -266,6 +302,8 @@ def write_table(out: Path) -> Path:
             f"pooling); {first['steps']} steps of batch {first['batch_size']} per cell, the same seed, data order, "
             f"optimiser and schedule for every architecture; {first['device']}, {first['threads']} threads, torch "
             f"{first['torch']}. Accuracy on the test split (%).",
+            "",
+            precision_line(cells),
             "",
             "| architecture | " + " | ".join(tasks) + " | average |",
             "|---|" + "---|" * (len(tasks) + 1),
@@ -303,6 +341,16 @@ def write_table(out: Path) -> Path:
     path = out / "lra_results.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def precision_line(cells: list[dict]) -> str:
+    """The table's precision (cells saved before the flags were float32); several if the cells differ."""
+    # The evaluation runs as the training does (the same weights; under autocast too).
+    kinds = sorted({Precision.from_record({**c, "device": "cpu"}).describe(forward=False) for c in cells})
+    kinds = [kind.replace(" (training)", " (training and evaluation)") for kind in kinds]
+    if len(kinds) == 1:
+        return f"Precision: {kinds[0]}."
+    return "Precision differs between cells: " + " / ".join(kinds) + "."
 
 
 def by_len(cells: list[dict], task: str) -> str:
