@@ -6,14 +6,22 @@ padding under ``attention_mask``; ``output_scores`` / ``output_attentions`` / ``
 ``return_dict_in_generate`` (and the cached step's attention row equals the full forward's last row); length controls
 (``max_new_tokens``, ``min_new_tokens``, stopping criteria, ``num_return_sequences``); ``generate()`` without a prompt;
 keyword arguments such as ``token_type_ids`` reaching ``forward``; assisted decoding and prompt lookup refused with
-transformers' error for stateful models.
+transformers' error for stateful models. And the contract transformers' own generating models keep:
+``GenerationMixin`` among the direct bases, ``prepare_inputs_for_generation`` passing other keyword arguments on,
+``position_ids`` given to ``generate()`` (counted from 0 over the mask, as ``generate()`` counts them) giving the same
+tokens as none, and the base model stored under ``base_model_prefix`` (loading a base checkpoint fills it).
 """
 
 from __future__ import annotations
 
+import inspect
+import tempfile
+
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
+
+from hf_xformers.registration import REGISTRY
 
 from .generation_checks import greedy_by_hand
 from .test_generation import CASES, TINY_CONFIGS, VOCAB, _model, _prompt
@@ -25,8 +33,6 @@ CAUSAL_IDS = [f"{t}-{c.__name__}" for t, _, c in CAUSAL]
 # Reformer's positions count from the first slot, padding included (as in transformers' Reformer), so a left-padded
 # prompt is a different input; everywhere else positions (or relative distances) ignore padding.
 POSITIONS_FROM_FIRST_SLOT = {"hfx-reformer"}
-# Cached FAVOR+ keeps running sums, not keys: a cached step cannot form attention probabilities.
-NO_CACHED_ATTENTIONS = {"hfx-performer"}
 
 
 def _generate(model, prompt, **kwargs):
@@ -92,10 +98,6 @@ def test_dict_outputs(model_type, task, model_class, use_cache):
         do_sample=False, use_cache=use_cache, return_dict_in_generate=True, output_scores=True, output_logits=True,
         output_attentions=True, output_hidden_states=True,
     )  # fmt: skip
-    if use_cache and model_type in NO_CACHED_ATTENTIONS:
-        with pytest.raises(ValueError, match="use_cache=False"):
-            _generate(model, prompt, **kwargs)
-        kwargs["output_attentions"] = False
     out = _generate(model, prompt, **kwargs)
     steps = 5
     assert len(out.scores) == len(out.logits) == steps
@@ -125,8 +127,6 @@ def test_dict_outputs(model_type, task, model_class, use_cache):
 @pytest.mark.parametrize(("model_type", "task", "model_class"), CAUSAL, ids=CAUSAL_IDS)
 def test_cached_step_attends_as_the_full_forward(model_type, task, model_class):
     """The attention probabilities of a cached step equal the last row of a full forward over the same tokens."""
-    if model_type in NO_CACHED_ATTENTIONS:
-        pytest.skip("cached FAVOR+ forms no attention probabilities")
     model = _model(model_type, model_class)
     prompt = _prompt(2, 7)
     out = _generate(
@@ -216,3 +216,77 @@ def test_assisted_decoding_is_refused(model_type, task, model_class):
         _generate(model, prompt, do_sample=False, prompt_lookup_num_tokens=2)
     with pytest.raises(ValueError, match="stateful"):
         _generate(model, prompt, do_sample=False, assistant_model=model)
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CASES, ids=IDS)
+def test_generation_mixin_is_a_direct_base(model_type, task, model_class):
+    """transformers 5 recognises a generating class by ``GenerationMixin`` among its direct bases (``can_generate``
+    then gives the model a ``generation_config``), as its own models list it."""
+    assert GenerationMixin in model_class.__bases__
+    assert model_class.can_generate()
+    assert _model(model_type, model_class).generation_config is not None
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CASES, ids=IDS)
+def test_prepare_inputs_passes_other_keywords_on(model_type, task, model_class):
+    """As transformers' ``prepare_inputs_for_generation``: a keyword argument it does not know reaches ``forward``
+    (which refuses an unknown name rather than ignoring it); generate()'s bookkeeping, transformers-wide keywords this
+    forward has no parameter for, and (encoder-decoder) the encoder's own arguments do not."""
+    model = _model(model_type, model_class)
+    ids = _prompt(2, 3)
+    encoder_only = set()
+    if model.config.is_encoder_decoder:
+        encoder_only = set(inspect.signature(model.get_encoder().forward).parameters)
+        encoder_only -= set(inspect.signature(model.forward).parameters)
+    extra = {key: torch.zeros(2, 3) for key in sorted(encoder_only)}
+    inputs = model.prepare_inputs_for_generation(
+        ids, attention_mask=torch.ones_like(ids), use_cache=False, marker="kept", is_first_iteration=True,
+        next_sequence_length=1, labels=ids, output_router_logits=True, **extra,
+    )  # fmt: skip
+    assert inputs["marker"] == "kept"
+    dropped = {"is_first_iteration", "next_sequence_length", "labels", "output_router_logits", *encoder_only}
+    assert not dropped & set(inputs)
+    with pytest.raises(TypeError, match="marker"):
+        model(**inputs)
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CAUSAL, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_explicit_positions_give_the_same_tokens(model_type, task, model_class, padded):
+    """``position_ids`` as ``generate()`` infers them (counted from 0 over the attention mask, 0 at padding) change
+    nothing, cached or not: a model whose table starts elsewhere (RoBERTa's, from ``padding_idx + 1``) moves them."""
+    if "position_ids" not in inspect.signature(model_class.forward).parameters:
+        pytest.skip("no position_ids in this architecture")
+    if padded and model_type in POSITIONS_FROM_FIRST_SLOT:
+        pytest.skip("positions count from the first slot, padding included")
+    model = _model(model_type, model_class)
+    prompt = _prompt(2, 7)
+    mask = torch.ones_like(prompt)
+    if padded:
+        prompt[1, :3], mask[1, :3] = PAD, 0
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    for use_cache in (True, False):
+        kwargs = dict(attention_mask=mask, do_sample=False, use_cache=use_cache)
+        with_positions = _generate(model, prompt, position_ids=positions, **kwargs)
+        assert torch.equal(with_positions, _generate(model, prompt, **kwargs))
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CASES, ids=IDS)
+def test_base_model_prefix_holds_the_base_model(model_type, task, model_class):
+    """The one child of the base model's class is the attribute ``base_model_prefix`` names (transformers adds or
+    strips that prefix to move weights between base and head checkpoints), and a base checkpoint fills it."""
+    model = _model(model_type, model_class)
+    base_class = REGISTRY[model_type][1]["AutoModel"]
+    children = [name for name, child in model.named_children() if type(child) is base_class]
+    assert children == [model.base_model_prefix]
+    torch.manual_seed(1)
+    base = base_class(model.config)
+    with tempfile.TemporaryDirectory() as tmp:
+        base.save_pretrained(tmp)
+        loaded, info = model_class.from_pretrained(tmp, output_loading_info=True)
+    shared = {f"{model.base_model_prefix}.{key}" for key in getattr(loaded, loaded.base_model_prefix).state_dict()}
+    shared &= {f"{model.base_model_prefix}.{key}" for key in base.state_dict()}
+    assert shared and not shared & set(info["missing_keys"])
+    for key in sorted(shared)[:8]:
+        name = key.split(".", 1)[1]
+        torch.testing.assert_close(loaded.state_dict()[key], base.state_dict()[name])

@@ -756,8 +756,17 @@ def test_cached_forward_equals_uncached(kernel):
             logits.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits)
     torch.testing.assert_close(torch.cat(logits, dim=1)[mask.bool()], full[mask.bool()], atol=1e-5, rtol=1e-5)
     assert cache.get_seq_length() == 60 and len(cache) == 2
-    with pytest.raises(ValueError, match="use_cache=False"):
-        model(ids[:, :3], use_cache=True, output_attentions=True)
+    # Attentions of a cached step: its row of the uncached forward's probabilities, from a cache that kept its inputs.
+    with torch.no_grad():
+        prefix = model(ids[:, :35], attention_mask=mask[:, :35], use_cache=True, output_attentions=True)
+        step = model(ids[:, 35:36], attention_mask=mask[:, :36], past_key_values=prefix.past_key_values,
+                     output_attentions=True)  # fmt: skip
+        reference = model(ids[:, :36], attention_mask=mask[:, :36], output_attentions=True).attentions
+    assert [tuple(a.shape) for a in step.attentions] == [(2, 4, 1, 36)] * 2
+    for got, want in zip(step.attentions, reference):
+        torch.testing.assert_close(got, want[:, :, -1:], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        model(ids[:, 3:4], past_key_values=model(ids[:, :3], use_cache=True).past_key_values, output_attentions=True)
     with pytest.raises(ValueError, match="is_decoder"):
         HfxPerformerModel(HfxPerformerConfig(**TINY)).eval()(ids[:, :3], use_cache=True)
 

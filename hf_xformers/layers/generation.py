@@ -7,8 +7,10 @@ of earlier positions, the Universal Transformer keys and values per recurrent st
 
 * the cache travels between steps under the name of the installed transformers release (``past_key_values`` before
   5.24, ``cache`` from 5.24 on; ``ops/compat.py``), whatever the model's own output field is called;
-* ``prepare_inputs_for_generation`` feeds only the tokens the cache has not seen and passes on every other keyword
-  argument ``forward`` accepts (``token_type_ids``, ``output_attentions``, ``output_hidden_states``, ...);
+* ``prepare_inputs_for_generation`` feeds only the tokens the cache has not seen and passes every other keyword
+  argument on, as transformers' own ``prepare_inputs_for_generation`` does (``token_type_ids``,
+  ``output_attentions``, a model's own arguments, ...), except ``generate()``'s bookkeeping and what ``forward`` never
+  takes although ``generate()`` lets it through (:meth:`HfxGenerationMixin._not_forwarded`);
 * beam search reorders the cache through :meth:`_reorder_cache` (a cache's own ``reorder_cache``, or a tuple of
   batch-first tensors such as Transformer-XL's memories);
 * assisted decoding and prompt lookup are refused by transformers itself (``_is_stateful``): they need to roll the
@@ -23,8 +25,12 @@ The causal-LM head that Performer, Reformer and the Universal Transformer share 
 mixin directly.
 
 Put the mixin before the ``PreTrainedModel`` subclass in a model's bases (``PreTrainedModel`` sets ``_is_stateful =
-False``). A model sets :attr:`generation_cache_argument` (the ``forward`` argument that takes its cache) and
-:attr:`generation_cache_class` and, where the defaults do not fit, overrides :meth:`_unseen_tokens` and :meth:`_cache_of_output`.
+False``), and name transformers' ``GenerationMixin`` last, as transformers' own generating models do
+(``class LlamaForCausalLM(LlamaPreTrainedModel, GenerationMixin)``): transformers 5 recognises a generating class by
+a direct base called ``GenerationMixin`` (``PreTrainedModel.can_generate``), and its tests check exactly that. A
+model sets :attr:`generation_cache_argument` (the ``forward`` argument that takes its cache) and
+:attr:`generation_cache_class` and, where the defaults do not fit, overrides :meth:`_unseen_tokens` and
+:meth:`_cache_of_output`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any
 
 import torch
 from transformers import GenerationMixin
+from transformers.utils import TransformersKwargs
 
 from ..ops.compat import CACHE_ARGUMENT_NAMES, CACHE_NAME, cache_from_kwargs, output_cache
 
@@ -86,8 +93,11 @@ class HfxCache:
             setattr(self, name, select_batch_rows(getattr(self, name), beam_idx))
 
 
-# generate() keeps these in its model kwargs; they never reach forward.
-_NOT_FORWARDED = ("labels", "next_sequence_length", "is_first_iteration", "cache_position")
+# generate() keeps these in its model kwargs for itself; they never reach forward.
+_GENERATE_BOOKKEEPING = frozenset({"labels", "next_sequence_length", "is_first_iteration", "cache_position"})
+# Keywords generate() accepts for any model (transformers' TransformersKwargs: output_attentions, seq_idx, ...) even
+# where forward has no such parameter.
+_LIBRARY_KEYWORDS = frozenset(TransformersKwargs.__optional_keys__)
 
 
 class HfxGenerationMixin(GenerationMixin):
@@ -100,12 +110,6 @@ class HfxGenerationMixin(GenerationMixin):
     generation_cache_argument: str = "past_key_values"
     # The cache generate() starts with (an HfxCache subclass), or None where forward makes its own.
     generation_cache_class: type | None = None
-
-    @classmethod
-    def can_generate(cls) -> bool:
-        # transformers recognises a generative model by a direct base whose name holds "GenerationMixin"; a head that
-        # gets this mixin through another (HfxCausalLMHeadMixin) says so here, or it would get no generation_config.
-        return True
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -130,6 +134,19 @@ class HfxGenerationMixin(GenerationMixin):
     def _forward_parameters(self) -> frozenset[str]:
         return forward_parameters(type(self))
 
+    def _not_forwarded(self) -> frozenset[str]:
+        """The keyword arguments :meth:`prepare_inputs_for_generation` drops: ``generate()``'s own bookkeeping, and
+        what ``generate()`` accepts although this ``forward`` never takes it: transformers' model-agnostic keywords
+        (``TransformersKwargs``) our ``forward`` has no parameter for, and, for an encoder-decoder model, the
+        encoder's own arguments (``generate()`` has already given them to the encoder). Anything else goes on to
+        ``forward``, which refuses a name it does not know rather than ignoring it."""
+        accepted = self._forward_parameters()
+        dropped = _GENERATE_BOOKKEEPING | (_LIBRARY_KEYWORDS - accepted)
+        if self.config.is_encoder_decoder:
+            encoder = self.get_encoder()
+            dropped |= forward_parameters(type(encoder)) - accepted
+        return frozenset(dropped)
+
     def prepare_inputs_for_generation(
         self,
         input_ids: torch.Tensor,
@@ -139,8 +156,9 @@ class HfxGenerationMixin(GenerationMixin):
     ) -> dict:
         """One step's ``forward`` arguments: the tokens the cache has not seen (all of them on the first step or
         without a cache), the cache (a fresh one on the first step unless ``use_cache=False``), the attention mask of
-        every token so far, and every other keyword argument ``forward`` accepts; ``position_ids`` and
-        ``token_type_ids`` are cut to the new tokens."""
+        every token so far, and every other keyword argument, as transformers' ``prepare_inputs_for_generation``
+        forwards them (but those :meth:`_not_forwarded` names); ``position_ids`` and ``token_type_ids`` are cut to
+        the new tokens."""
         cache = cache_from_kwargs(kwargs)
         if self.config.is_encoder_decoder:
             # generate() passes the decoder's ids as input_ids; the encoder's mask stays attention_mask.
@@ -157,14 +175,14 @@ class HfxGenerationMixin(GenerationMixin):
             inputs[ids_key], inputs["inputs_embeds"] = None, inputs_embeds
         if self.config.is_encoder_decoder:
             inputs["attention_mask"] = attention_mask
-        accepted = self._forward_parameters()
+        dropped = self._not_forwarded()
         for key, value in kwargs.items():
-            if key in _NOT_FORWARDED or key in CACHE_ARGUMENT_NAMES or key not in accepted or key in inputs:
+            if key in dropped or key in CACHE_ARGUMENT_NAMES or key in inputs:
                 continue
             if key in ("position_ids", "token_type_ids", "decoder_position_ids") and value is not None:
                 value = value[..., -new:]
             inputs[key] = value
-        if "use_cache" in accepted:
+        if "use_cache" in self._forward_parameters():
             inputs["use_cache"] = use_cache is not False
         inputs[self.generation_cache_argument] = cache
         return inputs

@@ -272,9 +272,11 @@ class HfxLMHeadMixin(HfxHeadMixin):
 class HfxCausalLMHeadMixin(HfxLMHeadMixin, HfxGenerationMixin):
     """A left-to-right language model: the base model as a decoder with its cache, a vocabulary head, the next-token
     loss and ``generate()`` (:class:`~hf_xformers.layers.generation.HfxGenerationMixin`: the cache under the release's
-    name, unseen tokens only, beam reorder). Put it first in the bases::
+    name, unseen tokens only, beam reorder). Put it first in the bases and transformers' ``GenerationMixin`` last, as
+    transformers' own causal LMs name it (``can_generate`` and transformers' tests look for it among the direct
+    bases)::
 
-        class HfxPerformerForCausalLM(HfxCausalLMHeadMixin, HfxPerformerPreTrainedModel):
+        class HfxPerformerForCausalLM(HfxCausalLMHeadMixin, HfxPerformerPreTrainedModel, GenerationMixin):
             base_model_class = HfxPerformerModel
 
     The model is always causal: a config with ``is_decoder=False`` is copied with ``is_decoder=True``

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ...attention.favor import FavorState, HfxFavorSelfAttention
@@ -50,14 +51,22 @@ class HfxPerformerCache(HfxCache):
     for the relu kernel); see :func:`~hf_xformers.attention.favor.favor_attention_with_state`.
     ``last_position``: ``(batch,)`` the largest position id used so far (numbering continues from it when a call
     gives no ``position_ids``). ``seen_tokens``: tokens (padding included) the states summarise.
+
+    ``inputs`` ``(batch, seen_tokens, hidden)`` and ``key_mask`` ``(batch, seen_tokens)`` bool: the embedded tokens and
+    which of them are real, kept only when the first call asks for attentions (``output_attentions=True``, which
+    ``generate()`` then asks at every step), None otherwise. The running sums cannot give attention probabilities;
+    these let every later call form its new tokens' rows by the uncached causal FAVOR+ (a cost that grows with the
+    length, as the probabilities themselves do).
     """
 
-    batch_fields = ("states", "last_position")
+    batch_fields = ("states", "last_position", "inputs", "key_mask")
 
     def __init__(self) -> None:
         self.states: list[FavorState] = []
         self.last_position: torch.Tensor | None = None
         self.seen_tokens = 0
+        self.inputs: torch.Tensor | None = None
+        self.key_mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.states)
@@ -231,9 +240,12 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
                 f"past_key_values must be an HfxPerformerCache, got {type(cache).__name__}; pass use_cache=True to "
                 "start one."
             )
-        if output_attentions or (output_attentions is None and self.config.output_attentions):
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        if output_attentions and cache.seen_tokens and cache.inputs is None:
             raise ValueError(
-                "Cached decoding never forms the attention matrix: pass use_cache=False to get attentions."
+                "This cache was started without output_attentions=True, so it kept no inputs to form attention "
+                "probabilities from: ask for attentions from the first call on (generate() does), or pass "
+                "use_cache=False."
             )
         new = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         if attention_mask is not None and attention_mask.shape[-1] == cache.seen_tokens + new:
@@ -262,6 +274,11 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
         if attention_mask is not None:
             attention_mask = attention_mask.bool()
+        if output_attentions or cache.inputs is not None:
+            real = attention_mask if attention_mask is not None else hidden.new_ones(batch, new, dtype=torch.bool)
+            fresh = cache.inputs is None
+            cache.inputs = hidden if fresh else torch.cat([cache.inputs, hidden], dim=1)
+            cache.key_mask = real if fresh else torch.cat([cache.key_mask, real], dim=1)
         attention_mask, _, attention_kwargs = self.prepare_attention_inputs(attention_mask, None, new)
         out = self.encoder(
             hidden, attention_mask, None, False, output_hidden_states, {**attention_kwargs, "cache": cache}
@@ -271,9 +288,20 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
             last_hidden_state=out.last_hidden_state,
             pooler_output=self.pooler(out.last_hidden_state) if self.pooler is not None else None,
             hidden_states=out.hidden_states,
+            attentions=self._attentions_of_new_tokens(cache, new) if output_attentions else None,
             **{CACHE_NAME: cache},
         )
         return self._finish(out, return_dict)
+
+    def _attentions_of_new_tokens(self, cache: HfxPerformerCache, new: int) -> tuple[torch.Tensor, ...]:
+        """Per layer, the attention probabilities of the last ``new`` tokens over every token so far, ``(batch,
+        heads, new, seen_tokens)``: the rows of the uncached causal forward over the inputs the cache kept. Causal
+        FAVOR+ stabilises each key by the keys before it, so earlier rows never depend on later tokens and these
+        rows are the ones an uncached forward over the whole sequence returns; the recurrent context of this call
+        is the context they give, to rounding."""
+        mask, _, attention_kwargs = self.prepare_attention_inputs(cache.key_mask, None, cache.inputs.shape[1])
+        full = self.encoder(cache.inputs, mask, None, True, False, attention_kwargs)
+        return tuple(probs[:, :, -new:] for probs in full.attentions)
 
 
 class HfxPerformerForMaskedLM(HfxMaskedLMHeadMixin, HfxPerformerPreTrainedModel):
@@ -297,15 +325,22 @@ class HfxPerformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxPer
     base_model_class = HfxPerformerModel
 
 
-class HfxPerformerForCausalLM(HfxCausalLMHeadMixin, HfxPerformerPreTrainedModel):
+class HfxPerformerForCausalLM(HfxCausalLMHeadMixin, HfxPerformerPreTrainedModel, GenerationMixin):
     """Left-to-right language model on causal FAVOR+ attention; the decoder is tied to the input embeddings.
 
     Inputs, labels and outputs as in :class:`~hf_xformers.layers.heads.HfxCausalLMHeadMixin` (the config is copied
     with ``is_decoder=True`` when it is not a decoder's; labels are shifted inside). ``generate()`` (greedy,
     sampling, beam search; ``pipeline("text-generation")``) keeps an :class:`HfxPerformerCache`: per layer the
     running sums of causal linear attention, so each new token costs the same whatever the length of the prefix;
-    ``use_cache=False`` recomputes the whole prefix every step instead (the same tokens). Positions are RoBERTa's,
-    numbered from the attention mask (left padding works).
+    ``use_cache=False`` recomputes the whole prefix every step instead (the same tokens). With
+    ``output_attentions=True`` a cached step also returns its new tokens' attention rows over every token so far
+    (:meth:`HfxPerformerModel._attentions_of_new_tokens`).
+
+    Positions are RoBERTa's (from ``padding_idx + 1``, ``padding_idx`` at padding). ``generate()`` counts them as
+    transformers' ``generate()`` does for every model, from 0 over the attention mask (the ``position_ids`` it makes,
+    continues and accepts: pass those, not table indices), and :meth:`prepare_inputs_for_generation` moves them onto
+    the table; left padding works, and ``generate(position_ids=...)`` with the positions ``generate()`` would infer
+    gives the same tokens as without them.
     """
 
     base_model_class = HfxPerformerModel
@@ -313,12 +348,20 @@ class HfxPerformerForCausalLM(HfxCausalLMHeadMixin, HfxPerformerPreTrainedModel)
     _tied_weights_keys = {"lm_head.decoder.weight": "performer.embeddings.word_embeddings.weight"}
 
     # ----- generation --------------------------------------------------------------------------------------
-    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs) -> torch.Tensor:
-        """RoBERTa positions (from ``padding_idx + 1``) of the prompt, counted over the attention mask (left padding
-        stays at ``padding_idx``); generate() then adds one per new token."""
-        padding_idx = self.performer.embeddings.padding_idx
-        mask = model_kwargs.get("attention_mask")
-        if mask is None:
-            mask = torch.ones(inputs_tensor.shape[:2], dtype=torch.long, device=inputs_tensor.device)
-        mask = mask.long()
-        return mask.cumsum(-1) * mask + padding_idx
+    def prepare_inputs_for_generation(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, use_cache: bool | None = None,
+        **kwargs,
+    ) -> dict:  # fmt: skip
+        """The shared step inputs, with ``generate()``'s positions ``(batch or 1, new)``, counted from 0 over the
+        attention mask, moved onto RoBERTa's table: ``+ embeddings.position_offset`` for real tokens,
+        ``padding_idx`` where the mask ``(batch, seen + new)`` is 0."""
+        inputs = super().prepare_inputs_for_generation(input_ids, attention_mask, use_cache, **kwargs)
+        positions = inputs.get("position_ids")
+        if positions is not None:
+            embeddings = self.performer.embeddings
+            positions = positions + embeddings.position_offset
+            if attention_mask is not None:
+                real = attention_mask[:, -positions.shape[-1] :].bool()
+                positions = torch.where(real, positions, torch.full_like(positions, embeddings.padding_idx))
+            inputs["position_ids"] = positions
+        return inputs

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import (
@@ -545,7 +546,7 @@ class HfxUniversalForTokenClassification(HfxTokenClassificationHeadMixin, HfxUni
 # ----- generation ------------------------------------------------------------------------------------------------
 
 
-class HfxUniversalForCausalLM(HfxCausalLMHeadMixin, HfxUniversalPreTrainedModel):
+class HfxUniversalForCausalLM(HfxCausalLMHeadMixin, HfxUniversalPreTrainedModel, GenerationMixin):
     """Decoder-only language model: causal self-attention (and causal separable convolutions), the LM head tied to
     the input embeddings. The config is copied with ``is_decoder=True`` and without cross-attention (the caller's
     object is left as it is).
@@ -578,7 +579,14 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     return shifted.masked_fill(shifted == -100, pad_token_id)
 
 
-class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel):
+class HfxUniversalDecoderModel(HfxUniversalModel):
+    """The decoder of :class:`HfxUniversalForSeq2SeqLM`: an :class:`HfxUniversalModel` built from a decoder's config
+    (causal self-attention, cross-attention to the encoder). A class of its own because it is not the base model: the
+    seq2seq model's only child of the base model's class is its encoder, the attribute ``base_model_prefix`` names,
+    which is how transformers moves weights between a base checkpoint and the seq2seq model."""
+
+
+class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, GenerationMixin):
     """Encoder-decoder Universal Transformer (the paper's translation setting): a bidirectional encoder, a causal decoder
     whose block also attends to the encoder output, each with its own ACT (or fixed steps), shared word embeddings
     and an LM head tied to them.
@@ -604,7 +612,7 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel):
         decoder_config = copy.deepcopy(config)
         decoder_config.is_encoder_decoder = False
         decoder_config.is_decoder = decoder_config.add_cross_attention = True
-        self.decoder = HfxUniversalModel(decoder_config, add_pooling_layer=False)
+        self.decoder = HfxUniversalDecoderModel(decoder_config, add_pooling_layer=False)
         self.lm_head = HfxUniversalLMHead(config)
         self.post_init()
 
@@ -659,7 +667,7 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel):
     def get_encoder(self, modality: str | None = None) -> HfxUniversalModel:
         return self.encoder
 
-    def get_decoder(self) -> HfxUniversalModel:
+    def get_decoder(self) -> HfxUniversalDecoderModel:
         return self.decoder
 
     @property
