@@ -46,6 +46,7 @@ from conversion.common import (  # noqa: E402
     save_model_and_tokenizer,
     split_prefix,
 )
+from conversion.sentence_transformers_modules import carry_sentence_transformers_modules
 from hf_xformers import (  # noqa: E402
     HfxBigBirdConfig,
     HfxBigBirdForMaskedLM,
@@ -503,6 +504,8 @@ def convert_roberta_to_long(
         if new_positions == "random":
             how = how[:-1] + ", new positions drawn at random)"
         save_model_and_tokenizer(model, tokenizer, output_dir, conversion_provenance(source, base_model, how))
+        # A sentence-transformers source keeps its pooling, normalisation ... and embeds up to the new length.
+        carry_sentence_transformers_modules(source, output_dir, max_seq_length=max_length)
     return model, tokenizer
 
 
