@@ -34,10 +34,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..ops.attention_switch import EAGER, attention_implementation, block_mask_from_tables, flex_applies, flex_attention
 from ..ops.input_checks import is_tracing
 from ..ops.kernels import attention
+from ..ops.precision import autocast_input
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
 from .base import AttentionOutput, QKVProjection
 
@@ -51,6 +53,65 @@ def _neighbourhoods(x: torch.Tensor, span: int, step: int) -> torch.Tensor:
         ``(batch, (length - span) // step + 1, span, *rest)``.
     """
     return x.unfold(1, span, step).movedim(-1, 2)
+
+
+class _BlockWindows(torch.autograd.Function):
+    """The key (or value) neighbourhoods of the query blocks as one contiguous head-major tensor, with optional
+    global rows in front of every block's window, for training in half precision.
+
+    The ``unfold`` views serve float32, whose per-head products take any strides; in half precision the products need
+    plain operands, so the attention kernel would copy the windows anyway, and autograd's ``unfold_backward`` (the
+    gradient of overlapping views, a scatter) cost more than the window products themselves (8 % of a bf16 training
+    step at 4k tokens). Here a window of ``s`` whole blocks is copied block by block, and its gradient is ``s``
+    block-shifted additions.
+
+    ``x`` ``(batch, (nb + s - 1) * b, heads, dim)``, ``extra`` ``(batch, G, heads, dim)`` or None ->
+    ``(batch * nb, heads, G + s * b, dim)``, a view of a contiguous ``(heads, batch * nb, G + s * b, dim)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, extra, b, s):  # noqa: D102
+        batch, rows, heads, dim = x.shape
+        nb, num_extra = rows // b - s + 1, 0 if extra is None else extra.shape[1]
+        out = x.new_empty(heads, batch, nb, num_extra + s * b, dim)
+        # Head-major first (one transposing copy), so that the s block copies move whole (b, dim) blocks.
+        blocks = x.permute(2, 0, 1, 3).contiguous().view(heads, batch, rows // b, b, dim)
+        for j in range(s):
+            out[:, :, :, num_extra + j * b : num_extra + (j + 1) * b] = blocks[:, :, j : j + nb]
+        if num_extra:
+            out[:, :, :, :num_extra] = extra.permute(2, 0, 1, 3)[:, :, None]
+        ctx.sizes = (batch, rows, heads, dim, nb, num_extra, b, s)
+        return out.view(heads, batch * nb, num_extra + s * b, dim).transpose(0, 1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # noqa: D102
+        batch, rows, heads, dim, nb, num_extra, b, s = ctx.sizes
+        grad = grad.transpose(0, 1).reshape(heads, batch, nb, num_extra + s * b, dim)
+        summed = grad.new_zeros(heads, batch, rows // b, b, dim)
+        for j in range(s):
+            # add_ on the view (``+=`` on an index would also copy the view onto itself)
+            summed[:, :, j : j + nb].add_(grad[:, :, :, num_extra + j * b : num_extra + (j + 1) * b])
+        grad_x = summed.view(heads, batch, rows, dim).permute(1, 2, 0, 3)
+        grad_extra = grad[:, :, :, :num_extra].sum(2).permute(1, 2, 0, 3) if num_extra else None
+        return grad_x, grad_extra, None, None
+
+
+def _block_windows(
+    x: torch.Tensor, span: int, b: int, extra: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``span``-row key (or value) neighbourhood of every ``b``-query block, ``x`` ``(batch, nb * b + span - b,
+    heads, dim)`` -> ``(batch * nb, heads, span, dim)``; with ``extra`` ``(batch, G, heads, dim)`` global rows these
+    are put in front of every block's window (``G + span`` rows) and the second value is None, otherwise it is
+    ``extra`` back, for the caller to add.
+
+    A view (:func:`_neighbourhoods`) in float32, in inference and while tracing; :class:`_BlockWindows` when a
+    half-precision gradient is recorded and the window is whole blocks.
+    """
+    reduced = x.dtype in (torch.bfloat16, torch.float16)
+    if reduced and torch.is_grad_enabled() and x.requires_grad and span % b == 0 and not is_tracing():
+        return _BlockWindows.apply(x, extra, b, span // b), None
+    return _fold_blocks(_neighbourhoods(x, span, b).permute(0, 1, 3, 2, 4)), extra
 
 
 def _fold_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -307,6 +368,8 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         """
         implementation = attention_implementation(self.config)
         batch, length, hidden = hidden_states.shape
+        # Up to five projections read the input (local and global query, key, value): cast it once under autocast.
+        hidden_states = autocast_input(hidden_states)
         is_global = None
         if global_attention_mask is not None:
             is_global = global_attention_mask if attention_mask is None else global_attention_mask & attention_mask
@@ -426,8 +489,13 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         # (batch * nb, heads, b, dim) queries and (batch * nb, heads, span, dim) keys/values: views of q, k and v,
         # except the overlapping key/value neighbourhoods of several examples (no single stride steps over both).
         qb = _fold_blocks(q.view(batch, nb, b, heads, dim).permute(0, 1, 3, 2, 4))
-        kb = _fold_blocks(_neighbourhoods(k, span, b).permute(0, 1, 3, 2, 4))
-        vb = _fold_blocks(_neighbourhoods(v, span, b).permute(0, 1, 3, 2, 4))
+        # Global keys and values come in front of the windows (when there are any and the batch is not packed).
+        gk = gv = None
+        if is_global is not None and packed_globals is None:
+            position = (global_idx + w)[..., None, None].expand(-1, -1, heads, dim)
+            gk, gv = k.gather(1, position), v.gather(1, position)  # (batch, G, heads, dim)
+        kb, gk = _block_windows(k, span, b, gk)
+        vb, gv = _block_windows(v, span, b, gv)
 
         # Additive mask, 0 where a query may look and -inf elsewhere: a band |offset| <= w (key column c of
         # block-local query row r sits at offset c - w - r) and real, non-global local keys (global keys come
@@ -464,11 +532,11 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             )  # fmt: skip
         if is_global is not None:
             num_global = global_idx.shape[1]
-            gk = k.gather(1, (global_idx + w)[..., None, None].expand(-1, -1, heads, dim)).transpose(1, 2)
-            gv = v.gather(1, (global_idx + w)[..., None, None].expand(-1, -1, heads, dim)).transpose(1, 2)
-            expand = (batch, nb, heads, num_global, dim)
-            gk, gv = _fold_blocks(gk[:, None].expand(expand)), _fold_blocks(gv[:, None].expand(expand))
-            kb, vb = torch.cat([gk, kb], dim=2), torch.cat([gv, vb], dim=2)
+            if gk is not None:  # not put in front by _block_windows: here
+                expand = (batch, nb, heads, num_global, dim)
+                gk = _fold_blocks(gk.transpose(1, 2)[:, None].expand(expand))
+                gv = _fold_blocks(gv.transpose(1, 2)[:, None].expand(expand))
+                kb, vb = torch.cat([gk, kb], dim=2), torch.cat([gv, vb], dim=2)
             global_bias = torch.where(global_valid, 0.0, neg_inf)[:, None, None, :].expand(batch, nb, b, num_global)
             bias = torch.cat([_fold_blocks(global_bias[:, :, None]), bias], -1)
 

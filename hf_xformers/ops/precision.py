@@ -5,6 +5,9 @@
 * :func:`float32_autocast_off`: a region where autocast is off, for the parts the papers and references compute in
   float32 whatever the rest of the model does (random-feature maps and prefix sums, hashing, halting sums, the
   adaptive softmax). Cast the region's inputs with ``.float()`` inside it.
+* :func:`autocast_input`: the cast autocast would make, made once. Under autocast the residual stream stays float32
+  and every ``nn.Linear`` casts its input anew: an attention layer that projects one input four or five times (query,
+  key, value, global projections) would cast it four or five times, and sum as many float32 gradients.
 """
 
 from __future__ import annotations
@@ -32,4 +35,15 @@ def float32_autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type, enabled=False)
 
 
-__all__ = ["float32_autocast_off", "mask_value"]
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` cast to the autocast dtype when autocast is on for its device and ``x`` is float32, else ``x`` itself:
+    what each matrix product under autocast would cast it to (the same numbers), once for all its consumers."""
+    device_type = x.device.type
+    if x.dtype != torch.float32 or not torch.amp.is_autocast_available(device_type):
+        return x
+    if not torch.is_autocast_enabled(device_type):
+        return x
+    return x.to(torch.get_autocast_dtype(device_type))
+
+
+__all__ = ["autocast_input", "float32_autocast_off", "mask_value"]
