@@ -313,3 +313,39 @@ def test_short_input_dense_path_equals_banded_path(length):
             fast = attention(hidden, mask, global_mask).context
             banded = attention(hidden, mask, global_mask, output_attentions=True).context  # the banded path
         torch.testing.assert_close(fast, banded, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_inference_in_chunks_equals_one_pass(monkeypatch, batch):
+    """Without gradients, long inputs go through the banded attention and the feed-forward a chunk at a time; the
+    numbers must be those of the one-pass computation (which a recorded gradient still takes), with global tokens
+    and padding."""
+    from hf_xformers.attention import sliding_window
+    from hf_xformers.layers import encoder
+
+    config = HfxLongformerConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        attention_window=16, max_position_embeddings=300, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = HfxLongformerModel(config).eval()
+    torch.manual_seed(0)
+    input_ids = torch.randint(5, 100, (batch, 250))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[-1, 230:] = 0
+    global_attention_mask = torch.zeros_like(input_ids)
+    global_attention_mask[:, [0, 77]] = 1
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask)
+    one_pass = model(**inputs).last_hidden_state  # gradients recorded: no chunks
+    assert one_pass.requires_grad
+    calls = []
+    original = sliding_window.HfxSlidingWindowSelfAttention._chunked_banded_attention
+    monkeypatch.setattr(
+        sliding_window.HfxSlidingWindowSelfAttention, "_chunked_banded_attention",
+        lambda self, *a: calls.append(1) or original(self, *a),
+    )  # fmt: skip
+    monkeypatch.setattr(sliding_window, "LOCAL_CHUNK_TOKENS", 8)  # one 8-query block per chunk
+    monkeypatch.setattr(encoder, "FFN_CHUNK_TOKENS", 60)
+    with torch.no_grad():
+        chunked = model(**inputs).last_hidden_state
+    assert len(calls) == config.num_hidden_layers
+    torch.testing.assert_close(chunked, one_pass.detach(), atol=1e-6, rtol=1e-5)

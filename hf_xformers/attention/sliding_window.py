@@ -255,6 +255,10 @@ def packed_globals_of(
     return PackedGlobals(slot_docs, columns, members, member_docs, place, key_positions, key_docs)
 
 
+# Queries per chunk of Longformer's banded attention without gradients (:meth:`_chunked_banded_attention`): at base
+# width the chunk's float32 scores are ~110 MB, and the chunks are still large enough to keep the products efficient.
+LOCAL_CHUNK_TOKENS = 4096
+
 # Query and key block size of Longformer's FlexAttention BlockMask (FlexAttention's default).
 FLEX_BLOCK = 128
 
@@ -494,8 +498,15 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         if is_global is not None and packed_globals is None:
             position = (global_idx + w)[..., None, None].expand(-1, -1, heads, dim)
             gk, gv = k.gather(1, position), v.gather(1, position)  # (batch, G, heads, dim)
-        kb, gk = _block_windows(k, span, b, gk)
-        vb, gv = _block_windows(v, span, b, gv)
+        # Inference over more blocks than one chunk: the blocks go through attention a chunk at a time
+        # (:meth:`_chunked_banded_attention`), so that neither the windows nor the scores exist for all blocks at once.
+        chunked = (
+            not output_attentions and packed_globals is None and not is_tracing() and nb > LOCAL_CHUNK_TOKENS // b
+            and not (torch.is_grad_enabled() and hidden_states.requires_grad)
+        )  # fmt: skip
+        if not chunked:
+            kb, gk = _block_windows(k, span, b, gk)
+            vb, gv = _block_windows(v, span, b, gv)
 
         # Additive mask, 0 where a query may look and -inf elsewhere: a band |offset| <= w (key column c of
         # block-local query row r sits at offset c - w - r) and real, non-global local keys (global keys come
@@ -530,6 +541,12 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
                 qb, kb, vb, bias, query_docs, query_pad, k, v, is_global, global_idx, packed_globals,
                 output_attentions, return_probs, length,
             )  # fmt: skip
+        if chunked:
+            global_bias = None
+            if is_global is not None:
+                global_bias = torch.where(global_valid, 0.0, neg_inf)[:, None, None, None, :].expand(-1, nb, 1, b, -1)
+            out = self._chunked_banded_attention(q, k, v, bias.view(batch, nb, 1, b, span), gk, gv, global_bias)
+            return unblock(out.transpose(2, 3), length).reshape(batch, length, hidden), None
         if is_global is not None:
             num_global = global_idx.shape[1]
             if gk is not None:  # not put in front by _block_windows: here
@@ -562,6 +579,40 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             return out.reshape(batch, length, hidden), probs
         out = out.view(batch, nb, heads, b, dim).transpose(2, 3)  # (batch, nb, b, heads, dim)
         return unblock(out, length).reshape(batch, length, hidden), probs
+
+    def _chunked_banded_attention(self, q, k, v, bias, gk, gv, global_bias) -> torch.Tensor:
+        """:meth:`_banded_attention` without gradients, ``LOCAL_CHUNK_TOKENS`` queries at a time: the key windows
+        (with the global keys in front) and the scores of one chunk of blocks exist at once, not of all ``nb``
+        (128k tokens at base width: 3.6 GB of float32 scores and 1.8 GB of windows per tensor otherwise). The same
+        numbers: every block is its own attention problem.
+
+        ``q`` ``(batch, nb * b, heads * dim)``; ``k`` / ``v`` ``(batch, nb * b + 2w, heads, dim)``; ``bias``
+        ``(batch, nb, 1, b, span)``; ``gk`` / ``gv`` ``(batch, G, heads, dim)`` and ``global_bias``
+        ``(batch, nb, 1, b, G)``, or None. Returns ``(batch, nb, heads, b, dim)``.
+        """
+        heads, dim, b = self.num_heads, self.head_dim, self.query_block
+        batch, nb, span = bias.shape[0], bias.shape[1], bias.shape[-1]
+        queries = q.view(batch, nb, b, heads, dim).permute(0, 1, 3, 2, 4)  # (batch, nb, heads, b, dim)
+        keys = _neighbourhoods(k, span, b).permute(0, 1, 3, 2, 4)  # (batch, nb, heads, span, dim) views
+        values = _neighbourhoods(v, span, b).permute(0, 1, 3, 2, 4)
+        out = q.new_empty(batch, nb, heads, b, dim)
+        step = max(1, LOCAL_CHUNK_TOKENS // b)
+        for first in range(0, nb, step):
+            blocks = slice(first, min(first + step, nb))
+            n = blocks.stop - first
+            kc, vc, bc = keys[:, blocks], values[:, blocks], bias[:, blocks]
+            if gk is not None:
+                expand = (batch, n, heads, gk.shape[1], dim)
+                kc = torch.cat([gk.transpose(1, 2)[:, None].expand(expand), kc], dim=3)
+                vc = torch.cat([gv.transpose(1, 2)[:, None].expand(expand), vc], dim=3)
+                bc = torch.cat([global_bias[:, blocks], bc], dim=-1)
+            fold = (batch * n, heads)
+            context = attention(
+                queries[:, blocks].reshape(*fold, b, dim), kc.reshape(*fold, -1, dim), vc.reshape(*fold, -1, dim),
+                bc.reshape(batch * n, 1, b, -1),
+            )  # fmt: skip
+            out[:, blocks] = context.view(batch, n, heads, b, dim)
+        return out
 
     def _packed_banded_attention(
         self, qb, kb, vb, bias, query_docs, query_pad, k, v, is_global, global_idx, packed_globals, explicit,

@@ -17,6 +17,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..ops.fast_dropout import HfxDropout
+from ..ops.input_checks import is_tracing
 from ..ops.packing import document_starts
 
 
@@ -55,6 +56,9 @@ class HfxAttentionBlock(nn.Module):
         out = self.self(hidden_states, attention_mask, global_attention_mask, output_attentions, **attention_kwargs)
         return self.output(out.context, hidden_states), out
 
+
+# Tokens per chunk of the feed-forward block without gradients (HfxEncoderLayer.feed_forward).
+FFN_CHUNK_TOKENS = 16384
 
 # Activations with an in-place ATen form, used when no gradient is recorded (exact same numbers).
 INPLACE_ACTIVATIONS = {
@@ -109,7 +113,21 @@ class HfxEncoderLayer(GradientCheckpointingLayer):
         attended, attention_out = self.attention(
             hidden_states, attention_mask, global_attention_mask, output_attentions, **attention_kwargs
         )
-        return self.output(self.intermediate(attended), attended), attention_out
+        return self.feed_forward(attended), attention_out
+
+    def feed_forward(self, attended: torch.Tensor) -> torch.Tensor:
+        """``LayerNorm(x + FFN(x))``, ``(batch, seq_len, hidden)``; without gradients ``FFN_CHUNK_TOKENS`` tokens at
+        a time (the feed-forward is per token: the same numbers), so that the ``intermediate_size``-wide activation
+        of a long input never exists whole (128k tokens at base width: 1.5 GB in float32)."""
+        batch, length = attended.shape[:2]
+        step = max(1, FFN_CHUNK_TOKENS // batch)
+        if length <= step or is_tracing() or (torch.is_grad_enabled() and attended.requires_grad):
+            return self.output(self.intermediate(attended), attended)
+        out = torch.empty_like(attended)
+        for first in range(0, length, step):
+            chunk = attended[:, first : first + step]
+            out[:, first : first + step] = self.output(self.intermediate(chunk), chunk)
+        return out
 
 
 class HfxEncoder(nn.Module):
