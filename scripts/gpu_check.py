@@ -1,0 +1,994 @@
+"""One command for a GPU: every check that needs an accelerator, in one run of a few minutes, into one folder.
+
+GPU time is short (about 15 minutes at a time on one H100, machine start included), so this script runs the device
+checks as a fixed list of steps, each in a process of its own with its own time limit, under one global cap (8
+minutes on CUDA), and writes everything under ``<out>/<date>-<device>/``: a folder and a log per step and, at the
+end, ``summary.md`` (each step's status, time and key figures) and ``summary.json``. A failing or timed-out step
+does not stop the others; steps that write their results as they go keep what they finished.
+
+Steps (:data:`STEPS`, in order):
+
+1. ``environment``: versions (torch, transformers and the libraries it needs), the device, the floors of
+   ``pyproject.toml``, one forward of a small model on the device.
+2. ``conformance``: ``pytest --device <device>`` on the conformance suites' mixed-precision (bf16 and fp16), packed
+   batch and device tests.
+3. ``attention_implementations``: every ``attn_implementation`` of every architecture, forward and backward under
+   bfloat16 autocast, against the float32 ``"eager"`` outputs and gradients of the same weights (this file's
+   worker).
+4. ``attention_switch``: ``benchmarks.benchmark_attention_switch``, training, 4k and 32k tokens, ours (sdpa and
+   flex_attention) against transformers.
+5. ``long_context``: ``benchmarks.benchmark_long_context``, training, 4k and 32k tokens, against transformers and
+   full-attention SDPA.
+6. ``packing``: ``benchmarks.benchmark_packing``: packed (padding-free) batches against padded ones.
+7. ``lra``: a short Long Range Arena run (``benchmarks.lra.run``, ListOps, every architecture).
+
+Nothing is installed. The script runs on the interpreter that starts it (on the GPU machines, their own ``python3``
+with its CUDA torch) and gives every step a ``PYTHONPATH`` of the repository root (no ``pip install -e``) and of the
+wheels in ``.whl/`` that the machine lacks or holds older: each such wheel (pure-Python ones, or built for this
+interpreter and platform) is unpacked once under ``gpu_check_results/.cache/`` and put on the path, ahead of
+site-packages. That is how a machine whose transformers is below our floor (5.18) runs the pinned release
+(``.whl/transformers-5.23.0-py3-none-any.whl``).
+
+Usage (from the repository root)::
+
+    make gpu-check                                  # python3 scripts/gpu_check.py --device cuda
+    make gpu-check DEVICE=cpu                       # the same steps at tiny sizes on the CPU, under two minutes
+    python3 scripts/gpu_check.py --device cuda --steps environment conformance    # some steps only
+
+    # on the project's GPU machine (the device tool): the tree travels, .whl/ with it; results come back in $OUT
+    run(command="make gpu-check", carry=[".whl"])
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WHEEL_DIR = REPO_ROOT / ".whl"
+CACHE_DIR = REPO_ROOT / "gpu_check_results" / ".cache"
+# The whole run on a GPU machine: 8 of the 15 minutes a session gets, which leaves time for the machine's start and
+# one rerun of a step. On the CPU (the dry run) the steps are tiny.
+GLOBAL_CAP_S = {"cuda": 480.0, "cpu": 115.0}
+# Every step not yet run keeps at least this much of the global cap, so that a slow step cannot starve the rest.
+MIN_STEP_S = {"cuda": 20.0, "cpu": 8.0}
+# A step past its limit gets SIGTERM, then SIGKILL this much later (its process group: cell workers included).
+KILL_GRACE_S = 5.0
+LOG_TAIL_LINES = 15
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The path the steps run with: the repository and the wheels of .whl/ this interpreter lacks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """``"5.23.0"`` -> ``(5, 23, 0)``; a pre-release or local suffix (``2.11.0+cu128``, ``5.18.0rc1``) is cut at the
+    first non-digit of each part."""
+    parts = []
+    for piece in text.split("+")[0].split("."):
+        digits = re.match(r"\d*", piece).group()
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def pyproject_floor(name: str) -> str:
+    """The lowest version of ``name`` that ``pyproject.toml``'s dependencies admit (``"name>=X"``)."""
+    text = (REPO_ROOT / "pyproject.toml").read_text()
+    match = re.search(rf'"{re.escape(name)}\s*>=\s*([0-9][0-9.]*)', text)
+    if match is None:
+        raise ValueError(f"pyproject.toml names no floor for {name!r} ('{name}>=X' in [project] dependencies)")
+    return match.group(1)
+
+
+def installed_version(name: str) -> str | None:
+    """The version of distribution ``name`` this interpreter would import (without the wheels), or None."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def wheel_fits(python_tag: str, abi_tag: str, platform_tag: str) -> bool:
+    """Whether a wheel with these tags runs on this interpreter: pure Python, or built for this CPython and machine."""
+    if platform_tag == "any":
+        return any(tag.startswith("py3") or tag == "py2.py3" for tag in python_tag.split("."))
+    ours = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    return (
+        sys.platform.startswith("linux")
+        and platform.machine() in platform_tag
+        and (ours in python_tag.split(".") or abi_tag == "abi3")
+    )
+
+
+@dataclass
+class WheelChoice:
+    path: Path
+    name: str
+    version: str
+    installed: str | None
+    used: bool
+    reason: str
+
+
+def choose_wheels(wheel_dir: Path = WHEEL_DIR) -> list[WheelChoice]:
+    """Every wheel in ``wheel_dir``, and whether it goes on the path: yes when this interpreter lacks the
+    distribution or has an older version (and the wheel fits this interpreter)."""
+    choices = []
+    for path in sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []:
+        parts = path.stem.split("-")
+        if len(parts) not in (5, 6):
+            choices.append(WheelChoice(path, path.stem, "?", None, False, "not a wheel file name"))
+            continue
+        name, version, python_tag, abi_tag, platform_tag = parts[0], parts[1], *parts[-3:]
+        installed = installed_version(name)
+        if not wheel_fits(python_tag, abi_tag, platform_tag):
+            used, reason = False, f"built for {python_tag}-{abi_tag}-{platform_tag}, not this interpreter"
+        elif installed is None:
+            used, reason = True, "not installed here"
+        elif version_tuple(installed) < version_tuple(version):
+            used, reason = True, f"installed {installed} is older"
+        else:
+            used, reason = False, f"installed {installed} is as new"
+        choices.append(WheelChoice(path, name, version, installed, used, reason))
+    return choices
+
+
+def unpack_wheel(path: Path, cache_dir: Path = CACHE_DIR) -> Path:
+    """``path`` unpacked under ``cache_dir`` (once: a marker file says the unpacking finished); a folder to put on the
+    import path. Unpacked rather than imported from the zip: some packages read their own files from disk."""
+    target = cache_dir / path.stem
+    marker = target / ".unpacked"
+    if not marker.exists():
+        target.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(path) as archive:
+            archive.extractall(target)
+        marker.write_text(str(path.stat().st_size))
+    return target
+
+
+def step_environment(extra_paths: list[Path]) -> dict[str, str]:
+    """The environment of every step: offline Hugging Face libraries, unbuffered output, and a ``PYTHONPATH`` of the
+    repository root, then the unpacked wheels, then what was there."""
+    env = dict(os.environ)
+    old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *map(str, extra_paths), *old])
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_EVALUATE_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        MPLBACKEND="Agg",
+    )
+    return env
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The steps
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    device: str
+    run_dir: Path
+    python: str
+
+
+@dataclass
+class Step:
+    """One step: ``argv(ctx, step_dir)`` is its command (run in the repository root); ``flags`` the options of
+    ``module`` it needs (checked in the module's source before running, so that a benchmark without them yet is
+    reported, not crashed); ``figures(step_dir, log)`` the key figures for the summary."""
+
+    name: str
+    title: str
+    limit_s: dict[str, float]
+    argv: Callable[[Context, Path], list[str]]
+    figures: Callable[[Path, str], list[str]]
+    module: str | None = None
+    flags: tuple[str, ...] = ()
+
+
+def worker_argv(ctx: Context, step_dir: Path, worker: str) -> list[str]:
+    return [
+        ctx.python,
+        str(Path(__file__).resolve()),
+        "--worker",
+        worker,
+        "--device",
+        ctx.device,
+        "--out",
+        str(step_dir),
+    ]
+
+
+# The conformance suites: every architecture's (tests/test_<arch>.py subclasses of TextModelConformance, Swin's of
+# VisionModelConformance).
+SUITE_FILES = [
+    f"tests/test_{arch}.py"
+    for arch in ("longformer", "bigbird", "linformer", "performer", "reformer", "transfo_xl", "universal", "swin")
+]
+# Their mixed-precision tests (parametrised bf16 / fp16), packed batches, and the CPU-against-device comparison.
+CONFORMANCE_K = {
+    "cuda": "Conformance and (bf16 or fp16 or packed or on_the_device)",
+    # The dry run: one architecture's bf16 tests and one packed-batch test, enough to show that the plumbing works.
+    "cpu": "TestLongformerConformance and ((half_precision_weights and bf16) or (packed_documents and eval-seq_idx))",
+}
+
+
+def conformance_argv(ctx: Context, step_dir: Path) -> list[str]:
+    files = SUITE_FILES if ctx.device != "cpu" else ["tests/test_longformer.py"]
+    return [
+        ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "--device", ctx.device,
+        "-k", CONFORMANCE_K[ctx.device], "--junitxml", str(step_dir / "junit.xml"), "--continue-on-collection-errors",
+    ]  # fmt: skip
+
+
+def attention_switch_argv(ctx: Context, step_dir: Path) -> list[str]:
+    sizes = (
+        ["--lengths", "4096", "32768", "--repeats", "2", "--warmup", "1"]
+        if ctx.device != "cpu"
+        else ["--lengths", "128", "--repeats", "1", "--warmup", "0", "--threads", "2"]
+    )
+    # The dry run: Longformer only (the benchmark's models are 768 wide, costly on the CPU).
+    archs = ["longformer", "bigbird"] if ctx.device != "cpu" else ["longformer"]
+    return [
+        ctx.python, "-m", "benchmarks.benchmark_attention_switch", "--device", ctx.device, "--dtype", "bfloat16",
+        "--autocast", "--modes", "train", "--archs", *archs, *sizes, "--out", str(step_dir),
+    ]  # fmt: skip
+
+
+def long_context_argv(ctx: Context, step_dir: Path) -> list[str]:
+    # Every cell runs in a fresh process (imports and CUDA start: several seconds each), so the GPU run measures the
+    # ends of the range only, ours against transformers' Longformer and full-attention SDPA RoBERTa; the dry run
+    # measures ours (one cell).
+    sizes = (
+        ["--lengths", "4096", "32768", "--impls", "hfx", "ref", "sdpa", "--hidden", "256", "--layers", "4",
+         "--window", "512", "--timeout", "60"]
+        if ctx.device != "cpu"
+        else ["--lengths", "128", "--impls", "hfx", "--hidden", "32", "--layers", "1", "--heads", "2", "--window", "32",
+              "--timeout", "60", "--threads", "2"]
+    )  # fmt: skip
+    return [
+        ctx.python, "-m", "benchmarks.benchmark_long_context", "--arch", "longformer", "--device", ctx.device,
+        "--dtype", "bfloat16", "--autocast", "--modes", "backward", "--repeats", "2", "--max-background", "1",
+        "--quiet-wait", "0", *sizes, "--out", str(step_dir),
+    ]  # fmt: skip
+
+
+def packing_argv(ctx: Context, step_dir: Path) -> list[str]:
+    sizes = (
+        ["--arch", "longformer", "bigbird", "performer", "reformer", "universal", "--batch-sizes", "8",
+         "--num-batches", "4", "--repeats", "2", "--max-length", "4096", "--budget-s", "45"]
+        if ctx.device != "cpu"
+        else ["--quick", "--threads", "2"]
+    )  # fmt: skip
+    return [
+        ctx.python, "-m", "benchmarks.benchmark_packing", "--device", ctx.device, "--dtype", "bfloat16", *sizes,
+        "--name", "packing", "--out", str(step_dir),
+    ]  # fmt: skip
+
+
+def lra_argv(ctx: Context, step_dir: Path) -> list[str]:
+    sizes = (
+        ["--arch", "all", "--steps", "60", "--batch_size", "32", "--num_train", "1000", "--num_eval", "200"]
+        if ctx.device != "cpu"
+        else ["--arch", "hfx-longformer", "--steps", "2", "--batch_size", "4", "--num_train", "8",
+              "--num_eval", "4", "--max_length", "48", "--option", "listops.min_length=16", "--threads", "2"]
+    )  # fmt: skip
+    return [
+        ctx.python, "-m", "benchmarks.lra.run", "--task", "listops", *sizes, "--device", ctx.device,
+        "--dtype", "bfloat16", "--autocast", "--in_process", "--no_progress", "--overwrite", "--out", str(step_dir),
+    ]  # fmt: skip
+
+
+# ----- key figures for the summary (each reads what its step wrote; a step stopped early has written less) -----
+
+
+def _read_json(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def environment_figures(step_dir: Path, log: str) -> list[str]:
+    env = _read_json(step_dir / "environment.json")
+    if not env:
+        return []
+    lines = [
+        f"python {env['python']}; torch {env['torch']} (CUDA {env.get('cuda') or '-'}); "
+        f"device: {env.get('device_name', '-')}",
+        f"transformers {env['transformers']} from {env['transformers_from']}; floors: torch >= {env['torch_floor']}, "
+        f"transformers >= {env['transformers_floor']}",
+    ]
+    lines += [f"problem: {p}" for p in env.get("problems", [])]
+    lines += [f"warning: {w}" for w in env.get("warnings", [])]
+    if env.get("smoke"):
+        lines.append(f"smoke forward on {env['device']}: {env['smoke']}")
+    return lines
+
+
+def conformance_figures(step_dir: Path, log: str) -> list[str]:
+    import xml.etree.ElementTree as ElementTree
+
+    path = step_dir / "junit.xml"
+    if not path.exists():
+        return []
+    suite = ElementTree.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    lines = [
+        f"{passed} passed, {counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped "
+        f"in {float(suite.get('time', 0)):.0f} s"
+    ]
+    for case in suite.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            lines.append(f"failed: {case.get('classname')}::{case.get('name')}")
+    return lines[:21]
+
+
+def sweep_figures(step_dir: Path, log: str) -> list[str]:
+    data = _read_json(step_dir / "attention_implementations.json")
+    if not data:
+        return []
+    lines = [
+        f"{data['settings']}",
+        "",
+        "| architecture | attn_implementation | status | first call s | step ms | peak MiB | mean rel. error | "
+        "max dev. | grad cosine |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in data["cells"]:
+        if c["status"] == "ok" or "step_ms" in c:
+            lines.append(
+                f"| {c['arch']} | {c['implementation']} | {c['status']} | {c['first_call_s']:.1f} | "
+                f"{c['step_ms']:.1f} | {c['peak_mib'] or '-'} | {c['mean_rel_error']:.2e} | {c['max_deviation']:.2e} | "
+                f"{c['grad_cosine']:.4f} |"
+            )
+        else:
+            lines.append(f"| {c['arch']} | {c['implementation']} | {c['status']}: {c.get('error', '')} | | | | | | |")
+    return lines
+
+
+def attention_switch_figures(step_dir: Path, log: str) -> list[str]:
+    # The benchmark prints one JSON line per cell as it goes (its JSON file is written at the end only).
+    cells = {}
+    for line in log.splitlines():
+        if line.startswith('{"arch"'):
+            row = json.loads(line)
+            cells.setdefault((row["arch"], row["mode"], row["length"]), {})[row["implementation"]] = row["seconds"]
+    lines = ["| arch | mode | tokens | sdpa | flex_attention | transformers | transformers / sdpa |", "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for (arch, mode, length), row in cells.items():
+        ms = {k: f"{v * 1000:.0f} ms" if isinstance(v, float) else str(v) for k, v in row.items()}
+        a, b = row.get("transformers"), row.get("sdpa")
+        ratio = f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"
+        lines.append(
+            f"| {arch} | {mode} | {length:,} | {ms.get('sdpa', '-')} | {ms.get('flex_attention', '-')} | "
+            f"{ms.get('transformers', '-')} | {ratio} |"
+        )
+    return lines if cells else []
+
+
+def long_context_figures(step_dir: Path, log: str) -> list[str]:
+    lines = []
+    for path in sorted(step_dir.glob("*.json")):
+        data = json.loads(path.read_text())
+        results = data.get("results", {})
+        lines += [f"`{path.name}`:", "", "| cell | status | seconds | peak MiB |", "|---|---|---:|---:|"]
+        for cell, r in results.items():
+            seconds = f"{r['time_s']:.3f}" if r.get("status") == "ok" else "-"
+            peak = f"{r['peak_mib']:.0f}" if r.get("status") == "ok" and "peak_mib" in r else "-"
+            lines.append(f"| {cell} | {r.get('status')} | {seconds} | {peak} |")
+    return lines
+
+
+def packing_figures(step_dir: Path, log: str) -> list[str]:
+    data = _read_json(step_dir / "packing.json")
+    if not data:
+        return []
+    lines = ["| arch | dtype | attention | B | scheme | status | tokens/s | peak MiB |", "|---|---|---|---:|---|---|---:|---:|"]  # fmt: skip
+    for r in data["results"]:
+        speed, peak = (f"{r['tokens_per_s']:,.0f}", f"{r['peak_mib']:,.0f}") if r["status"] == "ok" else ("-", "-")
+        lines.append(
+            f"| {r['arch']} | {r['dtype']} | {r['attn_implementation']} | {r['batch_size']} | {r['scheme']} | "
+            f"{r['status']} | {speed} | {peak} |"
+        )
+    return lines
+
+
+def lra_figures(step_dir: Path, log: str) -> list[str]:
+    cells = [json.loads(p.read_text()) for p in sorted((step_dir / "cells").glob("*.json"))]
+    lines = ["| task | architecture | test accuracy | steps/s | final loss |", "|---|---|---:|---:|---:|"]
+    for c in cells:
+        if "skipped" in c:
+            lines.append(f"| {c['task']} | {c['arch']} | skipped: {c['skipped']} | | |")
+        else:
+            lines.append(
+                f"| {c['task']} | {c['arch']} | {100 * c['test_accuracy']:.1f} % | {c['steps_per_second']:.2f} | "
+                f"{c['final_train_loss']:.3f} |"
+            )
+    return lines if cells else []
+
+
+STEPS = [
+    Step("environment", "Versions, device, floors, one forward", {"cuda": 45, "cpu": 20},
+         lambda ctx, d: worker_argv(ctx, d, "environment"), environment_figures),
+    Step("conformance", "pytest --device: conformance suites in bf16 and fp16, packed batches",
+         {"cuda": 110, "cpu": 25}, conformance_argv, conformance_figures),
+    Step("attention_implementations", "Every attn_implementation of every architecture, forward + backward, bf16",
+         {"cuda": 110, "cpu": 25}, lambda ctx, d: worker_argv(ctx, d, "attention_implementations"), sweep_figures),
+    Step("attention_switch", "Attention-switch benchmark: training, ours against transformers",
+         {"cuda": 80, "cpu": 20}, attention_switch_argv, attention_switch_figures,
+         module="benchmarks/benchmark_attention_switch.py", flags=("--device", "--dtype", "--autocast")),
+    Step("long_context", "Long-context benchmark: training, Longformer against transformers and full SDPA",
+         {"cuda": 60, "cpu": 25}, long_context_argv, long_context_figures,
+         module="benchmarks/benchmark_long_context.py", flags=("--device", "--dtype", "--autocast")),
+    Step("packing", "Packed (padding-free) batches against padded ones, training throughput",
+         {"cuda": 50, "cpu": 20}, packing_argv, packing_figures,
+         module="benchmarks/benchmark_packing.py", flags=("--device", "--dtype")),
+    Step("lra", "A short Long Range Arena run (ListOps)", {"cuda": 60, "cpu": 25}, lra_argv, lra_figures,
+         module="benchmarks/lra/run.py", flags=("--device", "--dtype", "--autocast")),
+]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running the steps
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepResult:
+    name: str
+    title: str
+    status: str  # ok, failed, timeout, not run
+    seconds: float = 0.0
+    cpu_s: float = 0.0  # CPU time of the step's processes (user + system): its cost on an idle machine
+    limit_s: float = 0.0
+    returncode: int | None = None
+    command: str = ""
+    note: str = ""
+    figures: list[str] = field(default_factory=list)
+    log_tail: list[str] = field(default_factory=list)
+
+
+def missing_flags(step: Step) -> list[str]:
+    """The options of ``step.flags`` that ``step.module``'s command line does not define."""
+    if step.module is None:
+        return []
+    source = (REPO_ROOT / step.module).read_text()
+    return [flag for flag in step.flags if not re.search(rf"""add_argument\(\s*["']{re.escape(flag)}["']""", source)]
+
+
+def run_step(step: Step, ctx: Context, limit_s: float, env: dict[str, str]) -> StepResult:
+    step_dir = ctx.run_dir / step.name
+    step_dir.mkdir(parents=True, exist_ok=True)
+    log_path = ctx.run_dir / f"{step.name}.log"
+    result = StepResult(step.name, step.title, "not run", limit_s=limit_s)
+    missing = missing_flags(step)
+    if missing:
+        result.note = (
+            f"{step.module} has no {', '.join(missing)} option yet: step not run (its command line needs "
+            f"{' '.join(step.flags)})"
+        )
+        log_path.write_text(result.note + "\n")
+        return result
+    argv = step.argv(ctx, step_dir)
+    result.command = " ".join(argv)
+    print(f"[{time.strftime('%H:%M:%S')}] {step.name}: up to {limit_s:.0f} s: {result.command}", flush=True)
+    start, cpu_start = time.perf_counter(), _children_cpu_s()
+    with log_path.open("w") as log:
+        log.write(f"$ {result.command}\n")
+        log.flush()
+        # A session of its own: past the limit the whole group goes (benchmarks start a process per cell).
+        process = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            result.returncode = process.wait(timeout=limit_s)
+            result.status = "ok" if result.returncode == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            result.status = "timeout"
+            result.note = f"stopped at its limit of {limit_s:.0f} s; the figures are what it finished"
+            _stop(process)
+    result.seconds, result.cpu_s = time.perf_counter() - start, _children_cpu_s() - cpu_start
+    text = log_path.read_text(errors="replace")
+    if result.status != "ok":
+        result.log_tail = text.splitlines()[-LOG_TAIL_LINES:]
+    try:
+        result.figures = step.figures(step_dir, text)
+    except Exception as error:  # noqa: BLE001 - a figure that cannot be read must not lose the step's status
+        result.figures = [f"(figures unreadable: {type(error).__name__}: {error})"]
+    print(f"[{time.strftime('%H:%M:%S')}] {step.name}: {result.status} in {result.seconds:.0f} s", flush=True)
+    return result
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _stop(process: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=KILL_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def write_summary(run_dir: Path, header: dict, results: list[StepResult]) -> str:
+    lines = [
+        f"# gpu-check: {header['device']}, {header['started']}",
+        "",
+        f"- machine: {header['machine']}; python {header['python']}",
+        f"- wheels put on the path: {', '.join(header['wheels_used']) or 'none'}",
+        f"- wheels left out: {', '.join(header['wheels_left_out']) or 'none'}",
+        f"- total {header['total_s']:.0f} s of a {header['cap_s']:.0f} s cap; {header['git']}",
+        "",
+        "| step | status | seconds | CPU s | limit s | note |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for r in results:
+        lines.append(f"| {r.name} | {r.status} | {r.seconds:.0f} | {r.cpu_s:.0f} | {r.limit_s:.0f} | {r.note} |")
+    for r in results:
+        lines += [
+            "",
+            f"## {r.name}: {r.title}",
+            "",
+            f"Status: **{r.status}** ({r.seconds:.0f} s). Log: `{r.name}.log`.",
+        ]
+        if r.command:
+            lines += ["", f"`{r.command}`"]
+        if r.figures:
+            lines += ["", *r.figures]
+        if r.log_tail:
+            lines += ["", "Last lines of the log:", "", "```", *r.log_tail, "```"]
+    text = "\n".join(lines) + "\n"
+    (run_dir / "summary.md").write_text(text)
+    (run_dir / "summary.json").write_text(json.dumps({**header, "steps": [vars(r) for r in results]}, indent=1))
+    return text
+
+
+def git_state() -> str:
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return "git: unavailable"
+    return f"git {out.stdout.strip()}" if out.returncode == 0 else "git: not a checkout"
+
+
+def main_run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    cap = args.budget_s if args.budget_s is not None else GLOBAL_CAP_S[args.device]
+    run_dir = args.out / f"{time.strftime('%Y%m%d-%H%M%S')}-{args.device}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    choices = choose_wheels(args.wheels)
+    extra = [unpack_wheel(c.path) for c in choices if c.used]
+    env = step_environment(extra)
+    env["GPU_CHECK_WHEELS"] = json.dumps({c.name: c.path.name for c in choices if c.used})
+    ctx = Context(device=args.device, run_dir=run_dir, python=sys.executable)
+    steps = [s for s in STEPS if not args.steps or s.name in args.steps]
+    unknown = set(args.steps or ()) - {s.name for s in STEPS}
+    if unknown:
+        raise SystemExit(f"unknown steps {sorted(unknown)}; choose from {[s.name for s in STEPS]}")
+    print(f"gpu-check on {args.device}: {len(steps)} steps, {cap:.0f} s cap, results in {run_dir}", flush=True)
+    for c in choices:
+        print(f"  wheel {c.path.name}: {'on the path' if c.used else 'left out'} ({c.reason})", flush=True)
+    results = []
+    for i, step in enumerate(steps):
+        left = cap - (time.perf_counter() - started)
+        reserve = MIN_STEP_S[args.device] * (len(steps) - i - 1)
+        limit = min(step.limit_s[args.device] * args.limit_scale, left - reserve)
+        if limit < MIN_STEP_S[args.device] / 2:
+            results.append(StepResult(step.name, step.title, "not run", note="global time cap reached"))
+            continue
+        results.append(run_step(step, ctx, limit, env))
+    header = {
+        "device": args.device,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time.time() - (time.perf_counter() - started))),
+        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+        "python": f"{sys.executable} {platform.python_version()}",
+        "wheels_used": [f"{c.path.name} ({c.reason})" for c in choices if c.used],
+        "wheels_left_out": [f"{c.path.name} ({c.reason})" for c in choices if not c.used],
+        "total_s": time.perf_counter() - started,
+        "cap_s": cap,
+        "git": git_state(),
+    }
+    write_summary(run_dir, header, results)
+    width = max(len(r.name) for r in results)
+    print(f"\nsummary: {run_dir / 'summary.md'}")
+    for r in results:
+        print(f"  {r.name:<{width}}  {r.status:<8} {r.seconds:6.0f} s ({r.cpu_s:4.0f} s CPU)  {r.note}")
+    return 0 if all(r.status == "ok" for r in results) else 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Workers (run as steps, with the repository and the wheels on the path; these import torch)
+# ----------------------------------------------------------------------------------------------------------------
+
+# Libraries the steps import besides torch and transformers, and what for (reported, never installed). transformers
+# is imported (with tokenizers, huggingface_hub and safetensors, whose versions it checks); these are only looked up.
+LIBRARIES = {
+    "tokenizers": "transformers",
+    "huggingface_hub": "transformers",
+    "safetensors": "transformers",
+    "accelerate": "transformers' Trainer (tests, LRA)",
+    "PIL": "Swin's image processor",
+    "pytest": "the conformance step",
+    "psutil": "the long-context and packing benchmarks",
+    "matplotlib": "the benchmarks' plots",
+}
+DISTRIBUTIONS = {"PIL": "pillow"}
+
+
+def unmet_requirements(name: str) -> list[str]:
+    """The requirements of distribution ``name`` (as found on the path; extras left out) that the installed
+    libraries do not meet, one line each."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:
+        return ["packaging is missing: cannot check what transformers requires"]
+    try:
+        requires = importlib.metadata.requires(name) or []
+        version = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return [f"{name} is not installed"]
+    unmet = []
+    for line in requires:
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        found = installed_version(requirement.name)
+        if found is None or not requirement.specifier.contains(found, prereleases=True):
+            unmet.append(f"{name} {version} needs {requirement.name}{requirement.specifier}, found {found or 'none'}")
+    return unmet
+
+
+def environment_worker(device: str, out: Path) -> int:
+    """Versions and where each library comes from, the device, the floors, and one forward of a small Longformer in
+    bfloat16 autocast on ``device``; ``environment.json``. Exit 1 on a problem that stops the other steps."""
+    import importlib.util
+
+    problems, warnings, info = [], [], {}
+    info["python"] = platform.python_version()
+    info["wheels"] = json.loads(os.environ.get("GPU_CHECK_WHEELS", "{}"))
+    info["torch_floor"], info["transformers_floor"] = pyproject_floor("torch"), pyproject_floor("transformers")
+    import torch
+
+    info["torch"], info["cuda"], info["device"] = torch.__version__, torch.version.cuda, device
+    if version_tuple(torch.__version__) < version_tuple(info["torch_floor"]):
+        problems.append(f"torch {torch.__version__} is below pyproject's floor {info['torch_floor']}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            problems.append("torch.cuda.is_available() is False")
+        else:
+            props = torch.cuda.get_device_properties(0)
+            info["device_name"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}"
+            info["bf16_supported"] = torch.cuda.is_bf16_supported()
+    else:
+        info["device_name"] = platform.processor() or platform.machine()
+    libraries = {}
+    # What the transformers on the path requires, checked before importing it: its import fails on a library that is
+    # too old, and this says which one and which wheel would fix it.
+    for unmet in unmet_requirements("transformers"):
+        problems.append(f"{unmet}: add a wheel of a release it accepts to .whl/")
+    try:
+        import transformers
+    except Exception as error:  # noqa: BLE001 - any import failure is a finding to report
+        transformers = None
+        problems.append(f"import transformers: {type(error).__name__}: {error}")
+    for name, purpose in LIBRARIES.items():
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            libraries[name] = "missing"
+            warnings.append(f"{name} (for {purpose}) is missing")
+            continue
+        try:
+            version = importlib.metadata.version(DISTRIBUTIONS.get(name, name))
+        except importlib.metadata.PackageNotFoundError:
+            version = "?"
+        libraries[name] = f"{version} ({Path(spec.origin).parent})"
+    info["libraries"] = libraries
+    info["transformers"] = getattr(transformers, "__version__", "unavailable")
+    info["transformers_from"] = (
+        "the wheel " + info["wheels"]["transformers"]
+        if "transformers" in info["wheels"]
+        else "this Python's site-packages"
+    )
+    if transformers is not None and version_tuple(transformers.__version__) < version_tuple(info["transformers_floor"]):
+        problems.append(
+            f"transformers {transformers.__version__} is below our floor {info['transformers_floor']}: put the pinned "
+            "wheel in .whl/ (and carry it)"
+        )
+    if transformers is not None:
+        try:
+            import hf_xformers
+
+            info["hf_xformers"] = str(Path(hf_xformers.__file__).parent)
+            torch.manual_seed(0)
+            config = hf_xformers.HfxLongformerConfig(
+                vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                attention_window=16, max_position_embeddings=258,
+            )  # fmt: skip
+            model = hf_xformers.HfxLongformerForMaskedLM(config).to(device)
+            ids = torch.randint(5, 100, (2, 256), device=device)
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if not torch.isfinite(loss):
+                problems.append(f"the smoke forward's loss is {loss.item()}")
+            info["smoke"] = f"HfxLongformerForMaskedLM, 256 tokens, bf16 autocast: loss {loss.item():.3f}, backward ok"
+        except Exception as error:  # noqa: BLE001
+            problems.append(f"import hf_xformers / smoke forward: {type(error).__name__}: {error}")
+    info["problems"], info["warnings"] = problems, warnings
+    (out / "environment.json").write_text(json.dumps(info, indent=1))
+    print(json.dumps(info, indent=1))
+    if device == "cuda":
+        try:
+            smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
+            (out / "nvidia-smi.txt").write_text(smi)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return 1 if problems else 0
+
+
+# Sizes of the attention_implementations sweep: on CUDA, lengths where every sparse pattern is sparse (many windows,
+# blocks and chunks); on the CPU the tiny sizes of the test suite.
+SWEEP_SIZES = {
+    "cuda": dict(batch=2, length=2048, hidden=256, heads=4, layers=2, ffn=1024, vocab=1000, window=128, block=64,
+                 linformer_k=256, features=128, chunk=64, axial=(32, 64), mem=256, image=224, patch=4, swin_window=7,
+                 swin_dim=96, timed=3),
+    "cpu": dict(batch=2, length=32, hidden=32, heads=4, layers=2, ffn=64, vocab=100, window=4, block=4, linformer_k=16,
+                features=16, chunk=8, axial=(4, 8), mem=16, image=32, patch=2, swin_window=4, swin_dim=16, timed=0),
+}  # fmt: skip
+# An implementation passes when its outputs (real positions) are within this mean relative error of the float32
+# eager outputs, and its gradients point the same way (cosine): bfloat16 keeps 8 significant bits, and a few hashed
+# tokens may land in other LSH buckets than in float32, so the measure is a mean, with the largest deviation reported.
+SWEEP_MEAN_TOLERANCE = 3e-2
+SWEEP_MIN_COSINE = 0.98
+
+
+def sweep_models(s: dict) -> dict:
+    """Builders of every architecture's base model at sizes ``s``, no dropout (outputs comparable across
+    implementations), seeded randomness fixed (LSH hashes, random features, random blocks)."""
+    import hf_xformers as H
+
+    L, common = s["length"], dict(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                                 num_attention_heads=s["heads"], intermediate_size=s["ffn"], hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0)  # fmt: skip
+    return {
+        "longformer": lambda: H.HfxLongformerModel(
+            H.HfxLongformerConfig(**common, attention_window=s["window"], max_position_embeddings=L + 2)
+        ),
+        "bigbird": lambda: H.HfxBigBirdModel(
+            H.HfxBigBirdConfig(**common, block_size=s["block"], num_random_blocks=3, max_position_embeddings=L)
+        ),
+        "linformer": lambda: H.HfxLinformerModel(
+            H.HfxLinformerConfig(**common, linformer_k=s["linformer_k"], max_position_embeddings=L + 2)
+        ),
+        "performer": lambda: H.HfxPerformerModel(
+            H.HfxPerformerConfig(**common, num_random_features=s["features"], max_position_embeddings=L + 2)
+        ),
+        "reformer": lambda: H.HfxReformerModel(
+            H.HfxReformerConfig(
+                vocab_size=s["vocab"],
+                hidden_size=s["hidden"],
+                num_attention_heads=s["heads"],
+                attention_head_size=s["hidden"] // s["heads"],
+                feed_forward_size=s["ffn"],
+                attn_layers=["local", "lsh"],
+                local_attn_chunk_length=s["chunk"],
+                lsh_attn_chunk_length=s["chunk"],
+                num_hashes=2,
+                hash_seed=0,
+                axial_pos_shape=list(s["axial"]),
+                axial_pos_embds_dim=[s["hidden"] // 4, s["hidden"] - s["hidden"] // 4],
+                max_position_embeddings=L,
+                hidden_dropout_prob=0.0,
+                local_attention_probs_dropout_prob=0.0,
+                lsh_attention_probs_dropout_prob=0.0,
+                pad_token_id=1,
+                eos_token_id=None,
+            )
+        ),  # fmt: skip
+        "transfo_xl": lambda: H.HfxTransfoXLModel(
+            H.HfxTransfoXLConfig(
+                vocab_size=s["vocab"],
+                cutoffs=[],
+                div_val=1,
+                d_model=s["hidden"],
+                n_head=s["heads"],
+                d_head=s["hidden"] // s["heads"],
+                d_inner=s["ffn"],
+                n_layer=s["layers"],
+                mem_len=s["mem"],
+                clamp_len=0,
+                dropout=0.0,
+                dropatt=0.0,
+            )
+        ),  # fmt: skip
+        "universal": lambda: H.HfxUniversalModel(
+            H.HfxUniversalConfig(**common, use_act=False, max_position_embeddings=L)
+        ),
+        "swin": lambda: H.HfxSwinModel(
+            H.HfxSwinConfig(
+                image_size=s["image"],
+                patch_size=s["patch"],
+                embed_dim=s["swin_dim"],
+                depths=[2, 2],
+                num_heads=[s["heads"], 2 * s["heads"]],
+                window_size=s["swin_window"],
+                drop_path_rate=0.0,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        ),  # fmt: skip
+    }
+
+
+def attention_implementations_worker(device: str, out: Path) -> int:
+    """Every architecture's base model under each ``attn_implementation`` it accepts: forward and backward of a fixed
+    projection of ``last_hidden_state`` under bfloat16 autocast (eval mode: no dropout, fixed random patterns), on a
+    batch whose second row is a quarter padding, against the float32 ``"eager"`` run of the same weights. Cells in
+    order eager, sdpa, flex_attention (FlexAttention compiles a kernel per shape: its cells come last, so that a run
+    stopped at its limit has the others); ``attention_implementations.json`` is rewritten after every cell."""
+    import torch
+
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference is float32
+        torch.backends.cudnn.allow_tf32 = False
+    s = SWEEP_SIZES[device]
+    builders = sweep_models(s)
+    settings = (
+        f"batch {s['batch']} x {s['length']} tokens (second row 1/4 padding; Swin {s['image']} px images), hidden "
+        f"{s['hidden']}, {s['layers']} layers, {s['heads']} heads; bf16 autocast against float32 eager; eval mode; "
+        f"step = forward + backward, median of {s['timed']} after the first call (which compiles FlexAttention); ok: "
+        f"mean relative error <= {SWEEP_MEAN_TOLERANCE}, gradient cosine >= {SWEEP_MIN_COSINE}, all finite"
+    )
+    if device == "cpu":
+        settings += "; on the CPU FlexAttention has no backward, so flex_attention cells run the sdpa path"
+    result = {"settings": settings, "cells": []}
+    path = out / "attention_implementations.json"
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, s["vocab"], (s["batch"], s["length"]), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, -s["length"] // 4 :] = 0
+    ids[1, -s["length"] // 4 :] = 1
+    pixels = torch.randn(s["batch"], 3, s["image"], s["image"], generator=generator)
+    models, references = {}, {}
+    for arch, build in builders.items():
+        torch.manual_seed(0)
+        try:
+            model = build().eval()
+            with torch.no_grad():  # as the tests do: no bias left at 0, no LayerNorm at 1, every tensor matters
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=generator))
+            model = model.to(device)
+        except Exception as error:  # noqa: BLE001 - a model that cannot be built is a finding; the others go on
+            result["cells"].append({"arch": arch, "implementation": "-", "status": "error", "error": _short(error)})
+            continue
+        models[arch] = model
+    cells = [
+        (arch, impl)
+        for impl in ("eager", "sdpa", "flex_attention")
+        for arch, model in models.items()
+        if impl == "eager" or (impl == "sdpa" and model._supports_sdpa) or (impl == "flex_attention" and model._supports_flex_attn)
+    ]  # fmt: skip
+
+    def inputs(arch: str) -> dict:
+        if arch == "swin":
+            return {"pixel_values": pixels.to(device)}
+        return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+    def real_rows(arch: str, hidden: torch.Tensor) -> torch.Tensor:
+        """Which positions of ``last_hidden_state`` ``(batch, positions, hidden)`` are real tokens."""
+        if arch == "swin":
+            return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+        return mask.to(device).bool()
+
+    def step(arch: str, autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward + backward; ``last_hidden_state`` (float32) and the flattened gradients."""
+        model = models[arch]
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            hidden = model(**inputs(arch)).last_hidden_state
+        hidden = hidden.float()
+        weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1)).to(device)
+        (hidden * weights * real_rows(arch, hidden)[..., None]).sum().div(hidden.numel()).backward()
+        grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+        return hidden.detach(), grads
+
+    def synchronize() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for arch, impl in cells:
+        cell = {"arch": arch, "implementation": impl}
+        try:
+            model = models[arch]
+            if arch not in references:
+                model.set_attn_implementation("eager")
+                references[arch] = step(arch, autocast=False)
+            ref_hidden, ref_grads = references[arch]
+            model.set_attn_implementation(impl)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            hidden, grads = step(arch, autocast=True)
+            synchronize()
+            cell["first_call_s"] = time.perf_counter() - start
+            times = []
+            for _ in range(s["timed"]):
+                start = time.perf_counter()
+                step(arch, autocast=True)
+                synchronize()
+                times.append(time.perf_counter() - start)
+            cell["step_ms"] = 1000 * (sorted(times)[len(times) // 2] if times else cell["first_call_s"])
+            cell["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20) if device == "cuda" else None
+            real = real_rows(arch, ref_hidden)
+            diff = (hidden - ref_hidden).abs()[real]
+            cell["mean_rel_error"] = (diff.mean() / ref_hidden.abs()[real].mean()).item()
+            cell["max_deviation"] = (diff.max() / ref_hidden.abs()[real].max().clamp(min=1.0)).item()
+            cell["grad_cosine"] = torch.nn.functional.cosine_similarity(grads, ref_grads, dim=0).item()
+            finite = bool(torch.isfinite(hidden).all() and torch.isfinite(grads).all())
+            good = finite and cell["mean_rel_error"] <= SWEEP_MEAN_TOLERANCE and cell["grad_cosine"] >= SWEEP_MIN_COSINE
+            cell["status"] = "ok" if good else ("not finite" if not finite else "too far from float32 eager")
+        except Exception as error:  # noqa: BLE001 - one failing cell must not end the sweep
+            cell.update(status="error", error=_short(error))
+        result["cells"].append(cell)
+        path.write_text(json.dumps(result, indent=1))
+        print(json.dumps(cell), flush=True)
+    path.write_text(json.dumps(result, indent=1))
+    return 0 if all(c["status"] == "ok" for c in result["cells"]) else 1
+
+
+def _short(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) < 400 else text[:400] + " ..."
+
+
+WORKERS = {"environment": environment_worker, "attention_implementations": attention_implementations_worker}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the dry run at tiny sizes")
+    p.add_argument(
+        "--out", type=Path, default=REPO_ROOT / "gpu_check_results", help="results go to OUT/<date>-<device>/"
+    )
+    p.add_argument("--steps", nargs="+", default=None, help=f"run only these steps: {', '.join(s.name for s in STEPS)}")
+    p.add_argument("--budget-s", type=float, default=None, help="global cap in seconds (default: 480 cuda, 115 cpu)")
+    p.add_argument("--limit-scale", type=float, default=1.0, help="multiply every step's own time limit by this")
+    p.add_argument("--wheels", type=Path, default=WHEEL_DIR, help="folder of wheels to put on the path where needed")
+    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        args.out.mkdir(parents=True, exist_ok=True)
+        return WORKERS[args.worker](args.device, args.out)
+    return main_run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
