@@ -34,6 +34,7 @@ from conversion.common import (  # noqa: E402
     save_model_and_tokenizer,
     split_prefix,
 )
+from conversion.sentence_transformers_modules import carry_sentence_transformers_modules
 from hf_xformers import (  # noqa: E402
     HfxBigBirdConfig,
     HfxBigBirdForMaskedLM,
@@ -60,18 +61,8 @@ from hf_xformers import (  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-# Keys of a saved transformers config that describe the source class or library, not the model
-# (`attention_mode` and `ignore_attention_mask` are left in the original allenai/longformer-* configs).
-_SOURCE_ONLY_CONFIG_KEYS = (
-    "model_type",
-    "architectures",
-    "transformers_version",
-    "_name_or_path",
-    "auto_map",
-    "onnx_export",
-    "attention_mode",
-    "ignore_attention_mask",
-)
+# Each importer builds its config with the translation from_pretrained uses on the fly
+# (`config_dict_from_transformers`, hf_xformers/configs/transformers_checkpoints.py): one set of rules and refusals.
 
 LONGFORMER_CLASSES: dict[str, type[PreTrainedModel]] = {
     "LongformerModel": HfxLongformerModel,
@@ -117,7 +108,7 @@ def import_longformer(source: Path, config: dict) -> PreTrainedModel:
     base, rest = split_prefix(weights, "longformer.")
     model_class = _pick_class(config, rest, LONGFORMER_CLASSES, "LongformerModel", "LongformerForMaskedLM")
 
-    kwargs = {k: v for k, v in config.items() if k not in _SOURCE_ONLY_CONFIG_KEYS}
+    kwargs = HfxLongformerConfig.config_dict_from_transformers(config)
     kwargs["architectures"] = [model_class.__name__]
     hfx_config = HfxLongformerConfig(**kwargs)
     model = model_class(hfx_config)
@@ -191,7 +182,7 @@ def import_swin(source: Path, config: dict) -> PreTrainedModel:
         raise ValueError(f"Unsupported architectures {architectures}; accepted: {sorted(SWIN_CLASSES)}.")
     model_class = SWIN_CLASSES[known[0] if known else "SwinModel"]
 
-    kwargs = {k: v for k, v in config.items() if k not in _SOURCE_ONLY_CONFIG_KEYS}
+    kwargs = HfxSwinConfig.config_dict_from_transformers(config)
     kwargs["architectures"] = [model_class.__name__]
     model = model_class(HfxSwinConfig(**kwargs))
 
@@ -234,8 +225,6 @@ _TRANSFO_XL_RENAMES = (
     ("pos_ff.layer_norm.", "ff_layer_norm."),
     ("crit.", "adaptive_softmax."),
 )
-# 4.x config keys with no counterpart: recomputed (tie_projs), training-only or constant in 4.x.
-_TRANSFO_XL_DROPPED_KEYS = ("tie_projs", "sample_softmax", "adaptive", "attn_type", "untie_r", "init", "init_range")
 
 
 def import_transfo_xl(source: Path, config: dict) -> PreTrainedModel:
@@ -248,13 +237,11 @@ def import_transfo_xl(source: Path, config: dict) -> PreTrainedModel:
     in released checkpoints and here. Note: 4.x starts from ``mem_len`` zero memories when ``mems=None``; pass
     ``model.zero_memories(batch)`` to reproduce its first segment exactly.
     """
-    if config.get("attn_type", 0) != 0:
-        raise ValueError(f"Only attn_type=0 (relative positions) Transformer-XL checkpoints convert; got {config['attn_type']}.")
+    kwargs = HfxTransfoXLConfig.config_dict_from_transformers(config)  # refuses attn_type != 0 first
     weights = load_weights(source)
     architectures = config.get("architectures") or []
     with_head = any(k.startswith("crit.") for k in weights) or "TransfoXLLMHeadModel" in architectures
     model_class = HfxTransfoXLForCausalLM if with_head else HfxTransfoXLModel
-    kwargs = {k: v for k, v in config.items() if k not in _SOURCE_ONLY_CONFIG_KEYS + _TRANSFO_XL_DROPPED_KEYS}
     kwargs["architectures"] = [model_class.__name__]
     hfx_config = HfxTransfoXLConfig(**kwargs)
     model = model_class(hfx_config)
@@ -294,20 +281,12 @@ BIGBIRD_CLASSES: dict[str, type[PreTrainedModel]] = {
     "BigBirdForTokenClassification": HfxBigBirdForTokenClassification,
     "BigBirdForMultipleChoice": HfxBigBirdForMultipleChoice,
 }
-# Heads whose layout differs from the shared ones: importing them would change their outputs.
-_BIGBIRD_UNSUPPORTED = {
-    "BigBirdForSequenceClassification": "its classifier applies config.hidden_act where ours applies tanh",
-    "BigBirdForQuestionAnswering": "it has an extra feed-forward block and question-length masking",
-    "BigBirdForCausalLM": "hfx-bigbird is an encoder",
-}
 _BIGBIRD_RENAMES = (
     ("cls.predictions.transform.dense.", "lm_head.dense."),
     ("cls.predictions.transform.LayerNorm.", "lm_head.layer_norm."),
     ("cls.predictions.decoder.", "lm_head.decoder."),
     ("cls.predictions.bias", "lm_head.decoder.bias"),
 )
-# BigBirdConfig fields with no counterpart here; the import refuses values other than these.
-_BIGBIRD_FIXED_CONFIG = {"use_bias": True, "is_decoder": False, "add_cross_attention": False}
 
 
 def rename_bigbird_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -339,20 +318,10 @@ def import_bigbird(source: Path, config: dict) -> PreTrainedModel:
         ValueError: a head whose layout differs from ours (sequence classification, question answering, causal
             LM), or config values hfx-bigbird does not implement (``use_bias=False``, a decoder).
     """
-    for name in config.get("architectures") or []:
-        if name in _BIGBIRD_UNSUPPORTED:
-            raise ValueError(
-                f"Cannot import {name}: {_BIGBIRD_UNSUPPORTED[name]}. Import the base model or the MLM checkpoint "
-                f"instead (accepted: {sorted(BIGBIRD_CLASSES)}) and fine-tune an hfx-bigbird head."
-            )
-    for key, expected in _BIGBIRD_FIXED_CONFIG.items():
-        if config.get(key, expected) != expected:
-            raise ValueError(f"hfx-bigbird supports only {key}={expected!r}; this checkpoint has {config[key]!r}.")
+    kwargs = HfxBigBirdConfig.config_dict_from_transformers(config)  # refuses the heads and settings above
     base, rest = split_prefix(rename_bigbird_weights(load_weights(source)), "bigbird.")
     model_class = _pick_class(config, rest, BIGBIRD_CLASSES, "BigBirdModel", "BigBirdForMaskedLM")
 
-    skip = (*_SOURCE_ONLY_CONFIG_KEYS, *_BIGBIRD_FIXED_CONFIG, "use_cache")
-    kwargs = {k: v for k, v in config.items() if k not in skip}
     kwargs["architectures"] = [model_class.__name__]
     hfx_config = HfxBigBirdConfig(**kwargs)
     model = model_class(hfx_config)
@@ -526,7 +495,7 @@ def import_reformer(source: Path, config: dict) -> PreTrainedModel:
     if unknown:
         raise ValueError(f"Unsupported architectures {unknown}; accepted: {sorted(REFORMER_CLASSES)}.")
     model_class = getattr(hf_xformers, REFORMER_CLASSES[architectures[0]])
-    kwargs = {k: v for k, v in config.items() if k not in _SOURCE_ONLY_CONFIG_KEYS}
+    kwargs = hf_xformers.HfxReformerConfig.config_dict_from_transformers(config)
     kwargs["architectures"] = [model_class.__name__]
     model = model_class(hf_xformers.HfxReformerConfig(**kwargs))
     weights = reformer_lm_bias_as_ours(load_weights(source))
@@ -603,6 +572,8 @@ def convert_from_transformers(
         image_processor = convert_image_processor(path) if config["model_type"] == "swin" else None
         if image_processor is not None:
             image_processor.save_pretrained(str(output_dir))
+        # A sentence-transformers source keeps its pooling, normalisation ... (same length: max_seq_length kept).
+        carry_sentence_transformers_modules(path, output_dir)
     return model, tokenizer
 
 

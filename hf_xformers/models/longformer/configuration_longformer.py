@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from ...configs.text_config import HfxTextConfig
+from ...configs.transformers_checkpoints import (
+    SAVED_BUFFERS,
+    UNUSED_POOLER,
+    TransformersCheckpointConfig,
+    WeightRenames,
+)
 
 
-class HfxLongformerConfig(HfxTextConfig):
+class HfxLongformerConfig(TransformersCheckpointConfig, HfxTextConfig):
     r"""Configuration of a Longformer (RoBERTa encoder with sliding-window + global attention).
 
     Field names follow ``transformers.LongformerConfig`` so its checkpoints convert by renaming; the defaults are
@@ -18,10 +24,31 @@ class HfxLongformerConfig(HfxTextConfig):
         max_position_embeddings (`int`, defaults to 4098): rows of the position table; with RoBERTa's offset
             the model takes ``max_position_embeddings - pad_token_id - 1`` tokens (4096 by default).
         Other fields as in ``RobertaConfig``.
+
+    A transformers ``longformer`` config (``LongformerConfig.save_pretrained``) loads as this one
+    (``configs/transformers_checkpoints.py``); its checkpoints load into our classes with the MLM bias renamed.
     """
 
     model_type = "hfx-longformer"
     attention_window: list[int] | int = 512
+
+    transformers_model_type = "longformer"
+    transformers_architectures = {
+        "LongformerModel": "HfxLongformerModel",
+        "LongformerForMaskedLM": "HfxLongformerForMaskedLM",
+        "LongformerForSequenceClassification": "HfxLongformerForSequenceClassification",
+        "LongformerForMultipleChoice": "HfxLongformerForMultipleChoice",
+        "LongformerForQuestionAnswering": "HfxLongformerForQuestionAnswering",
+        "LongformerForTokenClassification": "HfxLongformerForTokenClassification",
+    }
+
+    @classmethod
+    def transformers_weight_renames(cls, config_dict: dict, tensor_names: set[str] | None) -> WeightRenames:
+        """Names are ours but for the MLM decoder bias: transformers 5.x ties ``lm_head.decoder.bias`` to
+        ``lm_head.bias`` and saves only the latter; 4.x saved both (equal), and then the decoder's is kept."""
+        if tensor_names is not None and "lm_head.decoder.bias" in tensor_names:
+            return WeightRenames(unused=(r"^lm_head\.bias$", UNUSED_POOLER, *SAVED_BUFFERS))
+        return WeightRenames(key_mapping={r"^lm_head\.bias$": "lm_head.decoder.bias"}, unused=(UNUSED_POOLER, *SAVED_BUFFERS))
 
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)

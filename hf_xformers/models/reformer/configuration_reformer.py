@@ -6,6 +6,8 @@ import math
 
 from transformers import PreTrainedConfig
 
+from ...configs.transformers_checkpoints import TransformersCheckpointConfig, WeightRenames
+
 ATTENTION_TYPES = ("local", "lsh")
 
 
@@ -21,7 +23,7 @@ def default_num_buckets(max_length: int, chunk_length: int) -> int | list[int]:
     return 2**power
 
 
-class HfxReformerConfig(PreTrainedConfig):
+class HfxReformerConfig(TransformersCheckpointConfig, PreTrainedConfig):
     r"""Configuration of a Reformer (Kitaev et al., 2020): reversible layers with LSH or chunked local self-attention.
 
     Field names and defaults are those of ``transformers.ReformerConfig``, so its checkpoints import unchanged.
@@ -63,6 +65,9 @@ class HfxReformerConfig(PreTrainedConfig):
         hidden_dropout_prob, local_attention_probs_dropout_prob, lsh_attention_probs_dropout_prob, layer_norm_eps,
         initializer_range, vocab_size, pad_token_id, eos_token_id, classifier_dropout, use_cache: as in
             ``ReformerConfig``.
+
+    A transformers ``reformer`` config loads as this one (``configs/transformers_checkpoints.py``); its checkpoints
+    load into our classes with the LM bias where ours is.
     """
 
     model_type = "hfx-reformer"
@@ -104,6 +109,15 @@ class HfxReformerConfig(PreTrainedConfig):
     pad_token_id: int | None = 0
     reversible: bool = True
 
+    transformers_model_type = "reformer"
+    transformers_architectures = {
+        "ReformerModel": "HfxReformerModel",
+        "ReformerModelWithLMHead": "HfxReformerForCausalLM",
+        "ReformerForMaskedLM": "HfxReformerForMaskedLM",
+        "ReformerForSequenceClassification": "HfxReformerForSequenceClassification",
+        "ReformerForQuestionAnswering": "HfxReformerForQuestionAnswering",
+    }
+
     def __post_init__(self, **kwargs) -> None:
         self.attn_layers = list(self.attn_layers)
         # Derived: a `num_hidden_layers` passed along (a shared base config, a saved config.json) must not override it.
@@ -117,6 +131,19 @@ class HfxReformerConfig(PreTrainedConfig):
             self.num_buckets = default_num_buckets(self.max_position_embeddings, self.lsh_attn_chunk_length)
         if isinstance(self.num_buckets, tuple):
             self.num_buckets = list(self.num_buckets)
+
+    @classmethod
+    def transformers_weight_renames(cls, config_dict: dict, tensor_names: set[str] | None) -> WeightRenames:
+        """Names are ours but for the LM bias, ``lm_head.bias`` here: where a checkpoint has
+        ``lm_head.decoder.bias`` (4.x, where it equals ``lm_head.bias``; 5.24+, where it is the one applied and a
+        saved ``lm_head.bias`` may be stale), that one is read, as the importer does."""
+        if tensor_names is None or "lm_head.decoder.bias" not in tensor_names:
+            return WeightRenames()
+        if "lm_head.bias" not in tensor_names:
+            return WeightRenames(key_mapping={r"^lm_head\.decoder\.bias$": "lm_head.bias"})
+        # Both saved: transformers keeps the first of two tensors renamed to one name (lm_head.bias), so the applied
+        # copy is set after loading instead.
+        return WeightRenames(unused=(r"^lm_head\.decoder\.bias$",), copies={"lm_head.bias": "lm_head.decoder.bias"})
 
     # ----- derived sizes ---------------------------------------------------------------------------------
     @property

@@ -6,8 +6,10 @@ from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.backbone_utils import BackboneConfigMixin
 
+from ...configs.transformers_checkpoints import TransformersCheckpointConfig, WeightRenames
 
-class HfxSwinConfig(BackboneConfigMixin, PreTrainedConfig):
+
+class HfxSwinConfig(TransformersCheckpointConfig, BackboneConfigMixin, PreTrainedConfig):
     r"""Configuration of a Swin Transformer (hierarchical, shifted-window attention; Liu et al., 2021).
 
     Field names and defaults follow ``transformers.SwinConfig`` (the defaults are Swin-T,
@@ -35,6 +37,9 @@ class HfxSwinConfig(BackboneConfigMixin, PreTrainedConfig):
             ``patch_size * 2 ** (len(depths) - 1)``.
         out_features / out_indices: stages the backbone returns (``"stem"``, ``"stage1"`` ...), as in
             transformers' backbone API.
+
+    A transformers ``swin`` config loads as this one (``configs/transformers_checkpoints.py``), and its checkpoints
+    into our classes (the names transformers saves are ours; the newer in-memory names are renamed).
     """
 
     model_type = "hfx-swin"
@@ -60,6 +65,14 @@ class HfxSwinConfig(BackboneConfigMixin, PreTrainedConfig):
     _out_features: list[str] | None = None
     _out_indices: list[int] | None = None
 
+    transformers_model_type = "swin"
+    transformers_architectures = {
+        "SwinModel": "HfxSwinModel",
+        "SwinForImageClassification": "HfxSwinForImageClassification",
+        "SwinForMaskedImageModeling": "HfxSwinForMaskedImageModeling",
+        "SwinBackbone": "HfxSwinBackbone",
+    }
+
     def __post_init__(self, **kwargs) -> None:
         # Lists, not tuples: a config must compare equal to itself after a save/load through JSON.
         self.depths = list(self.depths)
@@ -76,6 +89,25 @@ class HfxSwinConfig(BackboneConfigMixin, PreTrainedConfig):
         for derived in ("num_layers", "hidden_size", "stage_names"):
             kwargs.pop(derived, None)
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def transformers_weight_renames(cls, config_dict: dict, tensor_names: set[str] | None) -> WeightRenames:
+        """transformers saves Swin under the names of the Hub checkpoints, which are ours; its in-memory names
+        (``attention.q_proj`` ..., what ``state_dict()`` of a transformers 5.x Swin returns) are renamed, and the
+        ``relative_position_index`` buffers of older checkpoints are recomputed."""
+        return WeightRenames(
+            key_mapping={
+                r"attention\.q_proj\.": "attention.self.query.",
+                r"attention\.k_proj\.": "attention.self.key.",
+                r"attention\.v_proj\.": "attention.self.value.",
+                r"attention\.relative_position_bias\.relative_position_bias_table":
+                    "attention.self.relative_position_bias_table",
+                r"attention\.o_proj\.": "attention.output.dense.",
+                r"mlp\.fc1\.": "intermediate.dense.",
+                r"mlp\.fc2\.": "output.dense.",
+            },
+            unused=(r"relative_position_index$",),
+        )
 
     @staticmethod
     def _pair(value, name: str) -> tuple[int, int]:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
+from ...configs.transformers_checkpoints import IMPORTER, TransformersCheckpointConfig, WeightRenames
+
+# transformers 4.x config keys with no counterpart: recomputed (tie_projs, read first), training-only or constant.
+TRANSFORMERS_DROPPED_KEYS = ("tie_projs", "sample_softmax", "adaptive", "attn_type", "untie_r", "init", "init_range")
+
 
 def validate_cutoffs(cutoffs: list[int], vocab_size: int) -> None:
     """Raise ``ValueError`` unless ``cutoffs`` is strictly increasing inside ``(0, vocab_size)``."""
@@ -17,7 +22,7 @@ def validate_cutoffs(cutoffs: list[int], vocab_size: int) -> None:
         )
 
 
-class HfxTransfoXLConfig(PreTrainedConfig):
+class HfxTransfoXLConfig(TransformersCheckpointConfig, PreTrainedConfig):
     r"""Configuration of a Transformer-XL language model (Dai et al., 2019).
 
     Field names and defaults follow ``transformers`` 4.x ``TransfoXLConfig`` (the ``transfo-xl-wt103`` model), so
@@ -44,6 +49,10 @@ class HfxTransfoXLConfig(PreTrainedConfig):
         dropout (`float`), dropatt (`float`): dropout on activations and on attention probabilities.
         init_std (`float`), proj_init_std (`float`): initialisation scales of weights and adaptive projections.
         classifier_dropout (`float`): dropout before the sequence classification layer (``dropout`` when None).
+
+    A transformers 4.x ``transfo-xl`` config (``transfo-xl-wt103``; transformers 5 has no Transformer-XL) loads as
+    this one (``configs/transformers_checkpoints.py``), and its checkpoints into our classes with the layer pieces
+    renamed.
     """
 
     model_type = "hfx-transfo-xl"
@@ -80,6 +89,12 @@ class HfxTransfoXLConfig(PreTrainedConfig):
     pad_token_id: int | None = None
     tie_word_embeddings: bool = True
 
+    transformers_model_type = "transfo-xl"
+    transformers_architectures = {
+        "TransfoXLLMHeadModel": "HfxTransfoXLForCausalLM",
+        "TransfoXLModel": "HfxTransfoXLModel",
+    }
+
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)
         if self.cutoffs is None:
@@ -92,6 +107,74 @@ class HfxTransfoXLConfig(PreTrainedConfig):
         if self.d_head is None and self.n_head > 0 and self.d_model % self.n_head == 0:
             self.d_head = self.d_model // self.n_head
         self.validate_transfo_xl()
+
+    @classmethod
+    def config_dict_from_transformers(cls, config_dict: dict) -> dict:
+        """4.x ``TransfoXLConfig`` -> ours: the same fields, ``tie_projs`` read back as ``proj_share_all_but_first``
+        (4.x stores only the per-cluster list), :data:`TRANSFORMERS_DROPPED_KEYS` dropped.
+
+        Raises:
+            ValueError: ``attn_type`` other than 0 (the paper's relative attention, the only one in released
+                checkpoints), a ``tie_projs`` list 4.x does not write, or a sequence-classification checkpoint (its
+                bias-free ``score`` layer has no counterpart).
+        """
+        if config_dict.get("attn_type", 0) != 0:
+            raise ValueError(
+                f"Only attn_type=0 (relative positions) Transformer-XL checkpoints convert; got {config_dict['attn_type']}."
+            )
+        if "TransfoXLForSequenceClassification" in (config_dict.get("architectures") or []):
+            raise ValueError(
+                "Cannot import TransfoXLForSequenceClassification: its bias-free `score` layer has no counterpart here. "
+                "Import the language model (TransfoXLLMHeadModel) or base model checkpoint and fine-tune "
+                "HfxTransfoXLForSequenceClassification."
+            )
+        ours = {k: v for k, v in config_dict.items() if k not in TRANSFORMERS_DROPPED_KEYS}
+        tie_projs = config_dict.get("tie_projs")
+        if tie_projs is not None and len(tie_projs) > 1:
+            if tie_projs[0] or len(set(tie_projs[1:])) != 1:
+                raise ValueError(
+                    f"tie_projs={tie_projs} is no layout 4.x writes ([False] + [proj_share_all_but_first] * "
+                    "len(cutoffs)); this checkpoint cannot be converted."
+                )
+            ours["proj_share_all_but_first"] = bool(tie_projs[1])
+        return super().config_dict_from_transformers(ours)
+
+    @classmethod
+    def transformers_weight_renames(cls, config_dict: dict, tensor_names: set[str] | None) -> WeightRenames:
+        """4.x names -> ours (``dec_attn.*`` -> ``attention*``, ``pos_ff.CoreNet.{0,3}`` -> ``ff_in`` / ``ff_out``,
+        ``crit.`` -> ``adaptive_softmax.``); the ``pos_emb.inv_freq`` buffer is recomputed. ``r_w_bias`` /
+        ``r_r_bias`` shared by all layers (``untie_r=False``) are copied into every layer after loading.
+
+        Raises:
+            ValueError: ``untie_r=False`` while the checkpoint's tensor names could not be read.
+        """
+        renames = {
+            r"dec_attn\.qkv_net\.": "attention.qkv_net.",
+            r"dec_attn\.r_net\.": "attention.r_net.",
+            r"dec_attn\.r_w_bias$": "attention.r_w_bias",
+            r"dec_attn\.r_r_bias$": "attention.r_r_bias",
+            r"dec_attn\.o_net\.": "attention_output.",
+            r"dec_attn\.layer_norm\.": "attention_layer_norm.",
+            r"pos_ff\.CoreNet\.0\.": "ff_in.",
+            r"pos_ff\.CoreNet\.3\.": "ff_out.",
+            r"pos_ff\.layer_norm\.": "ff_layer_norm.",
+            r"^crit\.": "adaptive_softmax.",
+        }
+        if tensor_names is None:
+            if config_dict.get("untie_r", True) is False:
+                raise ValueError(
+                    "this checkpoint shares r_w_bias / r_r_bias across layers (untie_r=False) and its tensor names "
+                    f"could not be read; convert it once with `python -m {IMPORTER} --source DIR --output DIR` "
+                    "(which copies them into every layer) and load the output."
+                )
+            return WeightRenames(key_mapping=renames, unused=(r"pos_emb\.inv_freq$",))
+        shared = {name.removeprefix("transformer."): name for name in tensor_names
+                  if name.removeprefix("transformer.") in ("r_w_bias", "r_r_bias")}  # fmt: skip
+        layers = int(config_dict.get("n_layer", cls.n_layer))
+        copies = {f"transformer.layers.{i}.attention.{bias}": name for bias, name in shared.items() for i in range(layers)}
+        return WeightRenames(
+            key_mapping=renames, unused=(r"pos_emb\.inv_freq$", r"^(transformer\.)?r_[wr]_bias$"), copies=copies
+        )
 
     @property
     def tie_projs(self) -> list[bool]:
