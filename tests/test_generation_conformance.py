@@ -3,7 +3,8 @@
 Every class registered as ``AutoModelForCausalLM`` or ``AutoModelForSeq2SeqLM`` (``tests/test_generation.py``'s
 ``CASES``) runs each test: greedy, sampling and beam search give the same tokens with and without the cache; left
 padding under ``attention_mask``; ``output_scores`` / ``output_attentions`` / ``output_hidden_states`` under
-``return_dict_in_generate`` (and the cached step's attention row equals the full forward's last row); length controls
+``return_dict_in_generate``, unpadded and left-padded (cached steps feed the new token alone and give the uncached
+logits; the cached step's attention row equals the full forward's last row); length controls
 (``max_new_tokens``, ``min_new_tokens``, stopping criteria, ``num_return_sequences``); ``generate()`` without a prompt;
 keyword arguments such as ``token_type_ids`` reaching ``forward``; assisted decoding and prompt lookup refused with
 transformers' error for stateful models. And the contract transformers' own generating models keep:
@@ -21,6 +22,7 @@ import pytest
 import torch
 from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 
+from hf_xformers.ops.compat import CACHE_NAME
 from hf_xformers.registration import REGISTRY
 
 from .generation_checks import greedy_by_hand
@@ -122,6 +124,36 @@ def test_dict_outputs(model_type, task, model_class, use_cache):
             torch.testing.assert_close(a.sum(-1), torch.ones_like(a.sum(-1)), atol=1e-5, rtol=0)
     if model.config.is_encoder_decoder:
         assert len(out.encoder_attentions) >= 1 and len(out.cross_attentions) == steps
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CASES, ids=IDS)
+@pytest.mark.parametrize("num_beams", [1, 2], ids=["greedy", "beam"])
+def test_left_padded_dict_outputs_use_the_cache(model_type, task, model_class, num_beams):
+    """transformers' per-step contract under left padding (a batch as a tokenizer pads it for generate()): with the
+    cache every step after the first feeds the new token alone (hidden states and attention queries of length 1,
+    keys of every token so far) and the cache comes back; without it every step is a full forward and no cache comes
+    back; and both give the same logits at every step."""
+    model = _model(model_type, model_class)
+    prompt = _prompt(2, 7)
+    mask = torch.ones_like(prompt)
+    prompt[1, :3], mask[1, :3] = PAD, 0
+    kwargs = dict(
+        attention_mask=mask, do_sample=False, num_beams=num_beams, return_dict_in_generate=True, output_logits=True,
+        output_attentions=True, output_hidden_states=True,
+    )  # fmt: skip
+    runs = {use_cache: _generate(model, prompt, use_cache=use_cache, **kwargs) for use_cache in (True, False)}
+    assert torch.equal(runs[True].sequences, runs[False].sequences)
+    for cached_logits, full_logits in zip(runs[True].logits, runs[False].logits, strict=True):
+        torch.testing.assert_close(cached_logits, full_logits, atol=1e-5, rtol=0)
+    assert getattr(runs[True], CACHE_NAME) is not None and getattr(runs[False], CACHE_NAME) is None
+    seen = 1 if model.config.is_encoder_decoder else prompt.shape[1]
+    rows = 2 * num_beams
+    for use_cache, out in runs.items():
+        steps = zip(_per_step(out, "hidden_states"), _per_step(out, "attentions"), strict=True)
+        for step, (hidden, attentions) in enumerate(steps):
+            queries = 1 if (use_cache and step > 0) else seen + step
+            assert all(h.shape == (rows, queries, model.config.hidden_size) for h in hidden), (use_cache, step)
+            assert all(a.shape[0] == rows and a.shape[-2:] == (queries, seen + step) for a in attentions)
 
 
 @pytest.mark.parametrize(("model_type", "task", "model_class"), CAUSAL, ids=CAUSAL_IDS)

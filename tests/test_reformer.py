@@ -13,6 +13,7 @@ import copy  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from torch import nn  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from conversion.convert_from_transformers import convert_from_transformers, reformer_lm_bias_as_ours  # noqa: E402
@@ -24,6 +25,7 @@ from hf_xformers import (  # noqa: E402
     HfxReformerForSequenceClassification,
     HfxReformerModel,
 )
+from hf_xformers.attention.chunked_local import HfxLocalSelfAttention, decode_padded_length  # noqa: E402
 from hf_xformers.attention.lsh import (  # noqa: E402
     SELF_MASK_VALUE,
     HfxLSHSelfAttention,
@@ -203,19 +205,25 @@ def test_lm_heads_match_transformers(head):
     ids=["mixed", "lsh", "local", "two_rounds"],
 )
 def test_greedy_generation_matches_transformers(overrides):
-    """Cached greedy decoding: the same tokens as transformers' (which reuses past_buckets_states), for prompts no
-    longer than a chunk (full attention, buckets hashed once the sequence outgrows the chunk) and longer ones.
+    """Greedy decoding gives the tokens of transformers' full forwards (its ``use_cache=False``), for prompts no
+    longer than a chunk (full attention until the sequence outgrows it) and longer ones, of any length: uncached
+    always, and cached wherever the earlier positions' layer inputs do not depend on the length (local layers, and
+    LSH layers that follow only local ones).
 
-    Prompt lengths are chunk multiples: transformers mixes bucket offsets of 4 and 5 per round when a padded prompt
-    is followed by cached steps with several hashing rounds (its increase_num_buckets test reads the largest cached
-    bucket), which ours, keeping the raw buckets, do not reproduce."""
+    transformers' own cached steps differ from its forward (they sort each round without the padding the forward
+    adds and wrap around within the round), so they are not the reference. Two LSH layers are not cached exactly
+    by any cache: inserting a position into the sorted buckets moves the chunks of earlier positions, whose outputs
+    (the next layer's cached inputs) a longer full forward computes differently."""
     ref, ours = pair(transformers.ReformerModelWithLMHead, HfxReformerForCausalLM, is_decoder=True, **overrides)
-    for length in (3, 8, 16):
+    for length in (3, 5, 8, 13, 16):
         prompt = _ids(1, length, seed=length)
         with torch.no_grad():
-            expected = ref.generate(prompt, max_new_tokens=14, do_sample=False, pad_token_id=1)
-            got = ours.generate(prompt, max_new_tokens=14, do_sample=False, pad_token_id=1)
-        assert torch.equal(got, expected), (length, got, expected)
+            expected = ref.generate(prompt, max_new_tokens=14, do_sample=False, pad_token_id=1, use_cache=False)
+            uncached = ours.generate(prompt, max_new_tokens=14, do_sample=False, pad_token_id=1, use_cache=False)
+            cached = ours.generate(prompt, max_new_tokens=14, do_sample=False, pad_token_id=1)
+        assert torch.equal(uncached, expected), (length, uncached, expected)
+        if overrides.get("attn_layers") != ["lsh", "lsh"]:
+            assert torch.equal(cached, expected), (length, cached, expected)
 
 
 def test_cached_decoding_reuses_states_and_buckets():
@@ -234,19 +242,101 @@ def test_cached_decoding_reuses_states_and_buckets():
 
 
 def test_generation_with_padding_follows_the_mask():
-    """A padded batch decodes without the bucket cache, under its mask: the tokens equal an argmax loop over full
-    masked forwards, and the ids under the mask do not matter."""
-    _, config = configs(is_decoder=True)
-    model = HfxReformerForCausalLM(config).eval()
+    """A left-padded batch decodes with the cache, under its mask: one new position per step, the tokens of an argmax
+    loop over full masked forwards, and the ids under the mask do not matter."""
+    _, model = pair(transformers.ReformerModelWithLMHead, HfxReformerForCausalLM, is_decoder=True)
     ids = _ids(2, 8)
     mask = torch.ones_like(ids)
-    mask[0, :2] = 0
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=1)
-    assert torch.equal(out, greedy_by_hand(model, ids, 3, attention_mask=mask))
+    mask[0, :3] = 0
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=1,
+                         return_dict_in_generate=True, output_hidden_states=True)  # fmt: skip
+    assert [tuple(step[0].shape) for step in out.hidden_states] == [(2, 8, 32)] + [(2, 1, 32)] * 11
+    assert torch.equal(out.sequences, greedy_by_hand(model, ids, 12, attention_mask=mask))
     other = ids.clone()
-    other[0, :2] = 5
-    again = model.generate(other, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=1)
-    assert torch.equal(again[:, 8:], out[:, 8:])
+    other[0, :3] = 5
+    again = model.generate(other, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=1)
+    assert torch.equal(again[:, 8:], out.sequences[:, 8:])
+
+
+# Stacks whose earlier positions' layer inputs do not depend on the sequence length, so that a cached step can give the
+# full forward's numbers (see test_greedy_generation_matches_transformers): local layers with a one-chunk look-back,
+# and LSH layers (one or several hashing rounds, chunks shorter than the prompt) after local ones.
+EXACT_CACHE_STACKS = {
+    "local_lsh": dict(),
+    "local_lsh_rounds": dict(num_hashes=2, lsh_attn_chunk_length=4, num_buckets=2),
+    "local_local": dict(attn_layers=["local", "local"]),
+}
+
+
+@pytest.mark.parametrize("overrides", EXACT_CACHE_STACKS.values(), ids=EXACT_CACHE_STACKS.keys())
+@pytest.mark.parametrize("step_mask", ["whole", "new"], ids=["mask_so_far", "mask_of_new_position"])
+def test_padded_cached_steps_give_the_full_forward_logits(overrides, step_mask):
+    """Left padding (as generate() pads) and none: every cached step's logits equal the last row of a full forward
+    over the sequence so far under its mask, through lengths that change the internal padding and the chunk count.
+    A step given only its own position's mask uses the padded keys the cache kept."""
+    _, model = pair(transformers.ReformerModelWithLMHead, HfxReformerForCausalLM, is_decoder=True, **overrides)
+    ids = _ids(3, 22, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :6] = 0
+    prompt = 8  # every row ends in a real token, as generate() continues it
+    with torch.no_grad():
+        out = model(ids[:, :prompt], attention_mask=mask[:, :prompt], use_cache=True)
+        cache = out.past_buckets_states
+        full = model(ids[:, :prompt], attention_mask=mask[:, :prompt]).logits
+        torch.testing.assert_close(out.logits, full, atol=ATOL, rtol=0)
+        for t in range(prompt, ids.shape[1]):
+            step = mask[:, : t + 1] if step_mask == "whole" else mask[:, t : t + 1]
+            out = model(ids[:, t : t + 1], attention_mask=step, past_buckets_states=cache, use_cache=True)
+            full = model(ids[:, : t + 1], attention_mask=mask[:, : t + 1]).logits[:, -1:]
+            torch.testing.assert_close(out.logits, full, atol=ATOL, rtol=0, msg=f"length {t + 1}")
+        assert torch.equal(cache.key_mask, mask.bool())
+
+
+@pytest.mark.parametrize(
+    ("kind", "num_hashes"), [("local", 1), ("lsh", 1), ("lsh", 3)], ids=["local", "lsh", "lsh_3_rounds"]
+)
+@pytest.mark.parametrize("before", [1, 2, 3])
+def test_decode_step_is_the_last_row_of_the_full_attention(kind, num_hashes, before):
+    """One attention layer: the cached step of a new position equals the last row (context and probabilities) of the
+    layer's forward over every position, padded by the model to its chunk multiple and masked, for lengths around
+    the chunk and windows wider than the chunk count (repeated chunks) and across hashing rounds."""
+    _, config = configs(is_decoder=True, attn_layers=[kind], local_attn_chunk_length=4, lsh_attn_chunk_length=4,
+                        local_num_chunks_before=before, lsh_num_chunks_before=before, num_hashes=num_hashes)  # fmt: skip
+    attention = (HfxLSHSelfAttention if kind == "lsh" else HfxLocalSelfAttention)(config, 0).eval()
+    generator = torch.Generator().manual_seed(before * 10 + num_hashes)
+    for length in range(2, 22):
+        states = torch.randn(2, length, config.hidden_size, generator=generator)
+        mask = torch.ones(2, length, dtype=torch.bool)
+        mask[1, : min(3, length - 1)] = False
+        padded = decode_padded_length(length, config.chunk_multiple, config.min_chunk_length)
+        with torch.no_grad():
+            full = attention(nn.functional.pad(states, (0, 0, 0, padded - length)),
+                             nn.functional.pad(mask, (0, padded - length)), None, True,
+                             torch.full((2,), padded))  # fmt: skip
+            if kind == "lsh":
+                context, buckets, probs = attention.decode_step(
+                    states[:, -1:], states[:, :-1], None, None, True, key_mask=mask, padded_length=padded
+                )
+                assert buckets is None if padded <= 4 else buckets.shape == (2, 2, num_hashes, length)
+            else:
+                context, probs = attention.decode_step(states[:, -1:], states[:, :-1], mask, padded, True)
+        torch.testing.assert_close(context, full.context[:, length - 1 : length], atol=ATOL, rtol=0)
+        torch.testing.assert_close(probs, full.attentions[:, :, length - 1 : length, :length], atol=ATOL, rtol=0)
+
+
+def test_explicit_positions_under_left_padding_cached_and_uncached():
+    """Positions are counted from the first slot, padding included, as in transformers' Reformer; ``position_ids``
+    given to generate() (here counted over the mask) are used instead, with the cache as without it."""
+    _, model = pair(transformers.ReformerModelWithLMHead, HfxReformerForCausalLM, is_decoder=True)
+    ids = _ids(2, 7)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=1)
+    cached = model.generate(ids, position_ids=positions, **kwargs)
+    assert torch.equal(cached, model.generate(ids, position_ids=positions, use_cache=False, **kwargs))
+    assert not torch.equal(cached, model.generate(ids, **kwargs))  # the first-slot positions are other inputs
 
 
 # ----- any length, padding, determinism --------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from hf_xformers import (  # noqa: E402
 )
 from hf_xformers.attention.relative_memory import sinusoid_positions  # noqa: E402
 from hf_xformers.models.transfo_xl.adaptive_softmax import HfxAdaptiveLogSoftmax  # noqa: E402
+from hf_xformers.ops.compat import CACHE_NAME  # noqa: E402
 from tests.conformance import NUM_LABELS, SEQ_LEN, VOCAB, TextModelConformance, _ids  # noqa: E402
 from tests.generation_checks import greedy_by_hand  # noqa: E402
 
@@ -411,6 +412,46 @@ def test_generate_carries_memories():
     no_memory = lm(mem_len=0, same_length=False)
     out = no_memory.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert torch.equal(out, greedy_by_hand(no_memory, prompt, 3))
+
+
+@pytest.mark.parametrize(
+    ("mem_len", "same_length"),
+    [(32, False), (32, True), (4, True), (4, False)],
+    ids=["memory_holds_all", "memory_holds_all_same_length", "short_memory_same_length", "short_memory"],
+)
+@pytest.mark.parametrize("num_beams", [1, 2], ids=["greedy", "beam"])
+def test_generate_per_step_outputs_follow_transformers_contract(mem_len, same_length, num_beams):
+    """generate(output_attentions, output_hidden_states, return_dict_in_generate) on a left-padded batch, as
+    transformers' generation tests read it: with the cache (the memories) every step after the first feeds the new
+    token alone, hidden states and attention queries of length 1 and keys over every token so far (tokens that left
+    a short memory at 0), and the memories come back; without it every step is a full forward and none come back.
+    Where the memories see what a full forward sees (a memory holding the whole sequence, or same_length, which limits
+    both to the last mem_len positions) the cached steps give its logits and its attention rows."""
+    model = lm(mem_len=mem_len, same_length=same_length)
+    prompt = _ids(2, 7, seed=3)
+    mask = torch.ones_like(prompt)
+    mask[1, :3] = 0
+    kwargs = dict(
+        attention_mask=mask, max_new_tokens=6, do_sample=False, num_beams=num_beams, pad_token_id=0,
+        return_dict_in_generate=True, output_logits=True, output_attentions=True, output_hidden_states=True,
+    )  # fmt: skip
+    runs = {use_cache: model.generate(prompt, use_cache=use_cache, **kwargs) for use_cache in (True, False)}
+    rows = 2 * num_beams
+    for use_cache, out in runs.items():
+        assert (out.get(CACHE_NAME) is not None) == use_cache
+        assert len(out.hidden_states) == len(out.attentions) == 6
+        for step, (hidden, attentions) in enumerate(zip(out.hidden_states, out.attentions)):
+            queries = 1 if (use_cache and step > 0) else 7 + step
+            assert [tuple(h.shape) for h in hidden] == [(rows, queries, 32)] * 3, (use_cache, step)
+            assert [tuple(a.shape) for a in attentions] == [(rows, 4, queries, 7 + step)] * 2, (use_cache, step)
+    if mem_len < 13 and not same_length:
+        return  # the cached steps see the last mem_len positions, the full forwards all of them
+    assert torch.equal(runs[True].sequences, runs[False].sequences)
+    for cached, full in zip(runs[True].logits, runs[False].logits, strict=True):
+        torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
+    for step in range(1, 6):
+        for cached, full in zip(runs[True].attentions[step], runs[False].attentions[step], strict=True):
+            torch.testing.assert_close(cached[..., 0, :], full[..., -1, :], atol=1e-5, rtol=0)
 
 
 # ----- streams and the recurrent Trainer -------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from torch import nn
 from ..ops.attention_switch import attention_implementation, flex_applies, flex_attention, make_block_mask
 from ..ops.fast_dropout import HfxDropout
 from ..ops.precision import mask_value
-from ..ops.shapes import merge_heads, split_heads, unblock
+from ..ops.shapes import ceil_div, merge_heads, split_heads, unblock
 from .base import AttentionOutput, plain_linears
 
 # Masked keys get `mask_value(scores.dtype)`, the most negative finite value of the scores' dtype: finite (as
@@ -118,6 +118,30 @@ def segment_neighbour_chunks(
     index = first + torch.remainder(chunk - first + offset, count)
     keep = (offset == -before) | (count > 1)
     return index, keep.expand(index.shape)
+
+
+def decode_window_slots(
+    query_slot: torch.Tensor, length: int, chunk: int, before: int, after: int
+) -> torch.Tensor:
+    """The slots a query at ``query_slot`` (a long tensor of any shape ``(...)``) attends to in a full forward over a
+    row of ``length`` slots cut into chunks of ``chunk`` (``length`` a multiple of it): its chunk and ``before`` /
+    ``after`` neighbours, circularly, a chunk repeated as often as it appears in the window, the single chunk of a
+    one-chunk row once (:func:`neighbour_chunks` with every chunk taking part). Returns ``(..., window * chunk)``
+    slot indices in window order; cached decoding (one new query) gathers its keys with them."""
+    num_chunks = length // chunk
+    offsets = [offset for offset in range(-before, after + 1) if offset == -before or num_chunks > 1]
+    offsets = torch.tensor(offsets, device=query_slot.device)
+    chunks = torch.remainder(torch.div(query_slot, chunk, rounding_mode="floor")[..., None] + offsets, num_chunks)
+    return (chunks[..., None] * chunk + torch.arange(chunk, device=query_slot.device)).flatten(-2)
+
+
+def decode_padded_length(length: int, multiple: int, min_chunk_length: int) -> int:
+    """The length the Reformer model pads an input of ``length`` positions to (a multiple of ``multiple``, the chunk
+    multiple, once it is longer than ``min_chunk_length``): the row a full forward over the sequence so far chunks,
+    which a cached step must reproduce."""
+    if length <= min_chunk_length:
+        return length
+    return ceil_div(length, multiple) * multiple
 
 
 def window_repeats(
@@ -335,26 +359,52 @@ class HfxLocalSelfAttention(nn.Module):
         return flex_attention(q, k, v, block_mask=block_mask, score_mod=repeats, scale=1.0)
 
     def decode_step(
-        self, hidden_states: torch.Tensor, past_states: torch.Tensor, output_attentions: bool = False
+        self,
+        hidden_states: torch.Tensor,
+        past_states: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+        padded_length: int | None = None,
+        output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One new position ``hidden_states`` ``(batch, 1, hidden)`` attending to itself and the cached (normalised)
-        inputs ``past_states`` ``(batch, past_len, hidden)`` of its own and the previous chunks, as in a causal full
-        forward. Returns the context ``(batch, 1, heads * head_dim)`` and, with ``output_attentions``, the
-        probabilities over every position so far ``(batch, heads, 1, past_len + 1)`` (0 outside the chunks)."""
-        past_len = past_states.shape[1]
-        start = max((past_len // self.chunk_length - self.num_chunks_before) * self.chunk_length, 0)
-        states = torch.cat([past_states[:, start:], hidden_states], dim=1)
+        """One new position ``hidden_states`` ``(batch, 1, hidden)`` (normalised) against the cached normalised inputs
+        ``past_states`` ``(batch, past_len, hidden)``: the same keys, with the same multiplicities and masks, as the
+        last row of a causal full forward over all ``past_len + 1`` positions.
+
+        ``key_mask`` ``(batch, past_len + 1)`` bool (True = real; None = nothing padded) masks padded keys, as the
+        full forward's ``attention_mask``; ``padded_length`` is the length the model pads that full forward to
+        (:func:`decode_padded_length`; None: ``past_len + 1``), whose chunks the new query's window follows. The new
+        position is taken as real (``generate()`` always appends one). Returns the context ``(batch, 1, heads *
+        head_dim)`` and, with ``output_attentions``, the probabilities over every position so far ``(batch, heads,
+        1, past_len + 1)`` (0 outside the window; a repeated chunk's keys add up, as in the full forward)."""
+        length = past_states.shape[1] + 1
+        padded = length if padded_length is None else padded_length
+        chunk = self.chunk_length if padded >= self.chunk_length else padded
+        query = torch.full((), length - 1, dtype=torch.long, device=hidden_states.device)
+        slots = decode_window_slots(query, padded, chunk, self.num_chunks_before, self.num_chunks_after)  # (window,)
+        # Slots past the sequence (the full forward's internal padding) or after the query: masked, as there.
+        allowed = (slots < length)[None, :]
+        if key_mask is not None:
+            allowed = allowed & key_mask[:, slots.clamp(max=length - 1)]
+        states = torch.cat([past_states, hidden_states], dim=1)[:, slots.clamp(max=length - 1)]
         q = split_heads(self.query(hidden_states), self.num_heads)
         k = split_heads(self.key(states), self.num_heads) / math.sqrt(self.head_dim)
         v = split_heads(self.value(states), self.num_heads)
-        probs = torch.softmax(torch.matmul(q, k.transpose(-1, -2)), dim=-1)
-        attentions = nn.functional.pad(probs, (start, 0)) if output_attentions else None
+        scores = torch.matmul(q, k.transpose(-1, -2))  # (batch, heads, 1, window)
+        scores = scores.masked_fill(~allowed[:, None, None, :], mask_value(scores.dtype))
+        probs = torch.softmax(scores, dim=-1)
+        attentions = None
+        if output_attentions:
+            # Masked slots (clamped onto the query's own place) carry an exact 0.
+            index = slots.clamp(max=length - 1).expand(probs.shape)
+            attentions = probs.new_zeros(*probs.shape[:3], length).scatter_add(-1, index, probs)
         return merge_heads(torch.matmul(probs, v)), attentions
 
 
 __all__ = [
     "DocumentLayout",
     "HfxLocalSelfAttention",
+    "decode_padded_length",
+    "decode_window_slots",
     "dense_probabilities",
     "gather_chunks",
     "neighbour_chunks",

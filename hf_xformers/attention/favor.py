@@ -477,27 +477,28 @@ def blocked_softmax_attention(
     Returns:
         ``(batch, heads, seq, e)``, in the inputs' dtype (float32 as :func:`favor_attention` calls it).
     """
-    head_dim, length = query.shape[-1], query.shape[2]
+    head_dim = query.shape[-1]
     weights = projection.T * head_dim**-0.25  # x . weights = w_r . x_hat
-    value = _with_ones(value)
+    # Blocks by ``split``, not by indexing: the gradient of a split is one concatenation, where every indexed
+    # block's gradient would be a zero-filled full-length tensor (blocks x seq of memory traffic per tensor).
+    values = _with_ones(value).split(block_size, dim=2)
+    masks = key_mask.split(block_size, dim=1) if key_mask is not None else [None] * len(values)
     state = stabiliser = None
-    for start in range(0, length, block_size):
-        block = slice(start, start + block_size)
-        k = key[:, :, block]
+    for k, v, mask in zip(key.split(block_size, dim=2), values, masks):
         logits = torch.matmul(k, weights).sub_((0.5 * head_dim**-0.5) * k.pow(2).sum(-1, keepdim=True))
-        if key_mask is not None:
-            logits.masked_fill_(~key_mask[:, None, block, None], float("-inf"))
+        if mask is not None:
+            logits.masked_fill_(~mask[:, None, :, None], float("-inf"))
         block_max = logits.detach().amax(dim=(-2, -1), keepdim=True)  # (b, h, 1, 1)
         new = block_max if stabiliser is None else torch.maximum(stabiliser, block_max)
         # Blocks (or whole examples) of padding only have a -inf max; any finite stabiliser will do for them.
         new = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-        contribution = torch.matmul(logits.sub_(new).exp_().transpose(-1, -2), value[:, :, block])
+        contribution = torch.matmul(logits.sub_(new).exp_().transpose(-1, -2), v)
         state = contribution if state is None else state * torch.exp(stabiliser - new) + contribution
         stabiliser = new
     eps_term = query_eps * state.sum(-2, keepdim=True)  # what adding eps to every query feature contributes
     outputs = []
-    for start in range(0, length, block_size):
-        query_features = softmax_kernel_features(query[:, :, start : start + block_size], projection, is_query=True)
+    for q in query.split(block_size, dim=2):
+        query_features = softmax_kernel_features(q, projection, is_query=True)
         outputs.append(_normalise(torch.matmul(query_features, state) + eps_term))
     return torch.cat(outputs, dim=2)
 

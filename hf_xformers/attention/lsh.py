@@ -47,6 +47,7 @@ from .base import AttentionOutput, plain_linears
 from .chunked_local import (
     DocumentLayout,
     corner_on_graph,
+    decode_window_slots,
     dense_probabilities,
     expand_keep,
     gather_chunks,
@@ -433,38 +434,54 @@ class HfxLSHSelfAttention(nn.Module):
         past_buckets: torch.Tensor | None,
         num_hashes: int | None = None,
         output_attentions: bool = False,
+        key_mask: torch.Tensor | None = None,
+        padded_length: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """One new position (``(batch, 1, hidden)``, normalised) against the cached normalised inputs ``past_states``
-        ``(batch, past_len, hidden)`` and their buckets ``(batch, heads, rounds, past_len)`` (None while the sequence
-        was no longer than a chunk), as transformers decodes with ``past_buckets_states``: the new query is hashed,
-        sorted in among the cached buckets of each round, and attends to the ``(before + 1 + after)`` chunks of sorted
-        positions around it (keys and values recomputed from the cached states). Returns the context
-        ``(batch, 1, heads * head_dim)`` and the buckets to cache (all positions' when they are first computed,
-        else the new position's ``(batch, heads, rounds, 1)``; None while none are kept) and, with
-        ``output_attentions``, the probabilities over every position so far ``(batch, heads, 1, past_len + 1)``
-        (summed over the hashing rounds with their weights; 0 outside the attended chunks)."""
+        """One new position ``hidden_states`` ``(batch, 1, hidden)`` (normalised) against the cached normalised
+        inputs ``past_states`` ``(batch, past_len, hidden)`` and their buckets ``(batch, heads, rounds, past_len)``
+        (None until they are first needed): the last row of a causal full forward over all ``past_len + 1``
+        positions, which the model pads to ``padded_length`` (None: no padding).
+
+        As that forward does, every round sorts the positions by bucket (padded keys, ``key_mask`` False, in an
+        extra last bucket, the internal padding after them), the rounds lie end to end, and the new query attends
+        to the chunks of sorted slots around its own (circularly over all rounds, a chunk repeated as often as it
+        appears); keys and values are recomputed from the cached states of the positions found there. A full
+        forward no longer than a chunk attends to every position instead. The new position is taken as real.
+
+        Returns the context ``(batch, 1, heads * head_dim)``, the buckets of all ``past_len + 1`` positions (None
+        while the full forward hashes nothing) and, with ``output_attentions``, the probabilities over every
+        position so far ``(batch, heads, 1, past_len + 1)`` (rounds combined with their weights; 0 elsewhere)."""
         num_hashes = self.num_hashes if num_hashes is None else num_hashes
         states = torch.cat([past_states, hidden_states], dim=1)
         batch, length, hidden = states.shape
+        padded = length if padded_length is None else padded_length
         q = split_heads(self.query_key(hidden_states), self.num_heads)  # (batch, heads, 1, d)
-        if past_buckets is None or past_buckets.numel() == 0:
+        if padded <= self.chunk_length:
             qk = split_heads(self.query_key(states), self.num_heads)
             v = split_heads(self.value(states), self.num_heads)
             scores = torch.matmul(q, (unit_rms(qk) / math.sqrt(self.head_dim)).transpose(-1, -2))
+            if key_mask is not None:
+                scores = scores.masked_fill(~key_mask[:, None, None, :], mask_value(scores.dtype))
             scores[..., -1] = self_mask_value(scores.dtype)
             probs = torch.softmax(scores, dim=-1)
-            context = torch.matmul(probs, v)
-            new_buckets = self.bucket(self.hash_input(states, qk), num_hashes) if length >= self.chunk_length else None
-            return merge_heads(context), new_buckets, (probs if output_attentions else None)
-        query_buckets = self.bucket(self.hash_input(hidden_states, q), num_hashes)  # (batch, heads, rounds, 1)
-        order = torch.argsort(torch.cat([past_buckets, query_buckets], dim=-1), dim=-1, stable=True)
-        where_new = (order == length - 1).to(torch.int64).argmax(-1, keepdim=True)  # (batch, heads, rounds, 1)
-        window = (1 + self.num_chunks_before + self.num_chunks_after) * self.chunk_length
-        start = (where_new // self.chunk_length - self.num_chunks_before) * self.chunk_length
-        slots = torch.remainder(start + torch.arange(window, device=states.device), length)
-        token = order.gather(-1, slots)  # (batch, heads, rounds, window) positions
+            return merge_heads(torch.matmul(probs, v)), None, (probs if output_attentions else None)
+        buckets = self._decode_buckets(states, q, past_buckets, num_hashes)  # (batch, heads, rounds, length)
+        extra_bucket = math.prod(bucket_factors(self.num_buckets))
+        key = buckets if key_mask is None else buckets.masked_fill(~key_mask[:, None, None, :], extra_bucket)
+        # The full forward's internal padding: masked, sorted after every real position of each round.
+        key = nn.functional.pad(key, (0, padded - length), value=extra_bucket)
+        order = torch.argsort(key, dim=-1, stable=True).flatten(2)  # (batch, heads, rounds * padded) positions
+        slot = (order == length - 1).to(torch.int64).view(batch, self.num_heads, num_hashes, padded).argmax(-1)
+        slot = slot + torch.arange(num_hashes, device=states.device) * padded  # (batch, heads, rounds)
+        window = decode_window_slots(slot, num_hashes * padded, self.chunk_length, self.num_chunks_before,
+                                     self.num_chunks_after)  # fmt: skip
+        token = order.gather(-1, window.flatten(2)).view(*window.shape)  # (batch, heads, rounds, window)
+        real = token < length
+        if key_mask is not None:
+            real = real & key_mask.gather(1, token.clamp(max=length - 1).flatten(1)).view(token.shape)
+        token = token.clamp(max=length - 1)  # internal padding (masked) reads any cached state
         picked = states[torch.arange(batch, device=states.device).view(-1, 1), token.flatten(1)]
-        picked = picked.view(batch, self.num_heads, num_hashes, window, hidden)
+        picked = picked.view(*token.shape, hidden)
         if plain_linears(self.query_key, self.value):
             per_head = (self.num_heads, self.head_dim, hidden)
             qk = torch.einsum("bhnkx,hdx->bhnkd", picked, self.query_key.weight.view(per_head))
@@ -478,8 +495,9 @@ class HfxLSHSelfAttention(nn.Module):
                 for linear in (self.query_key, self.value)
             )
         scores = torch.matmul(q[:, :, None], (unit_rms(qk) / math.sqrt(self.head_dim)).transpose(-1, -2))
-        own = (token == length - 1)[..., None, :]
-        scores = scores.masked_fill(own, self_mask_value(scores.dtype))  # (b, h, rounds, 1, window)
+        scores = scores.masked_fill(~real[..., None, :], mask_value(scores.dtype))
+        own = (token == length - 1) & real
+        scores = scores.masked_fill(own[..., None, :], self_mask_value(scores.dtype))  # (b, h, rounds, 1, window)
         with float32_autocast_off(states.device.type):  # softmax statistics in float32, as in `forward`
             log_norm = torch.logsumexp(scores.float(), dim=-1, keepdim=True)
             probs = torch.exp(scores.float() - log_norm)
@@ -488,11 +506,23 @@ class HfxLSHSelfAttention(nn.Module):
         context = (context * weights.to(context.dtype)).sum(2)
         attentions = None
         if output_attentions:
-            # A position may sit in the window more than once (the window wraps around): its weights add up.
+            # A position may sit in the window more than once (the window wraps around): its weights add up; masked
+            # slots carry an exact 0.
             weighted = (probs * weights).squeeze(-2).to(v.dtype)  # (batch, heads, rounds, window)
             attentions = weighted.new_zeros(batch, self.num_heads, length)
             attentions = attentions.scatter_add(-1, token.flatten(2), weighted.flatten(2))[:, :, None]
-        return merge_heads(context), query_buckets, attentions
+        return merge_heads(context), buckets, attentions
+
+    def _decode_buckets(
+        self, states: torch.Tensor, query: torch.Tensor, past_buckets: torch.Tensor | None, num_hashes: int
+    ) -> torch.Tensor:
+        """Buckets of all positions ``(batch, heads, rounds, length)``: the cached ones and the new query's
+        (``query`` ``(batch, heads, 1, d)``), or all of them hashed from ``states`` when none are cached yet."""
+        length = states.shape[1]
+        if past_buckets is not None and past_buckets.shape[-1] == length - 1 and past_buckets.shape[2] == num_hashes:
+            return torch.cat([past_buckets, self.bucket(self.hash_input(states[:, -1:], query), num_hashes)], dim=-1)
+        qk = split_heads(self.query_key(states), self.num_heads)
+        return self.bucket(self.hash_input(states, qk), num_hashes)
 
 
 __all__ = ["HfxLSHSelfAttention", "draw_rotations", "hash_buckets", "SELF_MASK_VALUE", "self_mask_value"]

@@ -30,10 +30,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import GenerationMixin
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import ModelOutput
 
-from ...attention.chunked_local import DocumentLayout, HfxLocalSelfAttention
+from ...attention.chunked_local import DocumentLayout, HfxLocalSelfAttention, decode_padded_length
 from ...attention.lsh import HfxLSHSelfAttention
 from ...layers.encoder import INPLACE_ACTIVATIONS
 from ...layers.generation import HfxCache
@@ -45,7 +46,6 @@ from ...layers.heads import (
     causal_lm_loss,
 )
 from ...layers.pretrained import HfxPreTrainedModel
-from ...ops.compat import CACHE_ARGUMENT_NAMES
 from ...ops.fast_dropout import HfxDropout, fast_dropout
 from ...ops.input_checks import check_not_empty, check_token_ids, unpadded_to_none
 from ...ops.packing import (
@@ -250,13 +250,16 @@ class HfxReformerLayer(nn.Module):
 class HfxReformerCache(HfxCache):
     """What cached decoding keeps per layer: the normalised attention inputs ``(batch, len, hidden)`` and, for LSH
     layers, their buckets ``(batch, heads, rounds, len)`` (None for local layers and for LSH layers whose input was
-    still no longer than a chunk). Plays the part of transformers' ``past_buckets_states``."""
+    still no longer than a chunk); and once for all layers the key mask of those positions, ``key_mask``
+    ``(batch, len)`` bool (True = real; None while nothing is padded), so that a step that is given only the new
+    position's mask still masks the padded keys. Plays the part of transformers' ``past_buckets_states``."""
 
-    batch_fields = ("states", "buckets")
+    batch_fields = ("states", "buckets", "key_mask")
 
     def __init__(self) -> None:
         self.states: list[torch.Tensor] = []
         self.buckets: list[torch.Tensor | None] = []
+        self.key_mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.states)
@@ -279,7 +282,8 @@ class HfxReformerEncoder(nn.Module):
         """``(batch, seq, hidden)`` -> ``(batch, seq, 2 * hidden)``, the per-layer ``x2`` streams, attentions.
 
         ``cache``: an empty :class:`HfxReformerCache` to fill (prefill, ``cache_length`` real positions) or a filled
-        one to decode one position with. A packed batch: ``hidden_states`` is the internal row of
+        one to decode one position with (``attention_mask`` then the key mask of every position so far, ``(batch,
+        cached + 1)``, or None). A packed batch: ``hidden_states`` is the internal row of
         :func:`lay_out_documents`, ``documents`` its layout and ``slots`` ``(batch, packed_len)`` the slot of every
         packed token in it; the reported ``x2`` streams are then ``(batch, packed_len, hidden)``.
         """
@@ -297,25 +301,31 @@ class HfxReformerEncoder(nn.Module):
             hidden, x1 = _on_path(x1, cache_length, slots)
             x2 = x1
         if cache is not None and len(cache):
+            # One new position: each layer attends as the last row of a full forward over the sequence so far, which
+            # the model would pad to `padded` and mask with `attention_mask` (batch, cached + 1) (None: unpadded).
+            padded = decode_padded_length(
+                cache.get_seq_length() + 1, self.config.chunk_multiple, self.config.min_chunk_length
+            )
             for i, layer in enumerate(self.layers):
                 if output_hidden_states:
                     all_hidden.append(x2)
                 normed = layer.attention.layer_norm(x2)
                 attention = layer.attention.self_attention
                 if isinstance(attention, HfxLSHSelfAttention):
-                    context, buckets, probs = attention.decode_step(
-                        normed, cache.states[i], cache.buckets[i], num_hashes, output_attentions
-                    )
-                    if buckets is not None:
-                        full = cache.buckets[i] is None or buckets.shape[-1] == cache.states[i].shape[1] + 1
-                        cache.buckets[i] = buckets if full else torch.cat([cache.buckets[i], buckets], dim=-1)
+                    context, cache.buckets[i], probs = attention.decode_step(
+                        normed, cache.states[i], cache.buckets[i], num_hashes, output_attentions,
+                        key_mask=attention_mask, padded_length=padded,
+                    )  # fmt: skip
                 else:
-                    context, probs = attention.decode_step(normed, cache.states[i], output_attentions)
+                    context, probs = attention.decode_step(
+                        normed, cache.states[i], attention_mask, padded, output_attentions
+                    )
                 if output_attentions:
                     all_attn.append(probs)
                 cache.states[i] = torch.cat([cache.states[i], normed], dim=1)
                 x1 = x1 + layer.attention.output(context)
                 x2 = x2 + layer.feed_forward(x1)
+            cache.key_mask = attention_mask
         elif (
             self.config.reversible and self.training and torch.is_grad_enabled()
             and not (output_attentions or output_hidden_states)
@@ -339,6 +349,7 @@ class HfxReformerEncoder(nn.Module):
                     cache.states.append(normed[:, :cache_length])
                     buckets = attn.global_attentions
                     cache.buckets.append(None if buckets is None else buckets[..., :cache_length])
+                    cache.key_mask = None if attention_mask is None else attention_mask[:, :cache_length]
                 if output_attentions:
                     all_attn.append(attn.attentions)
                 x1 = x1 + out
@@ -523,9 +534,13 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             raise ValueError("Reformer has no global attention; drop `global_attention_mask` from the inputs.")
         if token_type_ids is not None:
             raise ValueError("Reformer has no token types; drop `token_type_ids` (return_token_type_ids=False).")
-        if attention_mask is not None and tuple(attention_mask.shape) != shape:
+        # With a cache: the mask of every position so far (what generate() passes) or of the new one alone.
+        accepted = [shape, (shape[0], past + shape[1])] if past else [shape]
+        if attention_mask is not None and tuple(attention_mask.shape) not in accepted:
             raise ValueError(
-                f"`attention_mask` must have the shape of `input_ids` {shape}, got {tuple(attention_mask.shape)}."
+                f"`attention_mask` must have the shape of `input_ids` {shape}"
+                + (f" or cover the cached positions too {(shape[0], past + shape[1])}" if past else "")
+                + f", got {tuple(attention_mask.shape)}."
             )
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
@@ -600,7 +615,10 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         hidden = self.embeddings(input_ids, position_ids, inputs_embeds, start=start)
         # "Is anything padded" is read once here (one host read in eager mode); an all-ones mask becomes None, so no
         # layer masks, and no layer reads mask values back.
-        attention_mask = unpadded_to_none(None if attention_mask is None else attention_mask.bool())
+        if start:
+            attention_mask = self._decode_key_mask(cache, attention_mask, start)
+        else:
+            attention_mask = unpadded_to_none(None if attention_mask is None else attention_mask.bool())
         mask = attention_mask
         padded_lengths = None
         multiple = config.chunk_multiple
@@ -637,6 +655,25 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             ),
         )
         return self._finish(out, return_dict)
+
+    @staticmethod
+    def _decode_key_mask(
+        cache: HfxReformerCache, attention_mask: torch.Tensor | None, cached: int
+    ) -> torch.Tensor | None:
+        """The key mask of a cached step, ``(batch, cached + 1)`` bool or None (nothing padded): the given mask when
+        it covers every position (as ``generate()`` passes it), else the cache's mask extended by the new
+        position's (``(batch, 1)``, or real when None)."""
+        if attention_mask is not None and attention_mask.shape[1] == cached + 1:
+            return unpadded_to_none(attention_mask.bool())
+        if attention_mask is None and cache.key_mask is None:
+            return None
+        batch = cache.states[0].shape[0]
+        device = cache.states[0].device
+        past = cache.key_mask
+        if past is None:
+            past = torch.ones(batch, cached, dtype=torch.bool, device=device)
+        new = torch.ones(batch, 1, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
+        return unpadded_to_none(torch.cat([past, new], dim=1))
 
     def _packed_position_ids(
         self, document_ids: torch.Tensor, position_ids: torch.Tensor | None, cache, use_cache: bool | None
@@ -753,14 +790,17 @@ class HfxReformerForQuestionAnswering(_ReformerHeadSizes, HfxQuestionAnsweringHe
     base_model_class = HfxReformerModel
 
 
-class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel):
+class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel, GenerationMixin):
     """Left-to-right language model (transformers' ``ReformerModelWithLMHead``).
 
     The model is always causal: a config with ``is_decoder=False`` is copied with ``is_decoder=True``. ``labels``
     ``(batch, seq_len)`` are the input ids (shifted inside; -100 = no loss) or, as transformers' causal LMs accept,
     ``shift_labels`` already shifted. ``generate()`` keeps the normalised layer inputs and LSH buckets of earlier
-    positions in :class:`HfxReformerCache` and feeds one new token per step, as transformers does (greedy, sampling,
-    beam search; padded batches are decoded without the cache, see :meth:`prepare_inputs_for_generation`).
+    positions and their key mask in :class:`HfxReformerCache` and feeds one new token per step, as transformers does
+    (greedy, sampling, beam search): every step gives the logits of a full forward over the sequence so far under its
+    attention mask, so a left-padded batch decodes with the cache too (transformers' Reformer drops the mask in
+    generate()). Positions count from the first slot, padding included, as in transformers' Reformer, unless
+    ``position_ids`` are given.
     """
 
     base_model_class = HfxReformerModel
@@ -833,22 +873,3 @@ class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel):
 
     def _cache_of_output(self, outputs) -> HfxReformerCache | None:
         return outputs.past_buckets_states
-
-    def prepare_inputs_for_generation(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, use_cache: bool | None = None,
-        **kwargs,
-    ) -> dict:  # fmt: skip
-        """First step: the whole prompt; later steps: the newest token with the cache of the earlier ones.
-
-        The cache has no key mask, so a batch with padding (or a prompt that merely contains the pad token, which
-        generate() masks) is decoded without it: every step re-encodes the whole sequence under its attention mask
-        (the same tokens as a cached run would give, at the cost of a full forward per token). Positions count from
-        the first slot, padding included, as in transformers' Reformer.
-        """
-        if attention_mask is not None:
-            if bool(attention_mask.bool().all()):
-                attention_mask = None  # nothing to mask: the cached path feeds one token per step
-            else:
-                kwargs = {k: v for k, v in kwargs.items() if k not in CACHE_ARGUMENT_NAMES}
-                use_cache = False
-        return super().prepare_inputs_for_generation(input_ids, attention_mask, use_cache, **kwargs)

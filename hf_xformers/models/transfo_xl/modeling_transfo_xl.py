@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
@@ -29,6 +29,7 @@ from ...attention.relative_memory import (
 )
 from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import pool_tokens, sequence_classification_loss
+from ...layers.pretrained import TransformersCheckpointMixin
 from ...ops.input_checks import check_not_empty, check_token_ids, is_tracing, unpadded_to_none
 from ...ops.packing import document_ids_from_inputs, refuse_packed
 from .adaptive_softmax import HfxAdaptiveEmbedding, HfxAdaptiveLogSoftmax
@@ -74,7 +75,7 @@ class HfxTransfoXLSequenceClassifierOutput(ModelOutput):
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
-class HfxTransfoXLPreTrainedModel(PreTrainedModel):
+class HfxTransfoXLPreTrainedModel(TransformersCheckpointMixin, PreTrainedModel):
     config_class = HfxTransfoXLConfig
     base_model_prefix = "transformer"
     supports_gradient_checkpointing = True
@@ -304,7 +305,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
             attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding (left or right): padded keys are
                 masked. It may also cover earlier tokens (``(batch, past + seq_len)``, what ``generate()`` passes):
                 its last ``memory + seq_len`` columns then mask the memory too; memory it does not cover counts as
-                real.
+                real, and ``attentions`` then cover all of its columns (0 for tokens no longer in the memory).
             position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k: accepted so that a
                 packed (padding-free) batch from ``DataCollatorWithFlattening`` is refused with a ``ValueError``
                 instead of mixing its documents (positions are relative here: ``position_ids`` of an ordinary batch
@@ -342,6 +343,14 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
                 key_mask = F.pad(key_mask, (key_len - key_mask.shape[1], 0), value=True)
             allowed = allowed & key_mask[:, None, None, :]
 
+        # A mask wider than memory + segment covers tokens that have left the memory (generate() passes the mask of
+        # every token so far): the probabilities are reported over all of them, 0 for those, so that a decoding step's
+        # row lines up with the mask's columns and with the last row of a full forward over the sequence so far
+        # (transformers' per-step contract: keys = every token so far).
+        dropped = 0
+        if output_attentions and attention_mask is not None and attention_mask.shape[1] > key_len:
+            dropped = attention_mask.shape[1] - key_len
+
         hidden = self.dropout(embeds)
         layer_inputs, all_hidden, all_attentions = [], (), ()
         for i, layer in enumerate(self.layers):
@@ -356,7 +365,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
                 output_attentions=output_attentions,
             )
             if output_attentions:
-                all_attentions += (probs,)
+                all_attentions += (F.pad(probs, (dropped, 0)) if dropped else probs,)
         hidden = self.dropout(hidden)
         if output_hidden_states:
             all_hidden += (hidden,)
@@ -386,7 +395,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         return tuple(new)
 
 
-class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel):
+class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, GenerationMixin):
     """Transformer-XL language model: the base model and an adaptive softmax tied to the adaptive embeddings.
 
     ``labels`` ``(batch, seq_len)`` are the input ids themselves (-100 where no loss is wanted), shifted inside: the
@@ -396,10 +405,13 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel):
     :class:`~hf_xformers.models.transfo_xl.training_transfo_xl.HfxStreamSegments` yields).
 
     ``generate()`` carries the memories from step to step: each step feeds only the newest token (greedy, sampling,
-    beam search, which reorders the memories with the beams; left padding through ``attention_mask``). Tokens equal
-    those of full recomputation (``use_cache=False``) while the memory holds the whole sequence
-    (``mem_len >= prompt + new tokens``); beyond that the model sees only the last ``mem_len`` positions, as in
-    training.
+    beam search, which reorders the memories with the beams; left padding through ``attention_mask``), and its
+    ``output_attentions`` cover every token so far (0 for those no longer in the memory), as transformers' per-step
+    contract expects of a cache. The logits equal those of full recomputation (``use_cache=False``) while the memory
+    holds the whole sequence (``mem_len >= prompt + new tokens``), and at any length with ``same_length=True`` (the
+    default: every query attends to the last ``mem_len`` positions either way); with ``same_length=False`` a longer
+    sequence is seen through the last ``mem_len`` positions only, as in training, where full recomputation sees all.
+    With ``mem_len=0`` there is no memory to carry: every step re-encodes the whole sequence and no cache is returned.
     """
 
     generation_cache_argument = "mems"
