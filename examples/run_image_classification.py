@@ -13,9 +13,12 @@ precedence:
 Without a validation split, ``--train_val_split`` of the training data is held out (stratified). Training images
 go through a random resized crop and (``--hflip_prob``) a horizontal flip, in PIL/NumPy; evaluation images are
 resized. Without ``--model_name_or_path`` a new ``hfx-swin`` is built (``--config_overrides`` adjusts it) at a
-resolution taken from the training images, and trained with from-scratch defaults (``SCRATCH_TRAINING``: learning
-rate 2e-3, 10 % warm-up, cosine decay, weight decay 0.05, 30 epochs, batch 32) for every one of these options the
-command line does not set; the log says which were applied. A pretrained model keeps the Trainer's defaults.
+resolution taken from the training images and a shape taken from the resolution (``swin_shape``: patch, window,
+stages, width), and trained with from-scratch defaults (``SCRATCH_TRAINING``: learning rate 2e-3, 10 % warm-up,
+cosine decay, weight decay 0.05, batch 32) for every one of these options the command line does not set; the log
+says which were applied. The number of epochs follows ``--time_budget_minutes`` (10): a few timed training steps
+tell how many epochs fit, so the cosine schedule ends when the time is up (``plan_epochs``). A pretrained model keeps
+the Trainer's defaults.
 
 ``--output_dir`` ends up ready to upload: ``model.safetensors``, ``config.json`` (with ``id2label``),
 ``preprocessor_config.json``, ``README.md`` (model card with the metrics), ``train_results.json``,
@@ -35,11 +38,13 @@ Examples (see examples/README.md)::
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import os
 import random
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +52,7 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, load_dataset
 from datasets import Image as ImageFeature
 from PIL import Image, ImageOps
+from torch.utils.data import DataLoader
 from transformers import (
     AutoConfig,
     AutoImageProcessor,
@@ -54,6 +60,7 @@ from transformers import (
     EvalPrediction,
     SchedulerType,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
     set_seed,
 )
@@ -64,6 +71,7 @@ from examples.utils_examples import (
     apply_scratch_defaults,
     check_world_size,
     enable_cpu_distributed,
+    explicit_options,
     finish_output_dir,
     hub_model_id,
     model_origin,
@@ -76,11 +84,24 @@ from examples.utils_examples import (
 logger = logging.getLogger("run_image_classification")
 
 DIGITS = "sklearn-digits"
-# A small Swin for 32 x 32 inputs, used without a checkpoint: 4 x 4 patches (one digit pixel each after the 4x
-# upscaling), then 8 x 8 tokens in shifted windows of 4 and 4 x 4 tokens after merging (other resolutions up to 64
-# get patches of size / 8). Trained from scratch it needs a large learning rate and many epochs, like any small ViT:
-# see SCRATCH_TRAINING.
-SCRATCH_SWIN = dict(patch_size=4, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=4, drop_path_rate=0.1)
+
+# The shape of a new model follows Swin-T's plan at 224 pixels (4 x 4 patches -> 56 x 56 tokens, windows of 7, stages
+# of 56, 28, 14 and 7 tokens a side, the last one a single window), scaled to the images: smaller images get smaller
+# patches so that the first stage still has MIN_TOKENS_PER_SIDE tokens a side or more (the 8 x 8 or 7 x 7 tokens of
+# the small ViTs for CIFAR and MNIST), and stages are added while the map is larger than one window. A 28-pixel digit:
+# 4 x 4 patches, 7 x 7 tokens in one window, merged to 4 x 4. See swin_shape. Measured on 500 real MNIST digits, 8
+# epochs: this shape (patch 4, width 64) reaches 0.42 accuracy, 2 x 2 patches of width 32 (14 x 14 tokens, twice the
+# compute) 0.21: the coarser, wider model learns faster per step and per second.
+MIN_TOKENS_PER_SIDE = 7
+MAX_PATCH = 4  # Swin's own patch: larger images get more stages, not coarser tokens
+MIN_STAGES, MAX_STAGES = 2, 4  # at least one merge: a wider, coarser map for the classifier
+WINDOW_SIDES = (7, 8, 6, 5, 4)  # Swin's 7 where it tiles the map, else the nearest side that does (no padding)
+SCRATCH_WIDTH = 64  # channels of the first stage; each later stage doubles them
+HEAD_DIM = 32  # Swin-T's
+BLOCKS_PER_STAGE = 2
+MAX_EPOCHS = 100
+# Timed training steps of the budget probe (after two untimed ones that warm up the kernels and the allocator).
+PROBE_STEPS = 5
 
 
 @dataclass
@@ -111,6 +132,18 @@ class ModelArguments:
         default=False,
         metadata={"help": "Re-initialise a classifier whose size differs from the data's number of classes."},
     )
+    time_budget_minutes: float = field(
+        default=10.0,
+        metadata={
+            "help": "New model without --num_train_epochs/--max_steps: the whole run (data, training, evaluation) "
+            f"should take about this long; the epochs (at most {MAX_EPOCHS}) are fitted to it from a few timed "
+            "training steps, which also pick the faster of one thread and all of them."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not self.time_budget_minutes > 0:
+            raise ValueError(f"--time_budget_minutes must be positive, got {self.time_budget_minutes}.")
 
 
 @dataclass
@@ -167,11 +200,12 @@ class DataTrainingArguments:
 
 
 # The Trainer's defaults (learning rate 5e-5, no warm-up, 3 epochs, batch 8) suit fine-tuning; a Swin trained from
-# scratch on a few thousand small images needs these (measured on scikit-learn's digits as 28 x 28 PNGs, 1,437
-# training images: the Trainer's defaults reach 0.15 accuracy, these 0.97 in about a minute on one thread).
+# scratch on a few thousand small images needs a large learning rate with a warm-up and a decay to zero, like any
+# small ViT (scikit-learn's digits as 28 x 28 PNGs: the Trainer's defaults reach 0.15 accuracy). The number of
+# epochs is not among them: it follows --time_budget_minutes (plan_epochs).
 SCRATCH_TRAINING = dict(
     learning_rate=2e-3, warmup_steps=0.1, lr_scheduler_type=SchedulerType.COSINE, weight_decay=0.05,
-    num_train_epochs=30, per_device_train_batch_size=32,
+    per_device_train_batch_size=32,
 )  # fmt: skip
 
 
@@ -348,13 +382,13 @@ def build_model_and_processor(model_args: ModelArguments, data_args: DataTrainin
     if model_args.model_name_or_path is None:
         overrides = json.loads(model_args.config_overrides) if model_args.config_overrides else {}
         image_size = data_args.image_size or 32
-        # About 8 x 8 patches in the first stage, whatever the resolution: small images get small patches.
-        patch_size = max(1, image_size // 8) if image_size <= 64 else SCRATCH_SWIN["patch_size"]
         config = hf_xformers.HfxSwinConfig(
-            **{**SCRATCH_SWIN, "patch_size": patch_size, "image_size": image_size, **overrides},
-            num_labels=len(names),
-            **labels,
+            **{**swin_shape(image_size), "image_size": image_size, **overrides}, num_labels=len(names), **labels
         )
+        logger.info(
+            "New hfx-swin for %d pixels: patch %s, window %d, depths %s, embed_dim %d, num_heads %s (--config_overrides).",
+            image_size, config.patch_size, config.window_size, config.depths, config.embed_dim, config.num_heads,
+        )  # fmt: skip
         processor = hf_xformers.HfxSwinImageProcessor(size={"height": image_size, "width": image_size})
         return hf_xformers.HfxSwinForImageClassification(config), processor, image_size
     if model_args.config_overrides:
@@ -415,11 +449,150 @@ def _image_sample(train: Dataset, n: int = 64) -> list[Image.Image]:
     return [train[i]["image"] for i in range(0, len(train), step)][:n]
 
 
+def patch_for(image_size: int) -> int:
+    """Patch side of a new model: Swin's 4, or less where that would leave fewer than MIN_TOKENS_PER_SIDE tokens."""
+    return max(1, min(MAX_PATCH, image_size // MIN_TOKENS_PER_SIDE))
+
+
+def swin_shape(image_size: int) -> dict:
+    """``HfxSwinConfig`` fields of a new model for ``image_size`` x ``image_size`` images (see MIN_TOKENS_PER_SIDE).
+
+    The patch gives a first map of ``ceil(image_size / patch)`` tokens a side; the window is Swin's 7 where it tiles
+    that map, else the nearest side in WINDOW_SIDES that does; a stage (half the side, twice the channels) is added
+    while the map is larger than one window, from MIN_STAGES to MAX_STAGES. 28 pixels: patch 4, 7 x 7 tokens, window
+    7, stages of 7 and 4 tokens a side; 32: patch 4, 8 x 8, window 8, stages of 8 and 4; 224: patch 4, 56 x 56,
+    window 7, four stages (56, 28, 14, 7).
+    """
+    patch = patch_for(image_size)
+    side = -(-image_size // patch)
+    window = next((w for w in WINDOW_SIDES if side % w == 0), WINDOW_SIDES[0])
+    stages = 1
+    while stages < MIN_STAGES or (side > window and stages < MAX_STAGES):
+        side, stages = -(-side // 2), stages + 1
+    widths = [SCRATCH_WIDTH * 2**stage for stage in range(stages)]
+    return dict(
+        patch_size=patch, window_size=window, embed_dim=SCRATCH_WIDTH, depths=[BLOCKS_PER_STAGE] * stages,
+        num_heads=[max(1, width // HEAD_DIM) for width in widths], drop_path_rate=0.1,
+    )  # fmt: skip
+
+
 def infer_image_size(images: list[Image.Image]) -> int:
-    """A resolution for a new model: the median of the images' longer sides, rounded up to a multiple of 8 (the
-    Swin grid of 8 x 8 patches), between 16 and 224."""
+    """A resolution for a new model: the median of the images' longer sides, between 16 and 224, rounded up to a
+    multiple of the patch it gets (``patch_for``), so that no patch is padding."""
     sides = sorted(max(image.size) for image in images)
-    return int(min(224, max(16, -(-sides[len(sides) // 2] // 8) * 8)))
+    side = min(224, max(16, sides[len(sides) // 2]))
+    patch = patch_for(side)
+    return int(-(-side // patch) * patch)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The schedule of a new model: as many epochs as fit the time budget
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def time_training_steps(
+    model, dataset: Dataset, batch_size: int, steps: int = PROBE_STEPS, give_up_after: float = math.inf
+) -> tuple[float, float]:
+    """``(seconds per training step, seconds per image of an evaluation forward)``, measured on a copy of
+    ``model`` (left untouched) with batches of ``dataset`` as the Trainer loads them: the transform, forward,
+    backward, gradient clipping and an AdamW step. Two untimed steps first warm up kernels and the allocator; the
+    median of ``steps`` timed ones ignores a stall of the machine. Stops early once a timed step exceeds
+    ``give_up_after`` seconds (a thread count that has already lost)."""
+    probe = copy.deepcopy(model).train()
+    optimizer = torch.optim.AdamW(probe.parameters(), lr=1e-6)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate)
+    batches = iter(loader)
+
+    def step() -> dict:
+        nonlocal batches
+        batch = next(batches, None)
+        if batch is None:  # fewer images than probe steps: go round again
+            batches = iter(loader)
+            batch = next(batches)
+        probe(**batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(probe.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        return batch
+
+    step()
+    step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        batch = step()
+        times.append(time.perf_counter() - start)
+        if times[-1] > give_up_after:
+            break
+    probe.eval()
+    with torch.no_grad():
+        start = time.perf_counter()
+        probe(pixel_values=batch["pixel_values"])
+        forward_seconds = (time.perf_counter() - start) / len(batch["labels"])
+    return float(np.median(times)), forward_seconds
+
+
+def plan_epochs(seconds: float, step_seconds: float, steps_per_epoch: int) -> tuple[int, int]:
+    """``(num_train_epochs, max_steps)`` that fill ``seconds`` with steps of ``step_seconds``: whole epochs, from 1
+    to MAX_EPOCHS, with ``max_steps = -1``; or, when not even one epoch fits, ``(1, the steps that fit)`` (at least
+    one). The cosine schedule then ends when the time is up."""
+    steps = int(seconds / step_seconds)
+    if steps < steps_per_epoch:
+        return 1, max(1, steps)
+    return min(MAX_EPOCHS, steps // steps_per_epoch), -1
+
+
+class StopAtDeadline(TrainerCallback):
+    """Ends training at ``deadline`` (``time.monotonic()``) if the machine got slower than the timed steps said: the
+    cosine schedule is then cut short near its end, and the run keeps to its budget."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.monotonic() > self.deadline and not control.should_training_stop:
+            logger.warning("Time budget spent: training stops at step %d of %d.", state.global_step, state.max_steps)
+            control.should_training_stop = True
+        return control
+
+
+def fit_schedule_to_budget(
+    model, train: Dataset, validation: Dataset | None, transform, training_args: TrainingArguments, seconds_left: float
+) -> float:
+    """Set ``num_train_epochs`` / ``max_steps`` of ``training_args`` so that training and the final evaluation take
+    about ``seconds_left``; returns the seconds that the evaluation is expected to take. The timed steps run with every thread torch has and with one, and the faster count is
+    kept: on a machine shared with other work, threads of small models mostly wait for each other."""
+    batch_size = training_args.per_device_train_batch_size
+    probe_data = train.with_transform(transform)  # its own random stream: the training crops stay as seeded
+    timings = {}
+    for threads in dict.fromkeys((1, torch.get_num_threads())):
+        torch.set_num_threads(threads)
+        fastest = min((timing[0] for timing in timings.values()), default=math.inf)
+        timings[threads] = time_training_steps(model, probe_data, batch_size, give_up_after=2 * fastest)
+    threads = min(timings, key=lambda count: timings[count][0])
+    torch.set_num_threads(threads)
+    step_seconds, forward_seconds = timings[threads]
+    step_seconds *= training_args.gradient_accumulation_steps
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Every process must plan the same steps: the slowest one decides.
+        slowest = torch.tensor([step_seconds, forward_seconds], dtype=torch.float64)
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+        step_seconds, forward_seconds = slowest.tolist()
+    world = training_args.world_size
+    batches = math.ceil(len(train) / (batch_size * world))
+    steps_per_epoch = max(1, batches // training_args.gradient_accumulation_steps)
+    eval_seconds = forward_seconds * len(validation) / world if validation is not None else 0.0
+    # 5 % for what the probe does not see: the Trainer's bookkeeping, saving the model and the card.
+    seconds = 0.95 * (seconds_left - eval_seconds)
+    epochs, max_steps = plan_epochs(seconds, step_seconds, steps_per_epoch)
+    training_args.num_train_epochs, training_args.max_steps = epochs, max_steps
+    logger.info(
+        "Time budget: %.3f s per step with %d thread(s) (%s), %d steps per epoch, %.0f s left for training -> %s "
+        "(--time_budget_minutes; --num_train_epochs or --max_steps to set it yourself).",
+        step_seconds, threads, ", ".join(f"{n}: {t[0]:.3f} s" for n, t in timings.items()), steps_per_epoch,
+        seconds, f"{epochs} epochs" if max_steps < 0 else f"{max_steps} steps",
+    )  # fmt: skip
+    return eval_seconds
 
 
 def resolve_augmentation(data_args: DataTrainingArguments, images: list[Image.Image], scratch: bool) -> None:
@@ -444,6 +617,7 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run the script; returns the training and evaluation metrics (also written to ``output_dir``)."""
+    started = time.monotonic()  # the time budget counts from here
     enable_cpu_distributed()  # before TrainingArguments sets up the devices
     model_args, data_args, training_args, run_args = parse_args(argv)
     # The transforms need the raw `image` column; Trainer would drop it as unused by the model's forward.
@@ -477,13 +651,29 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     model, processor, image_size = build_model_and_processor(model_args, data_args, names)
     eval_transform = EvalTransform(processor, image_size)
-    if data_args.no_augmentation:
-        train.set_transform(eval_transform)
-    else:
-        train.set_transform(
-            TrainTransform(processor, image_size, data_args.crop_scale_min, _hflip_prob(data_args), training_args.seed)
-        )
+
+    def train_transform(seed: int):
+        if data_args.no_augmentation:
+            return eval_transform
+        return TrainTransform(processor, image_size, data_args.crop_scale_min, _hflip_prob(data_args), seed)
+
+    train.set_transform(train_transform(training_args.seed))
     validation.set_transform(eval_transform)
+    given = explicit_options(argv)
+    budgeted = scratch and training_args.do_train and not {"num_train_epochs", "max_steps"} & given
+    callbacks = []
+    if budgeted:
+        if checkpoint is not None:  # a resumed run keeps the schedule of the run it continues
+            with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+                training_args.max_steps = json.load(f)["max_steps"]
+        else:
+            deadline = started + 60 * model_args.time_budget_minutes
+            eval_seconds = fit_schedule_to_budget(
+                model, train, validation if training_args.do_eval else None, train_transform(training_args.seed + 1),
+                training_args, deadline - time.monotonic(),
+            )  # fmt: skip
+            if training_args.world_size == 1:  # processes that stopped at different steps would wait on each other
+                callbacks.append(StopAtDeadline(deadline - eval_seconds))
 
     trainer = Trainer(
         model=model,
@@ -493,6 +683,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         processing_class=processor,
         data_collator=collate,
         compute_metrics=compute_metrics,
+        callbacks=callbacks,
     )
 
     metrics: dict[str, float] = {}
@@ -521,7 +712,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         trainer,
         run_args,
         trained=training_args.do_train,
-        extra_hyperparameters={"image_size": image_size, **augmentation},
+        extra_hyperparameters={
+            "image_size": image_size,
+            **augmentation,
+            **({"time_budget_minutes": model_args.time_budget_minutes} if budgeted else {}),
+        },
         **card_data(model_args, data_args, names),
     )
     return metrics

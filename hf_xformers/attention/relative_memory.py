@@ -8,7 +8,7 @@ scores key ``j`` (of the ``k = m + q`` memory + segment positions) as
 where ``u`` (``r_w_bias``) and ``v`` (``r_r_bias``) are the two learnt global biases (one per head) and
 ``r_d = W_r . sinusoid(min(d, clamp_len))`` encodes the distance ``d``. The position term is computed once per
 distance, ``(q_i + v) . r`` for every ``r`` row, and moved into place by :func:`relative_shift` (the paper's
-"rel_shift" trick, done here with an explicit gather). Keys the caller does not allow (the future, and with
+"rel_shift" trick: a zero column in front and the buffer read with shorter rows). Keys the caller does not allow (the future, and with
 ``same_length`` keys more than ``mem_len - 1`` positions back) are masked out.
 
 This is not the generic ``(config, layer_idx)`` attention interface of ``attention/base.py``: it needs the
@@ -67,11 +67,14 @@ def relative_shift(position_scores: torch.Tensor, memory_len: int) -> torch.Tens
     Query ``i`` and key ``j`` are at distance ``i + memory_len - j``, i.e. column ``q - 1 - i + j``. Future keys
     (``j > i + memory_len``) have no column; they get the score of distance 0 and must be masked by the caller.
     """
+    # The paper's trick, one copy and no index tensor (a gather of a column index cost as much as both score
+    # products at 512 x 1024): with a zero column in front, the row-major buffer read with rows of ``q`` instead of
+    # ``k + 1`` puts column ``q - 1 - i + j`` of row ``i`` at ``(i, j)`` for every key up to the query's own
+    # position; what lands on the future keys is another row's score, masked by the caller.
     query_len, key_len = position_scores.shape[-2:]
-    i = torch.arange(query_len, device=position_scores.device)[:, None]
-    j = torch.arange(key_len, device=position_scores.device)[None, :]
-    column = (query_len - 1 - i + j).clamp(max=key_len - 1)
-    return position_scores.gather(-1, column.expand(position_scores.shape))
+    lead = position_scores.shape[:-2]
+    padded = F.pad(position_scores, (1, 0)).view(*lead, key_len + 1, query_len)
+    return padded[..., 1:, :].reshape(*lead, query_len, key_len)
 
 
 class HfxRelativeMemoryAttention(nn.Module):
@@ -126,9 +129,14 @@ class HfxRelativeMemoryAttention(nn.Module):
         content = (query + self.r_w_bias[:, None, :]) @ key.transpose(-1, -2)  # (batch, h, q, k)
         position = (query + self.r_r_bias[:, None, :]) @ rel.transpose(-1, -2)[None]  # (batch, h, q, k) by distance
         scores = (content + relative_shift(position, memory_len)) * self.scale
-        # Softmax in float32: masked logits sit at the dtype minimum, which overflows half-precision sums.
-        scores = scores.float().masked_fill(~allowed, torch.finfo(torch.float32).min)
-        probs = F.softmax(scores, dim=-1).to(value.dtype)
+        # Masked logits sit at the dtype's minimum. The CPU softmax of half-precision scores accumulates in float32
+        # (the same probabilities as a float32 softmax rounded down), so no float32 copy of the scores is made there;
+        # other devices' half-precision softmax takes its statistics in float32 explicitly.
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        if scores.device.type == "cpu":
+            probs = F.softmax(scores, dim=-1).to(value.dtype)
+        else:
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
         probs = self.dropatt(probs)
         context = (probs @ value).transpose(1, 2).reshape(batch, query_len, self.n_head * self.d_head)
         return AttentionOutput(context, probs if output_attentions else None)
