@@ -71,10 +71,11 @@ def relative_shift(position_scores: torch.Tensor, memory_len: int) -> torch.Tens
     # products at 512 x 1024): with a zero column in front, the row-major buffer read with rows of ``q`` instead of
     # ``k + 1`` puts column ``q - 1 - i + j`` of row ``i`` at ``(i, j)`` for every key up to the query's own
     # position; what lands on the future keys is another row's score, masked by the caller.
+    # Written on the flattened rows, so that a traced graph with a dynamic length proves every reshape by arithmetic
+    # alone (a (k + 1, q) view of the (q, k + 1) buffer makes the tracer guard on a divisibility of the length).
     query_len, key_len = position_scores.shape[-2:]
-    lead = position_scores.shape[:-2]
-    padded = F.pad(position_scores, (1, 0)).view(*lead, key_len + 1, query_len)
-    return padded[..., 1:, :].reshape(*lead, query_len, key_len)
+    flat = F.pad(position_scores, (1, 0)).flatten(-2)  # (..., q * (k + 1))
+    return flat[..., query_len:].view(*position_scores.shape[:-2], query_len, key_len)
 
 
 class HfxRelativeMemoryAttention(nn.Module):
