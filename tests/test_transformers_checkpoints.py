@@ -30,6 +30,8 @@ import hf_xformers  # noqa: E402
 from conversion.convert_from_transformers import convert_from_transformers  # noqa: E402
 from hf_xformers.models import ARCHITECTURES  # noqa: E402
 
+from .test_conversion import perturb_  # noqa: E402
+
 FIXTURE = Path(__file__).parent / "fixtures" / "transfo_xl"
 IMPORTER = "conversion.convert_from_transformers"
 TYPE_MISMATCH = "You are using a model of type"
@@ -92,15 +94,6 @@ SOURCES = {
     "transfo-xl-lm-safetensors": ("transfo_xl", None),  # tied tensors left out, as 4.x safetensors saves wrote it
     "transfo-xl-base": ("transfo_xl", None),  # a TransfoXLModel: no prefix, no softmax
 }
-
-
-def perturb_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Move every parameter off its initial value, so that a tensor left behind or misplaced changes the outputs."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return model.eval()
 
 
 def write_transfo_xl(name: str, path: Path) -> None:

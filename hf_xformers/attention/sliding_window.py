@@ -39,7 +39,7 @@ from torch.autograd.function import once_differentiable
 from ..ops.attention_switch import EAGER, attention_implementation, block_mask_from_tables, flex_applies, flex_attention
 from ..ops.input_checks import is_tracing
 from ..ops.kernels import attention
-from ..ops.precision import autocast_input
+from ..ops.precision import autocast_input, is_half_precision
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
 from .base import AttentionOutput, QKVProjection
 
@@ -97,21 +97,26 @@ class _BlockWindows(torch.autograd.Function):
         return grad_x, grad_extra, None, None
 
 
-def _block_windows(
-    x: torch.Tensor, span: int, b: int, extra: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ``span``-row key (or value) neighbourhood of every ``b``-query block, ``x`` ``(batch, nb * b + span - b,
-    heads, dim)`` -> ``(batch * nb, heads, span, dim)``; with ``extra`` ``(batch, G, heads, dim)`` global rows these
-    are put in front of every block's window (``G + span`` rows) and the second value is None, otherwise it is
-    ``extra`` back, for the caller to add.
+def _globals_in_front(windows: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+    """The global rows in front of every block's window: ``windows`` ``(batch, n, heads, span, dim)``, ``extra``
+    ``(batch, G, heads, dim)`` or None -> ``(batch, n, heads, G + span, dim)`` (``windows`` itself for None)."""
+    if extra is None:
+        return windows
+    batch, n, heads, _, dim = windows.shape
+    return torch.cat([extra.transpose(1, 2)[:, None].expand(batch, n, heads, extra.shape[1], dim), windows], dim=3)
 
-    A view (:func:`_neighbourhoods`) in float32, in inference and while tracing; :class:`_BlockWindows` when a
-    half-precision gradient is recorded and the window is whole blocks.
+
+def _block_windows(x: torch.Tensor, span: int, b: int, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``span``-row key (or value) neighbourhood of every ``b``-query block, ``x`` ``(batch, nb * b + span - b,
+    heads, dim)`` -> ``(batch * nb, heads, span, dim)``, with the ``extra`` ``(batch, G, heads, dim)`` global rows in
+    front of every block's window (``G + span`` rows) when given.
+
+    Views (:func:`_neighbourhoods`; the global rows are concatenated) in float32, in inference and while tracing;
+    :class:`_BlockWindows` when a half-precision gradient is recorded and the window is whole blocks.
     """
-    reduced = x.dtype in (torch.bfloat16, torch.float16)
-    if reduced and torch.is_grad_enabled() and x.requires_grad and span % b == 0 and not is_tracing():
-        return _BlockWindows.apply(x, extra, b, span // b), None
-    return _fold_blocks(_neighbourhoods(x, span, b).permute(0, 1, 3, 2, 4)), extra
+    if is_half_precision(x.dtype) and torch.is_grad_enabled() and x.requires_grad and span % b == 0 and not is_tracing():
+        return _BlockWindows.apply(x, extra, b, span // b)
+    return _fold_blocks(_globals_in_front(_neighbourhoods(x, span, b).permute(0, 1, 3, 2, 4), extra))
 
 
 def _fold_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -505,8 +510,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             and not (torch.is_grad_enabled() and hidden_states.requires_grad)
         )  # fmt: skip
         if not chunked:
-            kb, gk = _block_windows(k, span, b, gk)
-            vb, gv = _block_windows(v, span, b, gv)
+            kb, vb = _block_windows(k, span, b, gk), _block_windows(v, span, b, gv)
 
         # Additive mask, 0 where a query may look and -inf elsewhere: a band |offset| <= w (key column c of
         # block-local query row r sits at offset c - w - r) and real, non-global local keys (global keys come
@@ -541,21 +545,15 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
                 qb, kb, vb, bias, query_docs, query_pad, k, v, is_global, global_idx, packed_globals,
                 output_attentions, return_probs, length,
             )  # fmt: skip
-        if chunked:
-            global_bias = None
-            if is_global is not None:
-                global_bias = torch.where(global_valid, 0.0, neg_inf)[:, None, None, None, :].expand(-1, nb, 1, b, -1)
-            out = self._chunked_banded_attention(q, k, v, bias.view(batch, nb, 1, b, span), gk, gv, global_bias)
-            return unblock(out.transpose(2, 3), length).reshape(batch, length, hidden), None
+        global_bias = None  # (batch, nb, 1, b, G): the global columns of the bias
         if is_global is not None:
             num_global = global_idx.shape[1]
-            if gk is not None:  # not put in front by _block_windows: here
-                expand = (batch, nb, heads, num_global, dim)
-                gk = _fold_blocks(gk.transpose(1, 2)[:, None].expand(expand))
-                gv = _fold_blocks(gv.transpose(1, 2)[:, None].expand(expand))
-                kb, vb = torch.cat([gk, kb], dim=2), torch.cat([gv, vb], dim=2)
-            global_bias = torch.where(global_valid, 0.0, neg_inf)[:, None, None, :].expand(batch, nb, b, num_global)
-            bias = torch.cat([_fold_blocks(global_bias[:, :, None]), bias], -1)
+            global_bias = torch.where(global_valid, 0.0, neg_inf)[:, None, None, None, :].expand(-1, nb, 1, b, -1)
+        if chunked:
+            out = self._chunked_banded_attention(q, k, v, bias.view(batch, nb, 1, b, span), gk, gv, global_bias)
+            return unblock(out.transpose(2, 3), length).reshape(batch, length, hidden), None
+        if global_bias is not None:
+            bias = torch.cat([_fold_blocks(global_bias), bias], -1)
 
         dropout = self.dropout_p if self.training else 0.0
         probs = None
@@ -600,12 +598,8 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         for first in range(0, nb, step):
             blocks = slice(first, min(first + step, nb))
             n = blocks.stop - first
-            kc, vc, bc = keys[:, blocks], values[:, blocks], bias[:, blocks]
-            if gk is not None:
-                expand = (batch, n, heads, gk.shape[1], dim)
-                kc = torch.cat([gk.transpose(1, 2)[:, None].expand(expand), kc], dim=3)
-                vc = torch.cat([gv.transpose(1, 2)[:, None].expand(expand), vc], dim=3)
-                bc = torch.cat([global_bias[:, blocks], bc], dim=-1)
+            kc, vc = _globals_in_front(keys[:, blocks], gk), _globals_in_front(values[:, blocks], gv)
+            bc = bias[:, blocks] if global_bias is None else torch.cat([global_bias[:, blocks], bias[:, blocks]], -1)
             fold = (batch * n, heads)
             context = attention(
                 queries[:, blocks].reshape(*fold, b, dim), kc.reshape(*fold, -1, dim), vc.reshape(*fold, -1, dim),

@@ -41,6 +41,7 @@ from torch.autograd.function import once_differentiable
 
 from .fast_dropout import dropout_mask
 from .input_checks import is_tracing
+from .precision import is_half_precision
 
 
 def _per_head_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -53,25 +54,20 @@ def _per_head_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _reduced(dtype: torch.dtype) -> bool:
-    """bfloat16 and float16: the dtypes whose CPU matrix products (oneDNN, AMX tiles) need plain row-major operands."""
-    return dtype in (torch.bfloat16, torch.float16)
-
-
 def _head_major(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(batch, heads, ...)`` -> ``(heads, batch, ...)``: a view in float32 (:func:`_per_head_bmm` takes any strides),
     a contiguous copy in half precision, whose batched products otherwise copy every strided operand in every call
     and every head (measured: a Longformer block product at 4k tokens 577 ms per-head on strided views, 160 ms with
     one copy and one batched product; no copy at all where the operand is already head-major)."""
     views = tuple(t.transpose(0, 1) for t in tensors)
-    return tuple(t.contiguous() for t in views) if _reduced(tensors[0].dtype) else views
+    return tuple(t.contiguous() for t in views) if is_half_precision(tensors[0].dtype) else views
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``(heads, batch, n, k)`` @ ``(heads, batch, k, m)``: one batched product over ``heads * batch`` for
     half-precision operands (contiguous up to a transpose of the last two dimensions, :func:`_head_major`), one per
     head otherwise (:func:`_per_head_bmm`)."""
-    return torch.matmul(a, b) if _reduced(a.dtype) else _per_head_bmm(a, b)
+    return torch.matmul(a, b) if is_half_precision(a.dtype) else _per_head_bmm(a, b)
 
 
 class _DropoutAttention(torch.autograd.Function):
@@ -109,9 +105,7 @@ class _DropoutAttention(torch.autograd.Function):
     def backward(ctx, grad_out):  # noqa: D102
         q, k, v, probs, dropped, out = ctx.saved_tensors
         qh, kh, vh = _head_major(q, k, v)
-        grad_out = grad_out.transpose(0, 1)  # head-major, like everything saved
-        if _reduced(grad_out.dtype):
-            grad_out = grad_out.contiguous()
+        (grad_out,) = _head_major(grad_out)  # like everything saved
         row_dot = (grad_out * out).sum(-1, keepdim=True)  # rowsum(P * dP)
         # dO / (1 - p): the gradient of the kept, unscaled probabilities' product.
         grad_kept = grad_out.mul(1.0 / (1.0 - ctx.p))

@@ -35,6 +35,11 @@ def float32_autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type, enabled=False)
 
 
+def is_half_precision(dtype: torch.dtype) -> bool:
+    """bfloat16 and float16: the dtypes whose CPU matrix products (oneDNN, AMX tiles) need plain row-major operands."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
     """``x`` cast to the autocast dtype when autocast is on for its device and ``x`` is float32, else ``x`` itself:
     what each matrix product under autocast would cast it to (the same numbers), once for all its consumers."""
@@ -46,4 +51,4 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.get_autocast_dtype(device_type))
 
 
-__all__ = ["autocast_input", "float32_autocast_off", "mask_value"]
+__all__ = ["autocast_input", "float32_autocast_off", "is_half_precision", "mask_value"]
