@@ -244,8 +244,15 @@ def build_model_card(folder: str | os.PathLike, card_data: dict | None = None) -
         library_name="transformers",
         license=info.get("license") or base.get("license"),
         language=info.get("language") or base.get("language"),
-        tags=_dedupe(["hf-xformers", model_type, *(base.get("tags") or []), *(info.get("tags") or []),
-                      "custom_code" if self_contained else None]),  # fmt: skip
+        tags=_dedupe(
+            [
+                "hf-xformers",
+                model_type,
+                *(base.get("tags") or []),
+                *(info.get("tags") or []),
+                "custom_code" if self_contained else None,
+            ]
+        ),  # fmt: skip
         pipeline_tag=pipeline_tag,
         base_model=base_model,
         datasets=info.get("datasets"),

@@ -211,7 +211,9 @@ def _read_config(folder: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error.msg}, line {error.lineno}); save the model again.") from error
+        raise ValueError(
+            f"{path} is not valid JSON ({error.msg}, line {error.lineno}); save the model again."
+        ) from error
 
 
 def _copy_checkpoint(source: Path, out_dir: Path, config: dict) -> None:
@@ -310,9 +312,7 @@ def export_for_hub(model_or_dir, out_dir: str | os.PathLike, *, processor=None, 
                 stale.unlink()
     else:
         if not hasattr(model_or_dir, "save_pretrained") or not hasattr(model_or_dir, "config"):
-            raise ValueError(
-                f"export_for_hub takes a model or a checkpoint folder, got {type(model_or_dir).__name__}."
-            )
+            raise ValueError(f"export_for_hub takes a model or a checkpoint folder, got {type(model_or_dir).__name__}.")
         architecture_classes(getattr(model_or_dir.config, "model_type", None))
         _check_empty(out, overwrite)
         out.mkdir(parents=True, exist_ok=True)

@@ -13,12 +13,13 @@ packed row computes the real tokens only.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
 
 from .layers.heads import pool_tokens
-from .ops.packing import positions_in_documents
+from .ops.packing import resolve_packed_batch
 from .padding_free import pack_by_token_budget, position_ids_start_for
 
 POOLINGS = ("mean", "first", "pooler")
@@ -36,7 +37,7 @@ def _token_ids(documents, tokenizer, model) -> list[torch.Tensor]:
 
 @torch.inference_mode()
 def _run_packed(model, documents, tokenizer, max_tokens: int, read) -> torch.Tensor:
-    """Run ``model`` on ``documents`` packed into rows; ``read(output, document_ids)`` gives one row of results per
+    """Run ``model`` on ``documents`` packed into rows; ``read(output, packed)`` gives one row of results per
     document of a row; returns them stacked in input order."""
     ids = _token_ids(documents, tokenizer, model)
     if not ids:
@@ -45,12 +46,14 @@ def _run_packed(model, documents, tokenizer, max_tokens: int, read) -> torch.Ten
     results: list[torch.Tensor | None] = [None] * len(ids)
     for row in pack_by_token_budget([t.numel() for t in ids], max_tokens):
         input_ids = torch.cat([ids[i] for i in row])[None].to(device)
-        document_ids = torch.repeat_interleave(torch.arange(len(row)), torch.tensor([ids[i].numel() for i in row]))[
-            None
-        ].to(device)
-        position_ids = positions_in_documents(document_ids, position_ids_start_for(model))
-        out = model(input_ids=input_ids, position_ids=position_ids, seq_idx=document_ids, return_dict=True)
-        for i, value in zip(row, read(out, document_ids)):
+        lengths = [ids[i].numel() for i in row]
+        # The boundaries as the flash-attention form: the number of documents by shape, the longest as an int.
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+        packing = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+        packed = resolve_packed_batch(tuple(input_ids.shape), device, **packing)
+        position_ids = packed.positions + position_ids_start_for(model) if packed is not None else None
+        out = model(input_ids=input_ids, position_ids=position_ids, return_dict=True, **packing)
+        for i, value in zip(row, read(out, packed)):
             results[i] = value
     return torch.stack(results)
 
@@ -80,12 +83,14 @@ def embed_documents(
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}.")
     model.eval()
 
-    def read(out, document_ids):
+    def read(out, packed):
         if pooling == "pooler":
             if out.pooler_output is None:
                 raise ValueError("This model has no pooler; use pooling='mean' or 'first'.")
             return out.pooler_output
-        return pool_tokens(out.last_hidden_state, None, pooling, document_ids)
+        if packed is None:  # a single document
+            return pool_tokens(out.last_hidden_state, None, pooling)
+        return pool_tokens(out.last_hidden_state, None, pooling, packed)
 
     vectors = _run_packed(model, documents, tokenizer, max_tokens, read)
     return torch.nn.functional.normalize(vectors, dim=-1) if normalize else vectors

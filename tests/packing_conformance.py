@@ -206,3 +206,150 @@ class PackingConformance:
         batch["position_ids"] = batch["position_ids"] - start
         with pytest.raises(ValueError, match=f"position_ids_start={start}"):
             model(**batch)
+
+    # ----- one packed batch, resolved once (issue 40) ----------------------------------------------
+    def _classifier(self, **overrides):
+        if "AutoModelForSequenceClassification" not in self.heads:
+            pytest.skip("no sequence-classification head")
+        return self.make_model("AutoModelForSequenceClassification", **{**self.packing_config, **overrides})
+
+    def _packed_step(self, model, lengths, form="cu_seq_lens", **per_document):
+        vocab = self.make_config().vocab_size
+        documents = [_document(n, i, vocab) for i, n in enumerate(lengths)]
+        batch = self.pack(model, documents, form, **per_document)
+        torch.manual_seed(0)
+        out = model(**batch)
+        out.loss.backward()
+        return out
+
+    def test_packed_training_step_makes_no_host_reads(self):
+        """A packed training step (forward and backward) whose batch carries what the layout needs from the host
+        (``cu_seq_lens`` + ``max_length``, the collator's flash form) reads nothing back from the device, and its
+        number of operators (the kernels a GPU launches) does not grow with the number of documents."""
+        if self.packing_refusal is not None:
+            pytest.skip("packing refused")
+        from hf_xformers.ops.input_checks import as_if_on_accelerator
+
+        from .host_reads import HostReadCounter
+
+        model = self._classifier().train()
+        ops = {}
+        for lengths in ((10, 23, 7), (10, 5, 8, 6, 4, 9, 3, 5, 12, 8, 6, 7)):
+            labels = torch.arange(len(lengths)) % model.config.num_labels
+            self._packed_step(model, lengths, labels=labels)  # warm-up: lazily built state, first-call work
+            with as_if_on_accelerator(), HostReadCounter() as counter:
+                self._packed_step(model, lengths, labels=labels)
+            assert counter.total_reads == 0, f"{len(lengths)} documents: host reads {dict(counter.reads)}"
+            ops[len(lengths)] = counter.ops
+        assert ops[12] == ops[3], f"operators per step grow with the number of documents: {ops}"
+
+    def test_padding_is_never_a_document(self):
+        """``seq_idx`` rows with padding: padding runs are not documents (right padding: one logit row per real
+        document; left padding that shares document 0's label: document 0 pooled from its own tokens)."""
+        if self.packing_refusal is not None:
+            pytest.skip("packing refused")
+        model = self._classifier()
+        vocab = self.make_config().vocab_size
+        docs = [_document(n, i, vocab) for i, n in enumerate((6, 5, 7, 4))]
+        start = self.packing_position_start(model)
+        pad = model.config.pad_token_id or 1
+        width = 14
+        rows, masks, seqs, positions = [], [], [], []
+        for left, (a, b) in ((False, (docs[0], docs[1])), (True, (docs[2], docs[3]))):
+            real = torch.cat([a, b])
+            fill = width - real.numel()
+            ids = torch.cat([torch.full((fill,), pad), real]) if left else torch.cat([real, torch.full((fill,), pad)])
+            mask = torch.ones(width, dtype=torch.long)
+            seq = torch.cat([torch.zeros(a.numel()), torch.ones(b.numel())]).long()
+            pos = torch.cat([torch.arange(a.numel()), torch.arange(b.numel())]) + start
+            if left:  # the padding shares document 0's label, as a collator padding seq_idx with its first value
+                mask[:fill] = 0
+                seq, pos = torch.cat([torch.zeros(fill).long(), seq]), torch.cat([torch.full((fill,), start), pos])
+            else:
+                mask[real.numel() :] = 0
+                seq = torch.cat([seq, torch.full((fill,), 2)])
+                pos = torch.cat([pos, torch.full((fill,), start)])
+            rows.append(ids), masks.append(mask), seqs.append(seq), positions.append(pos)
+        batch = {
+            "input_ids": torch.stack(rows), "attention_mask": torch.stack(masks), "seq_idx": torch.stack(seqs),
+            "position_ids": torch.stack(positions),
+        }  # fmt: skip
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        labels = torch.tensor([0, 1, 2, 0]) % model.config.num_labels
+        out = model(**batch, labels=labels.to(self.device))
+        assert out.logits.shape == (4, model.config.num_labels)
+        solos = torch.cat([self.solo(model, d).logits for d in docs])
+        torch.testing.assert_close(out.logits, solos, atol=self.atol, rtol=0)
+
+    def test_bad_boundaries_and_counts_raise(self):
+        """An empty or non-increasing ``cu_seq_lens``, and per-document inputs that do not count the documents,
+        raise a ValueError naming documents and the fix."""
+        if self.packing_refusal is not None:
+            pytest.skip("packing refused")
+        model = self._classifier()
+        documents = self.packing_documents()
+        batch = self.pack(model, documents, "cu_seq_lens")
+        total = sum(self.packing_lengths)
+        for bad in ([0, 3, 3, total], [0, 9, 4, total], [0, 5, total + 1]):
+            cu = torch.tensor(bad, dtype=torch.int32, device=self.device)
+            with pytest.raises(ValueError, match="cu_seq_lens"):
+                model(**{**batch, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu})
+        with pytest.raises(ValueError, match=f"holds {len(documents)} documents"):
+            model(**batch, labels=torch.tensor([0], device=self.device))
+        regression = self._classifier(num_labels=1)
+        with pytest.raises(ValueError, match=f"holds {len(documents)} documents"):
+            regression(**batch, labels=torch.tensor([0.5], device=self.device))
+        if "AutoModelForQuestionAnswering" in self.heads:
+            qa = self.make_model("AutoModelForQuestionAnswering", **self.packing_config)
+            positions = torch.tensor([1, 2], device=self.device)
+            with pytest.raises(ValueError, match="start_positions"):
+                qa(**batch, start_positions=positions, end_positions=positions)
+        if "AutoModelForMultipleChoice" in self.heads:
+            mc = self.make_model("AutoModelForMultipleChoice", **self.packing_config)
+            six = self.pack(mc, documents + documents, "cu_seq_lens")
+            with pytest.raises(ValueError, match="6 .*documents"):
+                mc(**six, labels=torch.tensor([0, 1, 0, 1], device=self.device))
+
+    def test_compiled_position_packed_row_keeps_documents_apart(self):
+        """Under ``torch.compile`` a row marked by restarting ``position_ids`` alone (the collator's default) is
+        still read as documents: each gets what its own forward gives, as in eager mode."""
+        if self.packing_refusal is not None:
+            pytest.skip("packing refused")
+        auto_name = "AutoModelForMaskedLM" if "AutoModelForMaskedLM" in self.heads else "AutoModel"
+        model = self.make_model(auto_name, **self.packing_config)
+        documents = self.packing_documents()
+        batch = self.pack(model, documents, "position_ids")
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out = torch.compile(model, fullgraph=True, dynamic=False)(**batch)
+            solos = [self.solo(model, d) for d in documents]
+        values = out.logits if auto_name != "AutoModel" else out.last_hidden_state
+        for span, solo in zip(self._spans(), solos):
+            expected = solo.logits if auto_name != "AutoModel" else solo.last_hidden_state
+            torch.testing.assert_close(values[0, span], expected[0], atol=self.atol, rtol=0)
+
+    def test_compiled_packed_training_is_exact_and_does_not_recompile(self):
+        """``torch.compile(fullgraph=True, dynamic=True)`` trains packed rows (``cu_seq_lens`` form): the loss and
+        logits equal eager mode's, and a second batch with other document counts and lengths runs without a
+        recompile."""
+        if self.packing_refusal is not None:
+            pytest.skip("packing refused")
+        model = self._classifier().train()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, dynamic=True)
+        counts = torch._dynamo.utils.counters
+        frames = []
+        for lengths in ((10, 23, 7), (9, 4, 12, 6, 11)):
+            labels = torch.arange(len(lengths)) % model.config.num_labels
+            model.zero_grad()
+            eager = self._packed_step(model, lengths, labels=labels)
+            eager_grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            model.zero_grad()
+            traced = self._packed_step(compiled, lengths, labels=labels)
+            torch.testing.assert_close(traced.logits, eager.logits, atol=self.atol, rtol=1e-4)
+            torch.testing.assert_close(traced.loss, eager.loss, atol=self.atol, rtol=1e-4)
+            traced_grads = [p.grad for p in model.parameters() if p.grad is not None]
+            for a, b in zip(traced_grads, eager_grads):
+                torch.testing.assert_close(a, b, atol=10 * self.atol, rtol=1e-3)
+            frames.append(counts["stats"]["unique_graphs"])
+        assert frames[1] == frames[0], f"the second packed batch recompiled: {frames}"

@@ -26,9 +26,15 @@ from torch import nn
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
 
 __all__ = [
-    "AttentionOutput", "QKVProjection", "plain_linears",
+    "AttentionOutput",
+    "QKVProjection",
+    "plain_linears",
     # the reshapes every attention module uses, re-exported from ops/shapes.py
-    "ceil_div", "cut_to_length", "merge_heads", "split_heads", "unblock",
+    "ceil_div",
+    "cut_to_length",
+    "merge_heads",
+    "split_heads",
+    "unblock",
 ]
 
 

@@ -120,9 +120,7 @@ def segment_neighbour_chunks(
     return index, keep.expand(index.shape)
 
 
-def decode_window_slots(
-    query_slot: torch.Tensor, length: int, chunk: int, before: int, after: int
-) -> torch.Tensor:
+def decode_window_slots(query_slot: torch.Tensor, length: int, chunk: int, before: int, after: int) -> torch.Tensor:
     """The slots a query at ``query_slot`` (a long tensor of any shape ``(...)``) attends to in a full forward over a
     row of ``length`` slots cut into chunks of ``chunk`` (``length`` a multiple of it): its chunk and ``before`` /
     ``after`` neighbours, circularly, a chunk repeated as often as it appears in the window, the single chunk of a

@@ -114,7 +114,13 @@ def _block_windows(x: torch.Tensor, span: int, b: int, extra: torch.Tensor | Non
     Views (:func:`_neighbourhoods`; the global rows are concatenated) in float32, in inference and while tracing;
     :class:`_BlockWindows` when a half-precision gradient is recorded and the window is whole blocks.
     """
-    if is_half_precision(x.dtype) and torch.is_grad_enabled() and x.requires_grad and span % b == 0 and not is_tracing():
+    if (
+        is_half_precision(x.dtype)
+        and torch.is_grad_enabled()
+        and x.requires_grad
+        and span % b == 0
+        and not is_tracing()
+    ):
         return _BlockWindows.apply(x, extra, b, span // b)
     return _fold_blocks(_globals_in_front(_neighbourhoods(x, span, b).permute(0, 1, 3, 2, 4), extra))
 

@@ -18,7 +18,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..ops.fast_dropout import HfxDropout
 from ..ops.input_checks import is_tracing
-from ..ops.packing import document_starts
+from ..ops.packing import PackedBatch
 
 
 @dataclass
@@ -51,7 +51,12 @@ class HfxAttentionBlock(nn.Module):
         self.output = HfxDenseResidual(config.hidden_size, config)
 
     def forward(
-        self, hidden_states, attention_mask=None, global_attention_mask=None, output_attentions=False, **attention_kwargs
+        self,
+        hidden_states,
+        attention_mask=None,
+        global_attention_mask=None,
+        output_attentions=False,
+        **attention_kwargs,
     ):
         out = self.self(hidden_states, attention_mask, global_attention_mask, output_attentions, **attention_kwargs)
         return self.output(out.context, hidden_states), out
@@ -104,7 +109,12 @@ class HfxEncoderLayer(GradientCheckpointingLayer):
         self.output = HfxDenseResidual(config.intermediate_size, config)
 
     def forward(
-        self, hidden_states, attention_mask=None, global_attention_mask=None, output_attentions=False, **attention_kwargs
+        self,
+        hidden_states,
+        attention_mask=None,
+        global_attention_mask=None,
+        output_attentions=False,
+        **attention_kwargs,
     ):
         """``hidden_states`` ``(batch, seq_len, hidden)`` -> (same shape, :class:`AttentionOutput`).
 
@@ -177,8 +187,11 @@ class HfxPooler(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.activation = nn.Tanh()
 
-    def forward(self, hidden_states: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``(batch, seq_len, hidden)`` -> ``(batch, hidden)``; with ``document_ids`` (a packed batch,
-        :mod:`~hf_xformers.ops.packing`) ``(num_documents, hidden)``."""
-        first = hidden_states[:, 0] if document_ids is None else hidden_states[document_starts(document_ids)]
+    def forward(self, hidden_states: torch.Tensor, packed: PackedBatch | None = None) -> torch.Tensor:
+        """``(batch, seq_len, hidden)`` -> ``(batch, hidden)``; for a packed batch
+        (:class:`~hf_xformers.ops.packing.PackedBatch`) ``(num_documents, hidden)``, no boolean index (a host read)."""
+        if packed is None:
+            first = hidden_states[:, 0]
+        else:
+            first = packed.first_tokens(hidden_states)
         return self.activation(self.dense(first))

@@ -162,7 +162,11 @@ class HfxGenerationMixin(GenerationMixin):
         cache = cache_from_kwargs(kwargs)
         if self.config.is_encoder_decoder:
             # generate() passes the decoder's ids as input_ids; the encoder's mask stays attention_mask.
-            ids_key, mask_key, mask = "decoder_input_ids", "decoder_attention_mask", kwargs.pop("decoder_attention_mask", None)
+            ids_key, mask_key, mask = (
+                "decoder_input_ids",
+                "decoder_attention_mask",
+                kwargs.pop("decoder_attention_mask", None),
+            )
         else:
             ids_key, mask_key, mask = "input_ids", "attention_mask", attention_mask
         if use_cache is not False and cache is None:

@@ -29,13 +29,8 @@ from transformers.modeling_outputs import (
 )
 
 from ..ops.compat import CACHE_NAME, output_cache, resolve_cache_argument
-from ..ops.packing import (
-    document_ids_from_inputs,
-    document_lengths,
-    document_starts,
-    flat_document_index,
-    unpack_documents,
-)
+from ..ops.input_checks import reads_values
+from ..ops.packing import PackedBatch, resolve_packed_batch
 from .generation import HfxGenerationMixin, forward_parameters
 
 
@@ -60,32 +55,56 @@ def pool_tokens(
     hidden_states: torch.Tensor,
     attention_mask: torch.Tensor | None,
     pooling: str,
-    document_ids: torch.Tensor | None = None,
+    packed: PackedBatch | None = None,
 ) -> torch.Tensor:
     """One vector per sequence: ``(batch, seq_len, hidden)`` -> ``(batch, hidden)``; for a packed batch
-    (``document_ids`` ``(batch, seq_len)``, :mod:`~hf_xformers.ops.packing`) one per document,
-    ``(num_documents, hidden)``.
+    (:class:`~hf_xformers.ops.packing.PackedBatch`) one per document, ``(num_documents, hidden)``.
 
     ``"first"``: the first token (RoBERTa's ``<s>``). ``"mean"``: the mean over real tokens (``attention_mask``
-    ``(batch, seq_len)``, 1 = real; all tokens when None), as the Long Range Arena's models pool.
+    ``(batch, seq_len)``, 1 = real; all tokens when None), as the Long Range Arena's models pool. Packed documents are
+    gathered with ``index_add`` into one slot each (padding into a slot that is dropped): no boolean index, no read.
     """
-    if document_ids is not None:
-        if pooling == "first":
-            return hidden_states[document_starts(document_ids)]
-        index = flat_document_index(document_ids).reshape(-1)
-        weights = hidden_states.new_ones(index.shape) if attention_mask is None else attention_mask.reshape(-1)
-        weights = weights.to(hidden_states.dtype)[:, None]
-        slots = int(index[-1]) + 1
-        sums = hidden_states.new_zeros(slots, hidden_states.shape[-1])
-        sums = sums.index_add(0, index, hidden_states.reshape(-1, hidden_states.shape[-1]) * weights)
-        counts = weights.new_zeros(slots, 1).index_add(0, index, weights)
-        return sums / counts.clamp(min=1.0)
+    if packed is not None:
+        return pool_documents(hidden_states, packed, pooling)
     if pooling == "first":
         return hidden_states[:, 0]
     if attention_mask is None:
         return hidden_states.mean(1)
     weights = attention_mask.to(hidden_states.dtype)[..., None]
     return (hidden_states * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+
+
+def pool_documents(hidden_states: torch.Tensor, packed: PackedBatch, pooling: str = "first") -> torch.Tensor:
+    """``(batch, seq_len, hidden)`` -> ``(num_documents, hidden)``: each document's first token, or the mean of its
+    tokens (padding never counts)."""
+    if pooling == "first":
+        return packed.first_tokens(hidden_states)
+    count = packed.num_documents()
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    slots = packed.slots()
+    sums = flat.new_zeros(count + 1, flat.shape[-1]).index_add(0, slots, flat)[:count]
+    counts = flat.new_zeros(count + 1).index_add(0, slots, flat.new_ones(slots.shape))[:count]
+    return sums / counts.clamp(min=1.0)[:, None]
+
+
+def unpack_document_rows(values: torch.Tensor, packed: PackedBatch, fill: float) -> torch.Tensor:
+    """A packed ``(batch, seq_len)`` tensor as one row per document ``(num_documents, longest)``, places past a
+    document's end set to ``fill`` (padding dropped)."""
+    count, longest = packed.num_documents(), packed.longest_document()
+    out = values.new_full((count + 1, longest), fill)
+    positions = packed.positions.clamp(max=longest - 1)  # padding runs may be longer; their slot is dropped
+    out = out.index_put((packed.index.reshape(-1), positions.reshape(-1)), values.reshape(-1))
+    return out[:count]
+
+
+def check_document_count(what: str, given: int, packed: PackedBatch, fix: str) -> None:
+    """A ``ValueError`` when a per-document input (``labels``, QA positions) does not hold one entry per document."""
+    count = packed.num_documents()
+    if given != count:
+        raise ValueError(
+            f"This packed batch holds {count} documents (padding is never a document) but `{what}` has {given} "
+            f"entries; {fix}"
+        )
 
 
 def classifier_pooling(config) -> str:
@@ -112,11 +131,11 @@ class HfxClassificationHead(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
+        packed: PackedBatch | None = None,
     ) -> torch.Tensor:
         """``(batch, seq_len, hidden)`` (and the ``(batch, seq_len)`` mask for mean pooling) -> ``(batch, num_labels)``;
-        with ``document_ids`` (a packed batch) ``(num_documents, num_labels)``."""
-        pooled = pool_tokens(hidden_states, attention_mask, self.pooling, document_ids)
+        for a packed batch ``(num_documents, num_labels)``."""
+        pooled = pool_tokens(hidden_states, attention_mask, self.pooling, packed)
         x = torch.tanh(self.dense(self.dropout(pooled)))
         return self.out_proj(self.dropout(x))
 
@@ -169,7 +188,11 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, con
     if config.problem_type == "regression":
         return F.mse_loss(logits.squeeze(-1), labels.squeeze(-1).to(logits.dtype))
     if config.problem_type == "single_label_classification":
-        if labels.numel() and (int(labels.max()) >= config.num_labels or int(labels.min()) < -100):
+        if (
+            labels.numel()
+            and reads_values(labels)
+            and (int(labels.max()) >= config.num_labels or int(labels.min()) < -100)
+        ):
             raise ValueError(
                 f"labels must lie in [0, {config.num_labels - 1}] (config.num_labels={config.num_labels}); "
                 f"got values from {int(labels.min())} to {int(labels.max())}. Set num_labels when loading the model."
@@ -200,37 +223,39 @@ class HfxHeadMixin:
     def _build_base_model(self, config, add_pooling_layer: bool = False) -> None:
         setattr(self, self.base_model_prefix, self.base_model_class(config, add_pooling_layer=add_pooling_layer))
 
-    def _documents(
-        self, input_ids, inputs_embeds, position_ids, seq_idx=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
-        attention_mask=None,
-    ) -> torch.Tensor | None:  # fmt: skip
-        """The documents of a packed batch (``(batch, seq_len)`` long, :mod:`~hf_xformers.ops.packing`), or None for
-        an ordinary batch. The head needs them to pool, score and unpack per document; the base model is then
-        given them as ``seq_idx``."""
+    def _packed_batch(
+        self, input_ids, inputs_embeds, position_ids, attention_mask, seq_idx=None, cu_seq_lens_q=None,
+        cu_seq_lens_k=None, max_length_q=None, max_length_k=None, cached: bool = False,
+    ) -> PackedBatch | None:  # fmt: skip
+        """The documents of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatch`), worked out once here from
+        whichever of the collator's forms arrived and handed to the base model as ``packed_batch``, or None for an
+        ordinary batch. ``cached``: the call continues a cache, whose positions are never read as boundaries while
+        tracing (a compiled decoding step)."""
         ref = input_ids if input_ids is not None else inputs_embeds
         if ref is None or ref.dim() < 2:
             return None
-        return document_ids_from_inputs(
-            tuple(ref.shape[:2]), ref.device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
-        )
+        return resolve_packed_batch(
+            tuple(ref.shape[:2]), ref.device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
+            max_length_k, attention_mask, positions_while_tracing=not cached,
+        )  # fmt: skip
 
     def _encode(
         self, input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states,
-        document_ids=None, **kw,
+        packed=None, **kw,
     ):  # fmt: skip
         """Run the base model with ``return_dict=True``. A base model with global attention gets the task's default
-        global mask when the caller gives none (per document in a packed batch, ``document_ids``); one without is not
+        global mask when the caller gives none (per document in a packed batch, ``packed``); one without is not
         passed a ``global_attention_mask`` at all (the Universal Transformer's forward has no such argument) unless
         the caller gave one, which it then refuses."""
         attention_class = getattr(self.base_model_class, "attention_class", None)
-        if document_ids is not None:
-            kw["seq_idx"] = document_ids
+        if packed is not None:
+            kw["packed_batch"] = packed
         if global_attention_mask is None and getattr(attention_class, "supports_global_attention", False):
-            if document_ids is None:
+            if packed is None:
                 global_attention_mask = self.default_global_attention_mask(self.task, input_ids, attention_mask)
             else:
                 global_attention_mask = self.default_global_attention_mask(
-                    self.task, input_ids, attention_mask, document_ids=document_ids
+                    self.task, input_ids, attention_mask, document_ids=packed.document_ids
                 )
         if global_attention_mask is not None:
             if "global_attention_mask" not in forward_parameters(self.base_model_class):
@@ -329,9 +354,11 @@ class HfxCausalLMHeadMixin(HfxLMHeadMixin, HfxGenerationMixin):
         it). A packed batch (``position_ids`` restarting per document, ``seq_idx`` or ``cu_seq_lens_q/k``, as
         ``DataCollatorWithFlattening`` returns them) is read as documents that never see each other, and no document's
         last token is scored against the next document's first."""
-        documents = self._documents(
-            input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
-        )
+        cached = bool(use_cache) or past_key_values is not None or cache is not None
+        documents = self._packed_batch(
+            input_ids, inputs_embeds, position_ids, attention_mask,
+            seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, cached,
+        )  # fmt: skip
         out = self._encode(
             input_ids, attention_mask, None, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
@@ -340,7 +367,7 @@ class HfxCausalLMHeadMixin(HfxLMHeadMixin, HfxGenerationMixin):
         logits = self.lm_head(out.last_hidden_state)
         if documents is not None and shift_labels is None and labels is not None:
             shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
-            shift_labels = shift_labels.masked_fill(F.pad(document_starts(documents), (0, 1))[:, 1:], -100)
+            shift_labels = shift_labels.masked_fill(F.pad(documents.starts, (0, 1))[:, 1:], -100)
         loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
         result = self._head_result(CausalLMOutputWithPast, out, loss, logits=logits, **{CACHE_NAME: output_cache(out)})
         return self._finish(result, return_dict)
@@ -371,9 +398,10 @@ class HfxMaskedLMHeadMixin(HfxLMHeadMixin):
     ) -> MaskedLMOutput | tuple:
         """Returns ``logits`` ``(batch, seq_len, vocab_size)`` and the loss when ``labels`` are given. A packed batch
         (boundaries in any form of ``DataCollatorWithFlattening``) keeps its row: ``(1, total_tokens, vocab_size)``."""
-        documents = self._documents(
-            input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
-        )
+        documents = self._packed_batch(
+            input_ids, inputs_embeds, position_ids, attention_mask,
+            seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+        )  # fmt: skip
         out = self._encode(
             input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
@@ -420,13 +448,22 @@ class HfxSequenceClassificationHeadMixin(HfxHeadMixin):
         A packed batch (boundaries in any form of ``DataCollatorWithFlattening``) is classified per document:
         ``logits`` ``(num_documents, num_labels)`` and ``labels`` ``(num_documents,)``, each document pooled from its
         own first token (or its own tokens' mean)."""
-        documents = self._documents(
-            input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
-        )
+        documents = self._packed_batch(
+            input_ids, inputs_embeds, position_ids, attention_mask,
+            seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+        )  # fmt: skip
         out = self._encode(
             input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
         )  # fmt: skip
+        if documents is not None and labels is not None:
+            check_document_count(
+                "labels",
+                labels.shape[0] if labels.dim() else 1,
+                documents,
+                "give one label per document (DataCollatorForPackedDocuments "
+                "collects them from the features), in the order the documents are packed.",
+            )
         logits = self.classifier(out.last_hidden_state, attention_mask, documents)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
         return self._finish(self._head_result(SequenceClassifierOutput, out, loss, logits=logits), return_dict)
@@ -472,23 +509,32 @@ class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
         ref = input_ids if input_ids is not None else inputs_embeds
         documents = None
         if ref is not None and ref.dim() == (2 if input_ids is not None else 3):
-            documents = self._documents(
-                input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
-            )
+            documents = self._packed_batch(
+                input_ids, inputs_embeds, position_ids, attention_mask,
+                seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+            )  # fmt: skip
         if documents is not None:
             out = self._encode(
                 input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
                 token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
             )  # fmt: skip
-            scores = self.classifier(self.dropout(out.pooler_output)).view(-1)
-            if num_choices is None and labels is not None and labels.numel():
-                num_choices = scores.numel() // labels.numel()
-            if num_choices is None or scores.numel() % num_choices:
+            count = documents.num_documents(type(self).__name__)
+            if num_choices is None and labels is not None and labels.numel() and count % labels.numel() == 0:
+                num_choices = count // labels.numel()
+            if (
+                num_choices is None
+                or count % num_choices
+                or (labels is not None and labels.numel() * num_choices != count)
+            ):
                 raise ValueError(
-                    f"A packed multiple-choice batch holds {scores.numel()} (context, choice) documents; pass "
-                    "`num_choices` (the collator hf_xformers.padding_free.DataCollatorForPackedDocuments adds it) so "
-                    "that they can be grouped into examples."
+                    f"A packed multiple-choice batch holds {count} (context, choice) documents (padding is never a "
+                    f"document), which cannot be grouped into "
+                    f"{'examples' if labels is None else f'{labels.numel()} examples (one label each)'}"
+                    f"{'' if num_choices is None else f' of num_choices={num_choices}'}; pass `num_choices` and one "
+                    "label per example (the collator hf_xformers.padding_free.DataCollatorForPackedDocuments adds "
+                    "both)."
                 )
+            scores = self.classifier(self.dropout(out.pooler_output)).view(-1)
             logits = scores.view(-1, num_choices)
         else:
             if ref is None or ref.dim() != (3 if input_ids is not None else 4):
@@ -510,7 +556,7 @@ class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
             logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)
         loss = None
         if labels is not None:
-            if labels.numel() and (int(labels.max()) >= num_choices or int(labels.min()) < 0):
+            if labels.numel() and reads_values(labels) and (int(labels.max()) >= num_choices or int(labels.min()) < 0):
                 raise ValueError(f"labels must be choice indices in [0, {num_choices - 1}], got {labels.tolist()}.")
             loss = F.cross_entropy(logits, labels.view(-1))
         return self._finish(self._head_result(MultipleChoiceModelOutput, out, loss, logits=logits), return_dict)
@@ -552,9 +598,10 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
         ``(num_documents, longest_document)``, one row per document as its own forward gives them (places beyond a
         document's end hold the dtype's lowest value, so no softmax picks them), and ``start_positions`` /
         ``end_positions`` ``(num_documents,)`` count from each document's first token."""
-        documents = self._documents(
-            input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
-        )
+        documents = self._packed_batch(
+            input_ids, inputs_embeds, position_ids, attention_mask,
+            seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+        )  # fmt: skip
         out = self._encode(
             input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
@@ -563,12 +610,15 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
         loss = None
         if documents is not None:
             lowest = torch.finfo(start_logits.dtype).min
-            start_logits = unpack_documents(start_logits, documents, lowest)
-            end_logits = unpack_documents(end_logits, documents, lowest)
+            start_logits = unpack_document_rows(start_logits, documents, lowest)
+            end_logits = unpack_document_rows(end_logits, documents, lowest)
             if start_positions is not None and end_positions is not None:
+                fix = "give one start and one end position per document, counted from the document's first token."
+                check_document_count("start_positions", start_positions.numel(), documents, fix)
+                check_document_count("end_positions", end_positions.numel(), documents, fix)
                 # A position outside its document is ignored, as one past the end of an unpacked sequence is.
                 ignored = start_logits.shape[1]
-                lengths = document_lengths(documents).to(start_logits.device)
+                lengths = documents.lengths().to(start_logits.device)
                 start = start_positions.view(-1).clamp(min=0)
                 end = end_positions.view(-1).clamp(min=0)
                 start = start.masked_fill(start >= lengths, ignored)
@@ -625,9 +675,10 @@ class HfxTokenClassificationHeadMixin(HfxHeadMixin):
     ) -> TokenClassifierOutput | tuple:
         """Returns ``logits`` ``(batch, seq_len, num_labels)`` (a packed batch keeps its row:
         ``(1, total_tokens, num_labels)``)."""
-        documents = self._documents(
-            input_ids, inputs_embeds, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
-        )
+        documents = self._packed_batch(
+            input_ids, inputs_embeds, position_ids, attention_mask,
+            seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+        )  # fmt: skip
         out = self._encode(
             input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,

@@ -11,14 +11,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..ops.input_checks import check_not_empty, check_token_ids, check_type_ids, is_tracing, unpadded_to_none
-from ..ops.packing import (
-    document_ids_from_inputs,
-    document_lengths,
-    document_starts,
-    positions_in_documents,
-    refuse_packed,
+from ..ops.input_checks import (
+    check_not_empty,
+    check_token_ids,
+    check_type_ids,
+    is_tracing,
+    reads_values,
+    unpadded_to_none,
 )
+from ..ops.packing import PackedBatch, refuse_packed, resolve_packed_batch
 from .embeddings import HfxTextEmbeddings
 from .encoder import HfxEncoder, HfxModelOutput, HfxPooler
 from .pretrained import HfxPreTrainedModel  # noqa: F401 (its old import path)
@@ -56,7 +57,7 @@ class HfxTextModel:
         attention_mask: torch.Tensor | None,
         global_attention_mask: torch.Tensor | None,
         length: int,
-        document_ids: torch.Tensor | None = None,
+        packed: PackedBatch | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
         """What every layer's attention gets, decided once per forward instead of once per layer.
 
@@ -69,8 +70,9 @@ class HfxTextModel:
         Args:
             attention_mask, global_attention_mask: ``(batch, seq_len)`` bool, or None.
             length: ``seq_len``.
-            document_ids: ``(batch, seq_len)`` long, the document of every token of a packed batch
-                (:mod:`~hf_xformers.ops.packing`), or None; passed to every layer's attention as ``document_ids``.
+            packed: the documents of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatch`), or None; every
+                layer's attention gets ``packed.document_ids`` as ``document_ids`` (and architectures derive their
+                own layouts from ``packed`` here, once).
         Returns:
             ``(attention_mask, global_attention_mask, attention_kwargs)``.
         """
@@ -79,7 +81,14 @@ class HfxTextModel:
         attention_mask = unpadded_to_none(attention_mask)
         if global_attention_mask is not None and not is_tracing() and not bool(global_attention_mask.any()):
             global_attention_mask = None
-        return attention_mask, global_attention_mask, {} if document_ids is None else {"document_ids": document_ids}
+        return attention_mask, global_attention_mask, {} if packed is None else {"document_ids": packed.document_ids}
+
+    def _pool(self, hidden_states: torch.Tensor, packed: PackedBatch | None) -> torch.Tensor | None:
+        """The pooler's output, or None without a pooler, or for a packed batch whose number of documents a traced
+        graph cannot know (boundaries from ``seq_idx`` or ``position_ids``; ``cu_seq_lens`` give it)."""
+        if self.pooler is None or (packed is not None and packed.count is None):
+            return None
+        return self.pooler(hidden_states, packed)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
@@ -87,33 +96,37 @@ class HfxTextModel:
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings.word_embeddings = value
 
-    def document_ids(
+    def packed_batch(
         self,
         shape: tuple[int, int],
         device: torch.device,
         position_ids=None,
-        seq_idx=None,
-        cu_seq_lens_q=None,
-        cu_seq_lens_k=None,
         attention_mask=None,
-    ) -> torch.Tensor | None:
-        """The documents of a packed batch, ``(batch, seq_len)`` long, or None (:mod:`~hf_xformers.ops.packing`);
+        packing: dict | None = None,
+    ) -> PackedBatch | None:
+        """The documents of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatch`) or None: the one a head
+        resolved (``packing["packed_batch"]``), else resolved here from the collator's keywords in ``packing``;
         refuses a packed batch with a ``ValueError`` if the architecture sets ``packing_refusal``."""
-        documents = document_ids_from_inputs(
-            shape, device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
-        )
-        if documents is not None and self.packing_refusal is not None:
+        packing = packing or {}
+        packed = packing.get("packed_batch")
+        if packed is None:
+            packed = resolve_packed_batch(
+                shape, device, position_ids, packing.get("seq_idx"), packing.get("cu_seq_lens_q"),
+                packing.get("cu_seq_lens_k"), packing.get("max_length_q"), packing.get("max_length_k"),
+                attention_mask,
+            )  # fmt: skip
+        if packed is not None and self.packing_refusal is not None:
             refuse_packed(type(self).__name__, *self.packing_refusal)
-        return documents
+        return packed
 
-    def packed_position_ids(self, document_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-        """Position ids of a packed row: the caller's, checked, or each document's own count from the first position
-        (``embeddings.position_offset``: 2 for RoBERTa-style tables, 0 for BigBird)."""
+    def packed_position_ids(self, packed: PackedBatch, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Position ids of a packed row: the caller's, checked (where values may be read), or each document's own
+        count from the first position (``embeddings.position_offset``: 2 for RoBERTa-style tables, 0 for BigBird)."""
         offset = self.embeddings.position_offset
         if position_ids is None:
-            return positions_in_documents(document_ids, offset)
-        if not is_tracing():
-            starts = position_ids[document_starts(document_ids)]
+            return packed.positions + offset
+        if reads_values(position_ids):
+            starts = position_ids.masked_select(packed.starts)
             if bool((starts != offset).any()):
                 raise ValueError(
                     f"In a packed batch every document's positions must start at {offset}, the first position of "
@@ -124,7 +137,7 @@ class HfxTextModel:
         return position_ids
 
     def _check_inputs(
-        self, input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, document_ids=None,
+        self, input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, packed=None,
         position_ids=None,
     ):  # fmt: skip
         if (input_ids is None) == (inputs_embeds is None):
@@ -137,12 +150,14 @@ class HfxTextModel:
             )
         limit = self.embeddings.max_tokens
         longest = shape[1]
-        if document_ids is not None and not is_tracing():
+        if packed is not None:
             # A packed row may be longer than the table: each document must fit (its positions restart).
-            if position_ids is not None:
+            if packed.longest is not None:
+                longest = packed.longest
+            elif position_ids is not None and reads_values(position_ids):
                 longest = int(position_ids.max()) - self.embeddings.position_offset + 1
             else:
-                longest = int(document_lengths(document_ids).max())
+                longest = 0  # unknown without a read: the embeddings' lookup fails past the table
         if longest > limit:
             raise ValueError(
                 f"Sequence length {longest} exceeds the {limit} tokens this model's position embeddings cover "
@@ -180,6 +195,7 @@ class HfxTextModel:
         cu_seq_lens_k: torch.Tensor | None = None,
         max_length_q: int | None = None,
         max_length_k: int | None = None,
+        packed_batch: PackedBatch | None = None,
     ) -> HfxModelOutput | tuple:
         """Encode a batch, or a packed batch of documents (transformers' ``DataCollatorWithFlattening``).
 
@@ -190,25 +206,30 @@ class HfxTextModel:
                 with global attention only).
             position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k: the boundaries of a packed batch, in any of the
                 collator's forms (:mod:`~hf_xformers.ops.packing`): every document then gets what its own forward
-                gives. ``max_length_q/k`` are accepted and not needed.
+                gives. ``max_length_q/k`` (Python ints): the longest document, which spares a read.
+            packed_batch: the :class:`~hf_xformers.ops.packing.PackedBatch` a head already resolved (then the
+                boundary keywords are not read again).
         Returns:
             :class:`HfxModelOutput` with ``last_hidden_state`` ``(batch, seq_len, hidden)`` and
             ``pooler_output`` ``(batch, hidden)`` (None without a pooler); for a packed batch ``pooler_output`` is
-            ``(num_documents, hidden)``, one row per document in order.
+            ``(num_documents, hidden)``, one row per document in order (None in a traced graph given ``seq_idx`` or
+            ``position_ids`` only: the number of documents is unknown there without a read).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
         device = input_ids.device if input_ids is not None else inputs_embeds.device
-        document_ids = None
+        packed = None
         if len(shape) == 2:
-            document_ids = self.document_ids(
-                shape, device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
-            )
-        if document_ids is not None:
-            position_ids = self.packed_position_ids(document_ids, position_ids)
+            packing = dict(
+                seq_idx=seq_idx, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q,
+                max_length_k=max_length_k, packed_batch=packed_batch,
+            )  # fmt: skip
+            packed = self.packed_batch(shape, device, position_ids, attention_mask, packing)
+        if packed is not None:
+            position_ids = self.packed_position_ids(packed, position_ids)
         self._check_inputs(
-            input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, document_ids, position_ids
+            input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, packed, position_ids
         )
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = (
@@ -220,14 +241,14 @@ class HfxTextModel:
         if global_attention_mask is not None:
             global_attention_mask = global_attention_mask.bool()
         attention_mask, global_attention_mask, attention_kwargs = self.prepare_attention_inputs(
-            attention_mask, global_attention_mask, hidden.shape[1], document_ids
+            attention_mask, global_attention_mask, hidden.shape[1], packed
         )
         out = self.encoder(
             hidden, attention_mask, global_attention_mask, output_attentions, output_hidden_states, attention_kwargs
         )
         out = HfxModelOutput(
             last_hidden_state=out.last_hidden_state,
-            pooler_output=self.pooler(out.last_hidden_state, document_ids) if self.pooler is not None else None,
+            pooler_output=self._pool(out.last_hidden_state, packed),
             hidden_states=out.hidden_states,
             attentions=out.attentions,
             global_attentions=out.global_attentions,

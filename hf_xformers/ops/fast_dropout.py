@@ -24,7 +24,9 @@ from torch import nn
 from .input_checks import is_tracing
 
 
-def dropout_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device | str | None = None) -> torch.Tensor:
+def dropout_mask(
+    shape: torch.Size | tuple[int, ...], p: float, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Bool tensor of ``shape``, True (drop) with probability ``p`` independently per element.
 
     Drawn from torch's global generator (``torch.manual_seed`` reproduces it; activation checkpointing and the

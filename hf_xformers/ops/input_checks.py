@@ -6,12 +6,46 @@ Python branch on a tensor's value cannot be traced by ``torch.compile(fullgraph=
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+
+# Set by as_if_on_accelerator(): CPU tensors then count as device tensors for reads_values().
+_AS_IF_ON_ACCELERATOR = False
 
 
 def is_tracing() -> bool:
     """True while ``torch.compile`` / ``torch.export`` trace the model (value checks are skipped then)."""
     return torch.compiler.is_compiling()
+
+
+def reads_values(tensor: torch.Tensor) -> bool:
+    """Whether a check may read ``tensor``'s values (``int(t)``, ``bool(t)``, ``.tolist()``).
+
+    In eager mode only, and only where the read costs no wait: a tensor in host memory (the CPU), or a forward
+    without gradients (inference, where one read per forward is cheap next to the work). A training step on an
+    accelerator makes no read: each would stall the device until everything queued before it has run. Inputs that
+    skip their checks there were built by a collator on the host (``DataCollatorWithFlattening``,
+    :class:`~hf_xformers.padding_free.DataCollatorForPackedDocuments`) or already ran through an eager CPU or
+    inference forward.
+    """
+    if is_tracing():
+        return False
+    on_host = tensor.device.type == "cpu" and not _AS_IF_ON_ACCELERATOR
+    return on_host or not torch.is_grad_enabled()
+
+
+@contextmanager
+def as_if_on_accelerator() -> Iterator[None]:
+    """Treat CPU tensors as device tensors in :func:`reads_values`, so that a CPU test can count the host reads a
+    training step would make on a GPU (``tests/host_reads.py``)."""
+    global _AS_IF_ON_ACCELERATOR
+    previous, _AS_IF_ON_ACCELERATOR = _AS_IF_ON_ACCELERATOR, True
+    try:
+        yield
+    finally:
+        _AS_IF_ON_ACCELERATOR = previous
 
 
 def unpadded_to_none(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -43,7 +77,7 @@ def check_token_ids(
             "(tokenizer(..., return_tensors='pt')) or convert with .long()."
         )
     check_not_empty(tuple(ids.shape), name)
-    if is_tracing():
+    if not reads_values(ids):
         return
     low, high = int(ids.min()), int(ids.max())
     if low < 0:
@@ -72,7 +106,7 @@ def check_type_ids(token_type_ids: torch.Tensor | None, type_vocab_size: int, sh
         return
     if tuple(token_type_ids.shape) != tuple(shape):
         raise ValueError(f"`token_type_ids` must have shape {tuple(shape)}, got {tuple(token_type_ids.shape)}.")
-    if is_tracing():
+    if not reads_values(token_type_ids):
         return
     low, high = int(token_type_ids.min()), int(token_type_ids.max())
     if low < 0 or high >= type_vocab_size:
@@ -83,4 +117,12 @@ def check_type_ids(token_type_ids: torch.Tensor | None, type_vocab_size: int, sh
         )
 
 
-__all__ = ["check_not_empty", "check_token_ids", "check_type_ids", "is_tracing", "unpadded_to_none"]
+__all__ = [
+    "as_if_on_accelerator",
+    "check_not_empty",
+    "check_token_ids",
+    "check_type_ids",
+    "is_tracing",
+    "reads_values",
+    "unpadded_to_none",
+]

@@ -21,9 +21,11 @@ Forms, in the order they are used when several are given:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .input_checks import is_tracing
+from .input_checks import is_tracing, reads_values
 
 # The keyword arguments of transformers' padding-free collator that describe document boundaries, as every text
 # model's and head's forward accepts them.
@@ -45,70 +47,240 @@ def document_ids_from_inputs(
     cu_seq_lens_k: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The document of every token, ``(batch, seq_len)`` long, or None for an ordinary batch (one document per row).
+    """``resolve_packed_batch(...).document_ids``: the run of every token ``(batch, seq_len)``, or None for an
+    ordinary batch (for callers that need nothing else of :class:`PackedBatch`). Positions alone mark documents in
+    eager mode only here (callers with a cache)."""
+    packed = resolve_packed_batch(
+        shape,
+        device,
+        position_ids,
+        seq_idx,
+        cu_seq_lens_q,
+        cu_seq_lens_k,
+        attention_mask=attention_mask,
+        positions_while_tracing=False,
+    )
+    return None if packed is None else packed.document_ids
 
-    Args:
-        shape: ``(batch, seq_len)`` of the inputs.
-        position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k: as the padding-free collator returns them (module doc).
-        attention_mask: ``(batch, seq_len)``, or None. Restarting ``position_ids`` mark documents only where nothing
-            is padded (a left-padded prompt in ``generate()`` restarts its positions after the padding), and only in
-            eager mode: a traced graph reads documents from ``seq_idx`` / ``cu_seq_lens`` alone, so that an ordinary
-            forward with ``position_ids`` traces the unpacked path.
-    Returns:
-        None when no boundary form is given, or (eager mode only) when the row holds a single document; else the
-        document ids. While tracing the ids are returned as computed (no branch on values).
+
+@dataclass(frozen=True, eq=False)
+class PackedBatch:
+    """The documents of a packed batch, worked out once at the model's entry (head or base model) and handed down:
+    heads, embeddings, every layer and every attention read this and never recompute it.
+
+    Everything here is computed with tensor operations from what the batch carries; a number that the host needs
+    (``count``, ``longest``) is taken from the batch when it says so (``cu_seq_lens`` gives the count by its shape,
+    ``max_length_q`` the longest document, as transformers' collator returns it), else read once here, in eager
+    mode only.
+
+    Attributes:
+        document_ids: ``(batch, seq_len)`` long, the run of every token in its row (0, 1, ... from each row's start):
+            a new run wherever the document or the padding changes. What attention masks compare: tokens of
+            different runs never see each other. Padding runs are runs too (keys of padding are masked anyway).
+        starts: ``(batch, seq_len)`` bool, True at the first token of every real document (padding never starts one).
+        index: ``(batch, seq_len)`` long, the number of every token's document over the whole batch, ``0 ..
+            count - 1`` in order, row after row; padding tokens hold ``count`` (a slot the heads drop).
+        positions: ``(batch, seq_len)`` long, every token's position inside its run, from 0.
+        count: the number of real documents, or None when it would take a read that tracing cannot make.
+        longest: the longest document's length when the batch says (``max_length_q``) or it was read, else None.
+        cu_seq_lens: ``(count + 1,)`` int32 cumulative lengths over the flattened batch when nothing is padded and
+            the batch is one row (FlashAttention's varlen form), else None.
+        padded: whether any token is padding (``attention_mask`` given and not all ones).
+    """
+
+    document_ids: torch.Tensor
+    starts: torch.Tensor
+    index: torch.Tensor
+    positions: torch.Tensor
+    count: int | None
+    longest: int | None
+    cu_seq_lens: torch.Tensor | None
+    padded: bool
+
+    @property
+    def batch_size(self) -> int:
+        return self.document_ids.shape[0]
+
+    def num_documents(self, what: str = "this head") -> int:
+        """``count``, or a ``ValueError`` when it is unknown (a traced graph given restarting positions only)."""
+        if self.count is None:
+            raise ValueError(
+                f"{what} answers per document, and the number of documents of this packed batch is unknown while "
+                "tracing (only `position_ids` mark them); pass `cu_seq_lens_q/k` (DataCollatorWithFlattening("
+                "return_flash_attn_kwargs=True)) or `seq_idx` with per-document `labels`."
+            )
+        return self.count
+
+    def longest_document(self) -> int:
+        """``longest``, read once from the lengths when the batch did not say (eager mode only)."""
+        if self.longest is not None:
+            return self.longest
+        if is_tracing():
+            raise ValueError(
+                "The longest document of a packed batch is needed here and unknown while tracing; pass "
+                "`max_length_q` (DataCollatorWithFlattening(return_flash_attn_kwargs=True) returns it)."
+            )
+        lengths = self.lengths()
+        return int(lengths.max()) if lengths.numel() else 0
+
+    def lengths(self) -> torch.Tensor:
+        """``(count,)`` long, every real document's length (padding not counted)."""
+        count = self.num_documents()
+        real = self.index < count
+        ones = real.reshape(-1).long()
+        return ones.new_zeros(count + 1).index_add(0, self.index.reshape(-1), ones)[:count]
+
+    def slots(self) -> torch.Tensor:
+        """``(batch * seq_len,)`` long: every token's document slot for ``index_add``, padding in slot ``count``."""
+        return self.index.reshape(-1)
+
+    def first_tokens(self, values: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq_len, ...)`` -> ``(count, ...)``: every document's first token (padding never counts)."""
+        count = self.num_documents()
+        flat = values.reshape(-1, *values.shape[2:])
+        return flat.new_zeros(count + 1, *flat.shape[1:]).index_add(0, self.first_token_slots(), flat)[:count]
+
+    def first_token_slots(self) -> torch.Tensor:
+        """``(batch * seq_len,)`` long: a document's first token in its slot, every other token in slot ``count``,
+        so that an ``index_add`` into ``count + 1`` slots picks the first tokens without a boolean index (a read)."""
+        count = self.num_documents()
+        return torch.where(self.starts, self.index, torch.full_like(self.index, count)).reshape(-1)
+
+
+def _run_ids(labels: torch.Tensor, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(batch, seq_len)`` labels -> (run numbers per row, run starts): a new run wherever the label or the padding
+    changes."""
+    changes = labels[:, 1:] != labels[:, :-1]
+    if real is not None:
+        changes = changes | (real[:, 1:] != real[:, :-1])
+    run_starts = torch.cat([torch.ones_like(labels[:, :1], dtype=torch.bool), changes], dim=-1)
+    return run_starts.long().cumsum(-1) - 1, run_starts
+
+
+def _positions_in_runs(run_starts: torch.Tensor) -> torch.Tensor:
+    index = torch.arange(run_starts.shape[1], device=run_starts.device).expand_as(run_starts)
+    first = torch.where(run_starts, index, torch.zeros_like(index)).cummax(-1).values
+    return index - first
+
+
+def _check_cu_seq_lens(cu_q, cu_k, length: int, device) -> torch.Tensor:
+    cu = (cu_q if cu_q is not None else cu_k).to(device).reshape(-1).long()
+    if cu.numel() < 2:
+        raise ValueError(
+            f"`cu_seq_lens_q/k` must hold at least two values (0 and the row's length {length}), got {cu.numel()}."
+        )
+    if reads_values(cu):
+        if cu_q is not None and cu_k is not None and not torch.equal(cu, cu_k.to(device).reshape(-1).long()):
+            raise ValueError(
+                "`cu_seq_lens_q` and `cu_seq_lens_k` differ; these models attend within each document, so "
+                "queries and keys share the boundaries (pass the collator's values unchanged)."
+            )
+        values = cu.tolist()
+        if values[0] != 0 or values[-1] != length or any(b <= a for a, b in zip(values, values[1:])):
+            raise ValueError(
+                f"`cu_seq_lens_q/k` must rise strictly from 0 to the row's length {length} (cumulative lengths of "
+                f"non-empty documents), got {values[:8]}{' ...' if len(values) > 8 else ''}; drop empty documents "
+                "before packing."
+            )
+    return cu
+
+
+def resolve_packed_batch(
+    shape: tuple[int, int],
+    device: torch.device,
+    position_ids: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    positions_while_tracing: bool = True,
+) -> PackedBatch | None:
+    """The :class:`PackedBatch` of a batch given in any of the collator's forms, or None for an ordinary batch.
+
+    Forms are read in the order of the module doc (``seq_idx``, then ``cu_seq_lens``, then ``position_ids``).
+    Restarting ``position_ids`` mark documents in a single row with nothing padded: in eager mode when the row holds
+    more than one document (one read), and while tracing whenever ``attention_mask`` is None (as transformers detects
+    packed rows under compile), so that a compiled model never lets documents see each other. A caller whose
+    positions continue a cache (a decoding step) passes ``positions_while_tracing=False``: its positions are
+    positions, as transformers reads them only without a cache.
+
     Raises:
-        ValueError: a boundary tensor of the wrong shape, cumulative lengths that do not add up to the row, or
-            ``cu_seq_lens_q`` differing from ``cu_seq_lens_k`` (these encoders attend within one sequence).
+        ValueError: a boundary tensor of the wrong shape; ``cu_seq_lens`` that do not rise strictly from 0 to the row's
+            length (an empty document) or that differ between q and k (checked where values may be read:
+            :func:`~hf_xformers.ops.input_checks.reads_values`).
     """
     batch, length = shape
+    real = None
+    if attention_mask is not None:
+        real = attention_mask.to(device).bool()
+        if not is_tracing() and reads_values(real) and bool(real.all()):
+            real = None
+    longest = max_length_q if max_length_q is not None else max_length_k
     if seq_idx is not None:
         if tuple(seq_idx.shape) != (batch, length):
             raise ValueError(
                 f"`seq_idx` must have the shape of `input_ids` {(batch, length)} (the document of every token), got "
                 f"{tuple(seq_idx.shape)}; use DataCollatorWithFlattening(return_seq_idx=True)."
             )
-        documents = _runs(seq_idx.to(device))
+        document_ids, run_starts = _run_ids(seq_idx.to(device), real)
+        cu = None
+        count = None
     elif cu_seq_lens_q is not None or cu_seq_lens_k is not None:
-        cu = cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k
-        cu = cu.to(device).reshape(-1).long()
         if batch != 1:
             raise ValueError(
                 f"`cu_seq_lens_q/k` describe the documents of one packed row, but the batch has {batch} rows; pack "
                 "the batch into one row (DataCollatorWithFlattening) or pass `seq_idx` for several packed rows."
             )
-        if not is_tracing():
-            if (
-                cu_seq_lens_q is not None
-                and cu_seq_lens_k is not None
-                and not torch.equal(
-                    cu_seq_lens_q.reshape(-1).long().to(device), cu_seq_lens_k.reshape(-1).long().to(device)
-                )
-            ):
-                raise ValueError(
-                    "`cu_seq_lens_q` and `cu_seq_lens_k` differ; these models attend within each document, so "
-                    "queries and keys share the boundaries (pass the collator's values unchanged)."
-                )
-            if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != length or bool((cu[1:] < cu[:-1]).any()):
-                raise ValueError(
-                    f"`cu_seq_lens_q/k` must rise from 0 to the row's length {length} (cumulative document "
-                    f"lengths), got {cu.tolist()}."
-                )
-        positions = torch.arange(length, device=device)
-        documents = torch.searchsorted(cu[1:-1].contiguous(), positions, right=True)[None]
-    elif position_ids is not None and batch == 1 and length > 1 and not is_tracing():
+        cu = _check_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, length, device)
+        run_starts = torch.zeros(length, dtype=torch.bool, device=device).index_fill(0, cu[:-1], True)[None]
+        document_ids = run_starts.long().cumsum(-1) - 1
+        count = cu.shape[0] - 1
+        if real is not None:  # padding inside documents: runs split where it starts and ends
+            document_ids, run_starts = _run_ids(document_ids, real)
+            cu, count = None, None
+    elif (
+        position_ids is not None
+        and batch == 1
+        and length > 1
+        and real is None
+        and (positions_while_tracing or not is_tracing())
+    ):
+        if attention_mask is not None and is_tracing():
+            return None  # padding may restart positions: a traced graph cannot tell, so positions are positions
         if tuple(position_ids.shape) != (batch, length):
             return None  # a broadcast (1, seq_len) table of a wider batch: not a packed row
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
-            return None
         position_ids = position_ids.to(device)
         restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
-        documents = torch.cat([torch.zeros_like(position_ids[:, :1]), restarts.long().cumsum(-1)], dim=-1)
+        run_starts = torch.cat([torch.ones_like(restarts[:, :1]), restarts], dim=-1)
+        document_ids = run_starts.long().cumsum(-1) - 1
+        cu, count = None, None
     else:
         return None
-    if is_tracing():
-        return documents
-    return documents if bool((documents[:, -1] > 0).any()) else None
+    starts = run_starts if real is None else run_starts & real
+    flat_index = starts.reshape(-1).long().cumsum(0).reshape(batch, length) - 1
+    if count is None and not is_tracing():
+        per_row = starts.sum(-1)
+        if bool((per_row <= 1).all()):
+            return None  # one document per row (padding aside): an ordinary batch
+        count = int(per_row.sum())
+    elif count == batch == 1:
+        return None
+    if real is not None and count is not None:
+        flat_index = torch.where(real, flat_index, torch.full_like(flat_index, count))
+    if cu is None and count is not None and real is None and batch == 1 and not is_tracing():
+        cu = torch.cat([flat_index.new_zeros(1), torch.bincount(flat_index.reshape(-1), minlength=count).cumsum(0)])
+    return PackedBatch(
+        document_ids=document_ids,
+        starts=starts,
+        index=flat_index,
+        positions=_positions_in_runs(run_starts),
+        count=count,
+        longest=longest,
+        cu_seq_lens=None if cu is None else cu.to(torch.int32),
+        padded=real is not None,
+    )
 
 
 def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
@@ -171,6 +343,8 @@ def refuse_packed(model_name: str, reason: str, instead: str) -> None:
 
 __all__ = [
     "PACKING_KWARGS",
+    "PackedBatch",
+    "resolve_packed_batch",
     "document_ids_from_inputs",
     "document_lengths",
     "document_spans",

@@ -24,6 +24,7 @@ from ...layers.heads import (
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
 from ...ops.fast_dropout import HfxDropout
+from ...ops.packing import PackedBatch
 from .configuration_bigbird import HfxBigBirdConfig
 
 
@@ -112,17 +113,17 @@ class HfxBigBirdModel(HfxTextModel, HfxBigBirdPreTrainedModel):
         attention_mask: torch.Tensor | None,
         global_attention_mask: torch.Tensor | None,
         length: int,
-        document_ids: torch.Tensor | None = None,
+        packed: PackedBatch | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
         """As :meth:`HfxTextModel.prepare_attention_inputs`; for a packed batch also ``document_blocks``, where its
         documents lie on the block grid (:func:`~hf_xformers.attention.block_sparse.plan_documents`: one host read
         per forward, shared by every layer)."""
         attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
-            attention_mask, global_attention_mask, length, document_ids
+            attention_mask, global_attention_mask, length, packed
         )
-        if document_ids is not None and self.config.attention_type == "block_sparse":
+        if packed is not None and self.config.attention_type == "block_sparse":
             kwargs["document_blocks"] = plan_documents(
-                document_ids, attention_mask, self.config.block_size, self.config.num_random_blocks
+                packed.document_ids, attention_mask, self.config.block_size, self.config.num_random_blocks
             )
         return attention_mask, global_attention_mask, kwargs
 

@@ -50,7 +50,7 @@ class HfxLinformerModel(HfxTextModel, HfxLinformerPreTrainedModel):
     packing_refusal = (
         "its keys and values are projected along the whole sequence (E K, F V), so every output mixes every "
         "document of the row",
-        "Pad the batch instead (DataCollatorWithPadding; TrainingArguments(train_sampling_strategy=\"group_by_length\") "
+        'Pad the batch instead (DataCollatorWithPadding; TrainingArguments(train_sampling_strategy="group_by_length") '
         "keeps the padding small).",
     )
 

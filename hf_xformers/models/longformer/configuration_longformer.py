@@ -48,7 +48,9 @@ class HfxLongformerConfig(TransformersCheckpointConfig, HfxTextConfig):
         ``lm_head.bias`` and saves only the latter; 4.x saved both (equal), and then the decoder's is kept."""
         if tensor_names is not None and "lm_head.decoder.bias" in tensor_names:
             return WeightRenames(unused=(r"^lm_head\.bias$", UNUSED_POOLER, *SAVED_BUFFERS))
-        return WeightRenames(key_mapping={r"^lm_head\.bias$": "lm_head.decoder.bias"}, unused=(UNUSED_POOLER, *SAVED_BUFFERS))
+        return WeightRenames(
+            key_mapping={r"^lm_head\.bias$": "lm_head.decoder.bias"}, unused=(UNUSED_POOLER, *SAVED_BUFFERS)
+        )
 
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)

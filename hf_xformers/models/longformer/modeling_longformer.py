@@ -114,25 +114,32 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
 
     attention_class = HfxSlidingWindowSelfAttention
 
-    def prepare_attention_inputs(self, attention_mask, global_attention_mask, length, document_ids=None):
+    def prepare_attention_inputs(self, attention_mask, global_attention_mask, length, packed=None):
         """As :meth:`HfxTextModel.prepare_attention_inputs`, plus where the global tokens are (``global_slots``) and, in
         a packed batch, which documents they belong to (``packed_globals``): the same for every layer, and finding out
         how many there are is a device-to-host read."""
         attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
-            attention_mask, global_attention_mask, length, document_ids
+            attention_mask, global_attention_mask, length, packed
         )
         if global_attention_mask is not None:
             kwargs["global_slots"] = global_slots_of(global_attention_mask)
-            if document_ids is not None:
+            if packed is not None:
                 blocks = {layer.attention.self.query_block for layer in self.encoder.layer}
-                kwargs["packed_globals"] = packed_globals_of(document_ids, kwargs["global_slots"], blocks)
+                kwargs["packed_globals"] = packed_globals_of(packed.document_ids, kwargs["global_slots"], blocks)
         if attention_implementation(self.config) == FLEX:
             # One block mask per window size for all layers (the band, global columns, padding and documents are per
             # example).
             device = self.embeddings.word_embeddings.weight.device
             windows = {layer.attention.self.one_sided_window for layer in self.encoder.layer}
             kwargs["flex_masks"] = {
-                w: band_block_mask(attention_mask, global_attention_mask, w, length, device, document_ids)
+                w: band_block_mask(
+                    attention_mask,
+                    global_attention_mask,
+                    w,
+                    length,
+                    device,
+                    None if packed is None else packed.document_ids,
+                )
                 for w in sorted(windows)
             }
         return attention_mask, global_attention_mask, kwargs

@@ -29,7 +29,7 @@ from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
 from ...ops.compat import CACHE_NAME, cache_field, resolve_cache_argument
 from ...ops.input_checks import is_tracing, unpadded_to_none
-from ...ops.packing import document_spans
+from ...ops.packing import PackedBatch, document_spans
 from .configuration_performer import HfxPerformerConfig
 
 
@@ -128,14 +128,14 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
 
     attention_class = HfxFavorSelfAttention
 
-    def prepare_attention_inputs(self, attention_mask, global_attention_mask, length, document_ids=None):
+    def prepare_attention_inputs(self, attention_mask, global_attention_mask, length, packed=None):
         """As :meth:`HfxTextModel.prepare_attention_inputs`, plus, for one unpadded packed row, its documents' spans
         (``document_spans``, one host read for all layers): each layer then runs every document's own FAVOR+."""
         attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
-            attention_mask, global_attention_mask, length, document_ids
+            attention_mask, global_attention_mask, length, packed
         )
-        if document_ids is not None and attention_mask is None and document_ids.shape[0] == 1 and not is_tracing():
-            kwargs["document_spans"] = document_spans(document_ids)
+        if packed is not None and attention_mask is None and packed.document_ids.shape[0] == 1 and not is_tracing():
+            kwargs["document_spans"] = document_spans(packed.document_ids)
         return attention_mask, global_attention_mask, kwargs
 
     def __init__(self, config, add_pooling_layer: bool = True) -> None:
@@ -161,6 +161,7 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         cu_seq_lens_k: torch.Tensor | None = None,
         max_length_q: int | None = None,
         max_length_k: int | None = None,
+        packed_batch: PackedBatch | None = None,
     ) -> HfxModelOutput | tuple:
         """As :meth:`HfxTextModel.forward`, after the scheduled redraw of the projections (training mode).
 
@@ -184,7 +185,14 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
             self.training_calls += 1
         if use_cache or past_key_values is not None:
             self._refuse_packed_with_cache(
-                input_ids, inputs_embeds, attention_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k
+                input_ids,
+                inputs_embeds,
+                attention_mask,
+                position_ids,
+                seq_idx,
+                cu_seq_lens_q,
+                cu_seq_lens_k,
+                packed_batch,
             )
         if use_cache and past_key_values is None:
             past_key_values = HfxPerformerCache()
@@ -192,7 +200,7 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
             return super().forward(
                 input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
                 output_attentions, output_hidden_states, return_dict, seq_idx, cu_seq_lens_q, cu_seq_lens_k,
-                max_length_q, max_length_k,
+                max_length_q, max_length_k, packed_batch,
             )  # fmt: skip
         return self._cached_forward(
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -200,7 +208,15 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         )  # fmt: skip
 
     def _refuse_packed_with_cache(
-        self, input_ids, inputs_embeds, attention_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k
+        self,
+        input_ids,
+        inputs_embeds,
+        attention_mask,
+        position_ids,
+        seq_idx,
+        cu_seq_lens_q,
+        cu_seq_lens_k,
+        packed_batch=None,
     ) -> None:
         """A ``ValueError`` if a call with a cache is given a packed batch (a cache holds one state per row).
 
@@ -211,15 +227,14 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         if ref is None or ref.dim() != (2 if input_ids is not None else 3):
             return  # the shape checks of the forward name the problem
         explicit = seq_idx is not None or cu_seq_lens_q is not None or cu_seq_lens_k is not None
+        explicit = explicit or packed_batch is not None
         # Restarting positions mark documents only in a single row of several tokens (a decoding step has one).
         if not explicit and (position_ids is None or ref.shape[0] != 1 or ref.shape[1] < 2):
             return
         if not explicit and unpadded_to_none(attention_mask) is not None:
             return
-        documents = self.document_ids(
-            tuple(ref.shape[:2]), ref.device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k
-        )
-        if documents is not None:
+        packing = dict(seq_idx=seq_idx, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k)
+        if packed_batch is not None or self.packed_batch(tuple(ref.shape[:2]), ref.device, position_ids, None, packing):
             raise ValueError(
                 "A packed (padding-free) batch cannot be decoded with a cache: the cache keeps one running state per "
                 "row, not per document. Pass use_cache=False (and no past_key_values) for packed training or "

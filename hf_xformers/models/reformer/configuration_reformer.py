@@ -177,12 +177,27 @@ class HfxReformerConfig(TransformersCheckpointConfig, PreTrainedConfig):
                 f"attn_layers must be a non-empty list of {ATTENTION_TYPES} (one entry per layer), "
                 f"got {self.attn_layers!r}."
             )
-        for name in ("hidden_size", "num_attention_heads", "attention_head_size", "feed_forward_size", "num_hashes",
-                     "local_attn_chunk_length", "lsh_attn_chunk_length", "max_position_embeddings", "vocab_size"):
+        for name in (
+            "hidden_size",
+            "num_attention_heads",
+            "attention_head_size",
+            "feed_forward_size",
+            "num_hashes",
+            "local_attn_chunk_length",
+            "lsh_attn_chunk_length",
+            "max_position_embeddings",
+            "vocab_size",
+        ):
             if not is_int(getattr(self, name), 1):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
-        for name in ("local_num_chunks_before", "local_num_chunks_after", "lsh_num_chunks_before",
-                     "lsh_num_chunks_after", "chunk_size_lm_head", "chunk_size_feed_forward"):
+        for name in (
+            "local_num_chunks_before",
+            "local_num_chunks_after",
+            "lsh_num_chunks_before",
+            "lsh_num_chunks_after",
+            "chunk_size_lm_head",
+            "chunk_size_feed_forward",
+        ):
             if not is_int(getattr(self, name), 0):
                 raise ValueError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}.")
         if self.num_buckets is not None:

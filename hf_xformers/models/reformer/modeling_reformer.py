@@ -49,6 +49,7 @@ from ...layers.pretrained import HfxPreTrainedModel
 from ...ops.fast_dropout import HfxDropout, fast_dropout
 from ...ops.input_checks import check_not_empty, check_token_ids, unpadded_to_none
 from ...ops.packing import (
+    PackedBatch,
     document_ids_from_inputs,
     document_starts,
     flat_document_index,
@@ -564,6 +565,7 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         cu_seq_lens_k: torch.Tensor | None = None,
         max_length_q: int | None = None,
         max_length_k: int | None = None,
+        packed_batch: PackedBatch | None = None,
     ) -> HfxReformerModelOutput | tuple:
         """Encode (or decode) a batch, or a packed batch of documents (transformers' ``DataCollatorWithFlattening``
         with ``position_ids_start=0``).
@@ -585,8 +587,8 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         """
         cache = past_buckets_states
         reference = input_ids if input_ids is not None else inputs_embeds
-        document_ids = None
-        if reference is not None and reference.dim() == (2 if input_ids is not None else 3):
+        document_ids = None if packed_batch is None else packed_batch.document_ids
+        if packed_batch is None and reference is not None and reference.dim() == (2 if input_ids is not None else 3):
             # While tracing, positions alone never mark documents (document_ids_from_inputs): a traced graph cannot
             # tell restarting positions from ordinary ones, and the packed layout needs eager mode.
             document_ids = document_ids_from_inputs(
@@ -847,18 +849,18 @@ class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel, G
         documents = None
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference is not None and reference.dim() == (2 if input_ids is not None else 3):
-            documents = document_ids_from_inputs(
-                tuple(reference.shape[:2]), reference.device, position_ids, seq_idx,
-                cu_seq_lens_q, cu_seq_lens_k,
+            documents = self._packed_batch(
+                input_ids, inputs_embeds, position_ids, attention_mask, seq_idx, cu_seq_lens_q, cu_seq_lens_k,
+                max_length_q, max_length_k, cached=bool(use_cache) or past_buckets_states is not None,
             )  # fmt: skip
         out = self.reformer(
             input_ids, attention_mask, position_ids, inputs_embeds, num_hashes, past_buckets_states, use_cache,
-            output_attentions, output_hidden_states, return_dict=True, seq_idx=documents,
+            output_attentions, output_hidden_states, return_dict=True, packed_batch=documents,
         )  # fmt: skip
         logits = self.lm_head(out.last_hidden_state)
         if documents is not None and shift_labels is None and labels is not None:
             shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
-            next_starts = nn.functional.pad(document_starts(documents), (0, 1))[:, 1:]
+            next_starts = nn.functional.pad(documents.starts, (0, 1))[:, 1:]
             shift_labels = shift_labels.masked_fill(next_starts, -100)
         loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
         result = HfxReformerCausalLMOutput(

@@ -100,8 +100,7 @@ class HfxSwinConfig(TransformersCheckpointConfig, BackboneConfigMixin, PreTraine
                 r"attention\.q_proj\.": "attention.self.query.",
                 r"attention\.k_proj\.": "attention.self.key.",
                 r"attention\.v_proj\.": "attention.self.value.",
-                r"attention\.relative_position_bias\.relative_position_bias_table":
-                    "attention.self.relative_position_bias_table",
+                r"attention\.relative_position_bias\.relative_position_bias_table": "attention.self.relative_position_bias_table",
                 r"attention\.o_proj\.": "attention.output.dense.",
                 r"mlp\.fc1\.": "intermediate.dense.",
                 r"mlp\.fc2\.": "output.dense.",

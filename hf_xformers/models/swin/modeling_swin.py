@@ -209,7 +209,9 @@ class HfxSwinAttention(nn.Module):
         )
         self.output = HfxSwinSelfOutput(config, dim)
 
-    def forward(self, hidden_states, input_dimensions, always_partition=False, output_attentions=False, implementation="sdpa"):
+    def forward(
+        self, hidden_states, input_dimensions, always_partition=False, output_attentions=False, implementation="sdpa"
+    ):
         out = self.self(hidden_states, input_dimensions, always_partition, output_attentions, implementation)
         return self.output(out.context), out.attentions
 
@@ -313,7 +315,9 @@ class HfxSwinStage(nn.Module):
         ``(batch, tokens, channels)`` on the returned grid."""
         probs = None
         for block in self.blocks:
-            hidden_states, probs = block(hidden_states, input_dimensions, always_partition, output_attentions, implementation)
+            hidden_states, probs = block(
+                hidden_states, input_dimensions, always_partition, output_attentions, implementation
+            )
         before = hidden_states
         if self.downsample is None:
             return hidden_states, before, input_dimensions, probs

@@ -80,8 +80,9 @@ class HfxAdaptiveEmbedding(nn.Module):
         check_resizable([end for _, end in self.bounds[:-1]], new_vocab_size)
         delta = new_vocab_size - self.vocab_size
         table = self.emb_layers[-1]
-        new = nn.Embedding(table.num_embeddings + delta, table.embedding_dim, device=table.weight.device,
-                           dtype=table.weight.dtype)
+        new = nn.Embedding(
+            table.num_embeddings + delta, table.embedding_dim, device=table.weight.device, dtype=table.weight.dtype
+        )
         with torch.no_grad():
             new.weight.copy_(resized_rows(table.weight, new.num_embeddings, std))
         self.emb_layers[-1] = new
@@ -147,8 +148,9 @@ class HfxAdaptiveLogSoftmax(nn.Module):
         check_resizable([end for _, end in self.bounds[:-1]], new_vocab_size)
         delta = new_vocab_size - self.vocab_size
         layer = self.out_layers[-1]
-        new = nn.Linear(layer.in_features, layer.out_features + delta, device=layer.weight.device,
-                        dtype=layer.weight.dtype)
+        new = nn.Linear(
+            layer.in_features, layer.out_features + delta, device=layer.weight.device, dtype=layer.weight.dtype
+        )
         with torch.no_grad():
             new.weight.copy_(resized_rows(layer.weight, new.out_features, std))
             new.bias.copy_(resized_rows(layer.bias, new.out_features, std))

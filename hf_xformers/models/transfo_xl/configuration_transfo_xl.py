@@ -171,7 +171,9 @@ class HfxTransfoXLConfig(TransformersCheckpointConfig, PreTrainedConfig):
         shared = {name.removeprefix("transformer."): name for name in tensor_names
                   if name.removeprefix("transformer.") in ("r_w_bias", "r_r_bias")}  # fmt: skip
         layers = int(config_dict.get("n_layer", cls.n_layer))
-        copies = {f"transformer.layers.{i}.attention.{bias}": name for bias, name in shared.items() for i in range(layers)}
+        copies = {
+            f"transformer.layers.{i}.attention.{bias}": name for bias, name in shared.items() for i in range(layers)
+        }
         return WeightRenames(
             key_mapping=renames, unused=(r"pos_emb\.inv_freq$", r"^(transformer\.)?r_[wr]_bias$"), copies=copies
         )

@@ -38,6 +38,15 @@ from .configuration_transfo_xl import HfxTransfoXLConfig
 Memories = tuple[torch.Tensor, ...]
 
 
+# Why Transformer-XL refuses a packed batch, and what to do instead (ops/packing.refuse_packed).
+PACKING_REFUSAL = (
+    "its memories carry hidden states across the segments of one stream, so packed documents would attend to each "
+    "other through the memory and the relative positions, which run across the whole row",
+    "Feed one stream per row instead, with examples/run_clm.py (HfxStreamSegments + HfxRecurrentTrainer carry the "
+    "memories across steps), or pad the batch (DataCollatorWithPadding) rather than flattening it.",
+)
+
+
 @dataclass
 class HfxTransfoXLModelOutput(ModelOutput):
     """``last_hidden_state`` ``(batch, seq_len, d_model)``; ``mems``: per layer ``(batch, memory_len, d_model)``
@@ -269,14 +278,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
             shape, device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
         )
         if documents is not None:
-            refuse_packed(
-                type(self).__name__,
-                "its memories carry hidden states across the segments of one stream, so packed documents would "
-                "attend to each other through the memory and the relative positions, which run across the whole row",
-                "Feed one stream per row instead, with examples/run_clm.py (HfxStreamSegments + HfxRecurrentTrainer "
-                "carry the memories across steps), or pad the batch (DataCollatorWithPadding) rather than "
-                "flattening it.",
-            )
+            refuse_packed(type(self).__name__, *PACKING_REFUSAL)
 
     def forward(
         self,
@@ -293,6 +295,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         cu_seq_lens_k: torch.Tensor | None = None,
         max_length_q: int | None = None,
         max_length_k: int | None = None,
+        packed_batch=None,
     ) -> HfxTransfoXLModelOutput | tuple:
         """Encode one segment of each stream.
 
@@ -306,7 +309,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
                 masked. It may also cover earlier tokens (``(batch, past + seq_len)``, what ``generate()`` passes):
                 its last ``memory + seq_len`` columns then mask the memory too; memory it does not cover counts as
                 real, and ``attentions`` then cover all of its columns (0 for tokens no longer in the memory).
-            position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k: accepted so that a
+            position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, packed_batch: accepted so that a
                 packed (padding-free) batch from ``DataCollatorWithFlattening`` is refused with a ``ValueError``
                 instead of mixing its documents (positions are relative here: ``position_ids`` of an ordinary batch
                 are not used).
@@ -314,6 +317,8 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
             :class:`HfxTransfoXLModelOutput`.
         """
         batch, query_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, mems)
+        if packed_batch is not None:
+            refuse_packed(type(self).__name__, *PACKING_REFUSAL)
         if position_ids is not None or seq_idx is not None or cu_seq_lens_q is not None or cu_seq_lens_k is not None:
             device = input_ids.device if input_ids is not None else inputs_embeds.device
             self._refuse_packed(

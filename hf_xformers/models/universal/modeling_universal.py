@@ -44,15 +44,21 @@ from ...layers.heads import (
 from ...layers.pretrained import HfxPreTrainedModel
 from ...ops.attention_switch import EAGER, attention_implementation, flex_applies
 from ...ops.compat import CACHE_NAME, cache_field, output_cache, resolve_cache_argument
-from ...ops.input_checks import check_not_empty, check_token_ids, check_type_ids, is_tracing, unpadded_to_none
+from ...ops.input_checks import (
+    check_not_empty,
+    check_token_ids,
+    check_type_ids,
+    is_tracing,
+    reads_values,
+    unpadded_to_none,
+)
 from ...ops.packing import (
     PACKING_KWARGS,
-    document_ids_from_inputs,
+    PackedBatch,
     document_lengths,
     document_spans,
-    document_starts,
-    positions_in_documents,
     refuse_packed,
+    resolve_packed_batch,
 )
 from .adaptive_computation_time import HfxHaltingUnit, ponder_loss
 from .configuration_universal import HfxUniversalConfig
@@ -343,8 +349,9 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         cu_seq_lens_k: torch.Tensor | None,
         uses_cache: bool,
         encoder_hidden_states: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(document_ids, position_ids)`` of a packed batch (:mod:`~hf_xformers.ops.packing`): the documents
+        packed_batch: PackedBatch | None = None,
+    ) -> tuple[PackedBatch | None, torch.Tensor | None]:
+        """``(packed, position_ids)`` of a packed batch (:mod:`~hf_xformers.ops.packing`): the documents
         ``(batch, seq_len)`` long, and positions restarting at 0 in every document (the caller's, checked, or counted
         here), as each document's solo forward numbers them; ``(None, position_ids)`` for an ordinary batch.
 
@@ -356,10 +363,17 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             ValueError: a packed batch with a cache (its keys would mix documents across calls), with
                 cross-attention, or whose positions do not start at 0 in every document.
         """
-        document_ids = document_ids_from_inputs(
-            shape, device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, key_mask
+        packed = packed_batch or resolve_packed_batch(
+            shape,
+            device,
+            position_ids,
+            seq_idx,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            attention_mask=key_mask,
+            positions_while_tracing=not uses_cache,
         )
-        if document_ids is None:
+        if packed is None:
             return None, position_ids
         name = type(self).__name__
         if uses_cache:
@@ -377,16 +391,16 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
                 "Pad the batch (DataCollatorForSeq2Seq) for the encoder-decoder model.",
             )
         if position_ids is None:
-            return document_ids, positions_in_documents(document_ids)
-        if not is_tracing():
-            starts = position_ids[document_starts(document_ids)]
+            return packed, packed.positions
+        if reads_values(position_ids):
+            starts = position_ids.masked_select(packed.starts)
             if bool((starts != 0).any()):
                 raise ValueError(
                     "In a packed batch every document's positions must start at 0, as in its own forward, but some "
                     f"start at {sorted(set(starts.tolist()))[:4]}; use DataCollatorWithFlattening(position_ids_start=0) "
                     "(its default)."
                 )
-        return document_ids, position_ids
+        return packed, position_ids
 
     def forward(
         self,
@@ -408,6 +422,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         cu_seq_lens_k: torch.Tensor | None = None,
         max_length_q: int | None = None,
         max_length_k: int | None = None,
+        packed_batch: PackedBatch | None = None,
     ) -> HfxUniversalModelOutput | tuple:
         """Encode (or, for a decoder, continue) a batch, or a packed batch of documents (transformers'
         ``DataCollatorWithFlattening``, positions from 0: ``position_ids_start=0``).
@@ -452,10 +467,11 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         # "Is anything padded?" is decided here, once per forward (one host read in eager mode): below, None means no
         # padding, and the attention gets no mask (or is_causal) so that SDPA can use its fused kernels.
         key_mask = unpadded_to_none(attention_mask.bool()) if attention_mask is not None else None
-        document_ids, position_ids = self._packed_inputs(
+        packed, position_ids = self._packed_inputs(
             (batch, length), device, key_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k,
-            past_key_values is not None or bool(use_cache), encoder_hidden_states,
+            past_key_values is not None or bool(use_cache), encoder_hidden_states, packed_batch,
         )  # fmt: skip
+        document_ids = None if packed is None else packed.document_ids
         self._check_length(past_len, length, document_ids, position_ids)
         real_mask = (
             key_mask[:, past_len:]
@@ -506,7 +522,9 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             loss = ponder_loss(out.ponder_steps, out.ponder_remainders, real_mask, config.act_loss_weight)
         result = HfxUniversalModelOutput(
             last_hidden_state=out.last_hidden_state,
-            pooler_output=self.pooler(out.last_hidden_state, document_ids) if self.pooler is not None else None,
+            pooler_output=None
+            if self.pooler is None or (packed is not None and packed.count is None)
+            else self.pooler(out.last_hidden_state, packed),
             hidden_states=out.hidden_states,
             attentions=out.attentions,
             cross_attentions=out.cross_attentions,
