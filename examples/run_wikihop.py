@@ -135,8 +135,8 @@ class WikiHopModel(nn.Module):
     * ``labels``: ``(B,)``, the index of the answer among the candidates.
 
     A packed batch (``--padding_free``) holds the real chunks, example by example, in one row: ``input_ids`` and
-    ``global_attention_mask`` ``(1, T)``, ``position_ids`` ``(1, T)`` restarting at every chunk, and
-    ``chunk_starts`` ``(N,)``, where each of the ``N`` real chunks starts in the row (no ``attention_mask``). The
+    ``global_attention_mask`` ``(1, T)``, ``position_ids`` ``(1, T)`` restarting at every chunk, the chunks'
+    ``cu_seq_lens_q/k`` and ``max_length_q/k``, and ``chunk_starts`` ``(N,)``, where each of the ``N`` real chunks starts in the row (no ``attention_mask``). The
     encoder attends within each chunk, so the logits are those of the padded batch.
 
     Returns ``logits`` ``(B, C)`` (padding candidates at the dtype's minimum) and the cross-entropy ``loss``.
@@ -176,6 +176,10 @@ class WikiHopModel(nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         chunk_starts: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> MultipleChoiceModelOutput:
         batch = candidate_spans.shape[0]
         real = chunk_mask.bool()
@@ -191,6 +195,12 @@ class WikiHopModel(nn.Module):
             prefix_states = self.encoder(**inputs, return_dict=True).last_hidden_state[:, :prefix]  # (N, P, H)
         else:
             inputs = {"input_ids": input_ids, "position_ids": position_ids}
+            # The chunks' boundaries as the collator sent them (explicit: no guessing from positions).
+            boundaries = dict(
+                cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q,
+                max_length_k=max_length_k,
+            )  # fmt: skip
+            inputs.update({k: v for k, v in boundaries.items() if v is not None})
             if self.uses_global_attention and global_attention_mask is not None:
                 inputs["global_attention_mask"] = global_attention_mask
             hidden = self.encoder(**inputs, return_dict=True).last_hidden_state[0]  # (T, H)

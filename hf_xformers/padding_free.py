@@ -151,11 +151,15 @@ class DataCollatorForPackedDocuments:
     Boundaries, as transformers' collator gives them: ``position_ids`` ``(1, total_tokens)`` restarting at
     ``position_ids_start`` (``return_position_ids``; use :func:`position_ids_start_for`, or
     :meth:`for_model`), ``seq_idx`` ``(1, total_tokens)`` int32 (``return_seq_idx``), ``cu_seq_lens_q/k``
-    ``(num_documents + 1,)`` int32 and ``max_length_q/k`` (ints; ``return_flash_attn_kwargs``).
+    ``(num_documents + 1,)`` int32 and ``max_length_q/k`` (ints; ``return_flash_attn_kwargs``, the default).
+    Explicit boundaries always travel: ``cu_seq_lens`` give the model the number of documents by their shape and
+    ``max_length`` the longest as an int, so a training step on a GPU reads nothing back from the device, and a
+    compiled model never has to guess documents from positions.
 
     Args:
         position_ids_start: the first position of every document (required with ``return_position_ids``).
-        return_position_ids, return_seq_idx, return_flash_attn_kwargs: which boundary forms to return.
+        return_position_ids, return_seq_idx, return_flash_attn_kwargs: which boundary forms to return; at least one
+            of ``seq_idx`` and ``cu_seq_lens`` (positions alone are guesswork for a compiled model).
         causal_lm: per-token labels for a causal LM, exactly as transformers' collator makes them: the input ids
             when the features carry no labels, and ``separator_id`` over each document's first label (the model
             shifts labels, so that label would be scored as the next token of the document before it). Otherwise
@@ -175,12 +179,18 @@ class DataCollatorForPackedDocuments:
     position_ids_start: int | None = None
     return_position_ids: bool = True
     return_seq_idx: bool = False
-    return_flash_attn_kwargs: bool = False
+    return_flash_attn_kwargs: bool = True
     causal_lm: bool = False
     separator_id: int = -100
     per_document_labels: bool | None = None
 
     def __post_init__(self) -> None:
+        if not (self.return_seq_idx or self.return_flash_attn_kwargs):
+            raise ValueError(
+                "DataCollatorForPackedDocuments sends explicit document boundaries: keep return_flash_attn_kwargs=True "
+                "(cu_seq_lens_q/k + max_length_q/k, the default) or set return_seq_idx=True; restarting position_ids "
+                "alone leave a compiled model to guess the documents, and cost a GPU a host read per step."
+            )
         if self.return_position_ids and self.position_ids_start is None:
             raise ValueError(
                 "DataCollatorForPackedDocuments needs position_ids_start, the position of a document's first token: "
