@@ -268,11 +268,11 @@ def export_for_hub(model_or_dir, out_dir: str | os.PathLike, *, processor=None, 
     """Write a checkpoint folder that loads with ``trust_remote_code=True`` where ``hf_xformers`` is not installed.
 
     Args:
-        model_or_dir: an hf_xformers model (``PreTrainedModel``), or a folder written by ``save_pretrained`` /
+        model_or_dir (PreTrainedModel | str | os.PathLike): an hf_xformers model (``PreTrainedModel``), or a folder written by ``save_pretrained`` /
             ``Trainer.save_model`` (config, safetensors weights, tokenizer or image processor, ...).
         out_dir: the folder to write. It may be ``model_or_dir`` itself (the export is then added in place);
             otherwise it must be new or empty unless ``overwrite``.
-        processor: with a model: a tokenizer or image processor to save next to it (anything with
+        processor (Any): with a model: a tokenizer or image processor to save next to it (anything with
             ``save_pretrained``).
         overwrite: write into a non-empty ``out_dir`` that is not the source, replacing the files of the same name.
 

@@ -158,8 +158,11 @@ class DataCollatorForPackedDocuments:
 
     Args:
         position_ids_start: the first position of every document (required with ``return_position_ids``).
-        return_position_ids, return_seq_idx, return_flash_attn_kwargs: which boundary forms to return; at least one
-            of ``seq_idx`` and ``cu_seq_lens`` (positions alone are guesswork for a compiled model).
+        return_position_ids: return restarting ``position_ids``.
+        return_seq_idx: return ``seq_idx``.
+        return_flash_attn_kwargs: return ``cu_seq_lens_q/k`` and ``max_length_q/k``. At least one of
+            ``return_seq_idx`` and ``return_flash_attn_kwargs`` must be set (positions alone are guesswork for a
+            compiled model).
         causal_lm: per-token labels for a causal LM, exactly as transformers' collator makes them: the input ids
             when the features carry no labels, and ``separator_id`` over each document's first label (the model
             shifts labels, so that label would be scored as the next token of the document before it). Otherwise

@@ -28,7 +28,7 @@ class HfxBigBirdConfig(TransformersCheckpointConfig, HfxTextConfig):
 
     Field names and defaults follow ``transformers.BigBirdConfig`` so its checkpoints convert by renaming.
 
-    Args:
+    Attributes:
         attention_type (`str`, defaults to `"block_sparse"`): ``"block_sparse"`` (global first/last block, a window
             of 3 blocks, ``num_random_blocks`` random blocks) or ``"original_full"`` (full attention). Short inputs
             are never switched silently: block-sparse attention of an input whose pattern covers every key is
@@ -42,7 +42,8 @@ class HfxBigBirdConfig(TransformersCheckpointConfig, HfxTextConfig):
         max_position_embeddings (`int`, defaults to 4096): tokens the model accepts (positions start at 0, as in
             transformers' BigBird; there is no RoBERTa offset).
         rescale_embeddings (`bool`, defaults to `False`): multiply word embeddings by ``sqrt(hidden_size)``.
-        Other fields as in ``BigBirdConfig``.
+
+    Other fields as in ``BigBirdConfig``.
 
     A transformers ``big_bird`` config loads as this one (``configs/transformers_checkpoints.py``), and its
     checkpoints into our classes: ``bert.`` becomes ``bigbird.``, the pooler's Linear gets our ``dense`` name,

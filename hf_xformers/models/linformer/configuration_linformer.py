@@ -9,7 +9,7 @@ from ...configs.text_config import HfxTextConfig
 class HfxLinformerConfig(HfxTextConfig):
     r"""Configuration of a Linformer (RoBERTa encoder whose attention projects keys and values along the sequence).
 
-    Args:
+    Attributes:
         linformer_k (`int`, defaults to 256): ``k``, the length keys and values are projected to (the paper's ``k``).
         linformer_sharing (`str`, defaults to ``"headwise"``): which projections are shared:
 
@@ -20,7 +20,8 @@ class HfxLinformerConfig(HfxTextConfig):
         max_position_embeddings (`int`, defaults to 4098): rows of the position table. The model takes
             ``n = max_position_embeddings - pad_token_id - 1`` tokens (4096 by default), and ``E``, ``F`` have ``n``
             rows: shorter inputs use the leading rows, longer ones are rejected.
-        Other fields as in ``RobertaConfig``.
+
+    Other fields as in ``RobertaConfig``.
     """
 
     model_type = "hfx-linformer"

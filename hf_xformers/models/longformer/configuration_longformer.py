@@ -18,12 +18,13 @@ class HfxLongformerConfig(TransformersCheckpointConfig, HfxTextConfig):
     those of ``allenai/longformer-base-4096`` (RoBERTa vocabulary and layout, 4096 tokens), not LongformerConfig's
     BERT-sized ones.
 
-    Args:
+    Attributes:
         attention_window (`int` or `list[int]`, defaults to 512): full width of the local window (tokens
             attend to ``attention_window // 2`` neighbours on each side). One even value, or one per layer.
         max_position_embeddings (`int`, defaults to 4098): rows of the position table; with RoBERTa's offset
             the model takes ``max_position_embeddings - pad_token_id - 1`` tokens (4096 by default).
-        Other fields as in ``RobertaConfig``.
+
+    Other fields as in ``RobertaConfig``.
 
     A transformers ``longformer`` config (``LongformerConfig.save_pretrained``) loads as this one
     (``configs/transformers_checkpoints.py``); its checkpoints load into our classes with the MLM bias renamed.

@@ -9,7 +9,7 @@ from ...configs.text_config import HfxTextConfig
 class HfxPerformerConfig(HfxTextConfig):
     r"""Configuration of a Performer (RoBERTa encoder, or causal LM, with FAVOR+ linear attention).
 
-    Args:
+    Attributes:
         num_random_features (`int`, *optional*): ``m``, random features per head. None (default): ``int(d ln d)``
             for head size ``d`` (266 for ``d = 64``). More features approximate softmax attention more closely
             at a cost linear in ``m``.
@@ -29,7 +29,8 @@ class HfxPerformerConfig(HfxTextConfig):
             model takes ``max_position_embeddings - pad_token_id - 1`` tokens (4096 by default).
         attention_probs_dropout_prob (`float`): kept for RoBERTa compatibility but unused: FAVOR+ never forms the
             attention probabilities, so there is nothing to drop.
-        Other fields as in ``RobertaConfig``.
+
+    Other fields as in ``RobertaConfig``.
     """
 
     model_type = "hfx-performer"

@@ -28,20 +28,26 @@ class HfxReformerConfig(TransformersCheckpointConfig, PreTrainedConfig):
 
     Field names and defaults are those of ``transformers.ReformerConfig``, so its checkpoints import unchanged.
 
-    Args:
+    Attributes:
         attn_layers (`list[str]`, defaults to ``["local", "lsh"] * 3``): attention type of each layer, ``"local"``
             (chunked local attention) or ``"lsh"`` (locality-sensitive hashing attention); its length is the number
             of layers (``num_hidden_layers`` is derived from it).
-        hidden_size (`int`, defaults to 256), num_attention_heads (`int`, defaults to 12), attention_head_size
-            (`int`, defaults to 64): sizes. ``num_attention_heads * attention_head_size`` need not equal
-            ``hidden_size``.
-        feed_forward_size (`int`, defaults to 512), hidden_act (defaults to ``"relu"``): the feed-forward block.
-        chunk_size_feed_forward (`int`, defaults to 0), chunk_size_lm_head (`int`, defaults to 0): apply the
-            feed-forward block / LM head to this many positions at a time (0: all at once). Same result, less memory.
-        local_attn_chunk_length (`int`, defaults to 64), local_num_chunks_before (`int`, defaults to 1),
-            local_num_chunks_after (`int`, defaults to 0): local attention sees its own chunk and these neighbours.
-        lsh_attn_chunk_length (`int`, defaults to 64), lsh_num_chunks_before (`int`, defaults to 1),
-            lsh_num_chunks_after (`int`, defaults to 0): the same for LSH attention, in bucket-sorted order.
+        hidden_size (`int`, defaults to 256): width of each of the two residual streams.
+        num_attention_heads (`int`, defaults to 12): attention heads.
+        attention_head_size (`int`, defaults to 64): their width; ``num_attention_heads * attention_head_size`` need
+            not equal ``hidden_size``.
+        feed_forward_size (`int`, defaults to 512): width of the feed-forward block.
+        hidden_act (`str`, defaults to ``"relu"``): its activation.
+        chunk_size_feed_forward (`int`, defaults to 0): apply the feed-forward block to this many positions at a time
+            (0: all at once). Same result, less memory.
+        chunk_size_lm_head (`int`, defaults to 0): the same for the LM head.
+        local_attn_chunk_length (`int`, defaults to 64): positions per chunk of local attention, which sees its own
+            chunk and its neighbours.
+        local_num_chunks_before (`int`, defaults to 1): neighbouring chunks before it.
+        local_num_chunks_after (`int`, defaults to 0): neighbouring chunks after it.
+        lsh_attn_chunk_length (`int`, defaults to 64): the same for LSH attention, in bucket-sorted order.
+        lsh_num_chunks_before (`int`, defaults to 1): the same for LSH attention.
+        lsh_num_chunks_after (`int`, defaults to 0): the same for LSH attention.
         num_hashes (`int`, defaults to 1): hashing rounds; more rounds approximate full attention better.
         num_buckets (`int` or `list[int]`, *optional*): LSH buckets, even, or a pair of even factors (factorised
             hashing, fewer random rotations). None: :func:`default_num_buckets` of ``max_position_embeddings``,
@@ -52,19 +58,21 @@ class HfxReformerConfig(TransformersCheckpointConfig, PreTrainedConfig):
             survive ``save_pretrained`` / ``from_pretrained``.
         axial_pos_embds (`bool`, defaults to True): axial position embeddings (two small tables whose outer
             concatenation covers ``prod(axial_pos_shape)`` positions); False: one learned row per position.
-        axial_pos_shape (`list[int]`, defaults to ``[64, 64]``), axial_pos_embds_dim (`list[int]`, defaults to
-            ``[64, 192]``): the two factors of the position grid (their product must cover
-            ``max_position_embeddings``) and the widths of the two tables (they must sum to ``hidden_size``). Shorter
-            inputs use the first positions of the grid; training needs no particular length.
+        axial_pos_shape (`list[int]`, defaults to ``[64, 64]``): the two factors of the position grid (their product
+            must cover ``max_position_embeddings``). Shorter inputs use the first positions of the grid; training
+            needs no particular length.
+        axial_pos_embds_dim (`list[int]`, defaults to ``[64, 192]``): the widths of the two tables (they must sum to
+            ``hidden_size``).
         axial_norm_std (`float`, defaults to 1.0): initial standard deviation of the axial tables.
         max_position_embeddings (`int`, defaults to 4096): the longest input.
         reversible (`bool`, defaults to True): in training, run the layers as reversible residual blocks whose
             activations are recomputed from the outputs in the backward pass (memory independent of depth). False:
             ordinary autograd with stored activations (the same numbers; the reference of the gradient tests).
         is_decoder (`bool`, defaults to False): causal attention (``HfxReformerForCausalLM`` sets it).
-        hidden_dropout_prob, local_attention_probs_dropout_prob, lsh_attention_probs_dropout_prob, layer_norm_eps,
-        initializer_range, vocab_size, pad_token_id, eos_token_id, classifier_dropout, use_cache: as in
-            ``ReformerConfig``.
+
+    ``hidden_dropout_prob``, ``local_attention_probs_dropout_prob``, ``lsh_attention_probs_dropout_prob``,
+    ``layer_norm_eps``, ``initializer_range``, ``vocab_size``, ``pad_token_id``, ``eos_token_id``,
+    ``classifier_dropout`` and ``use_cache`` are as in ``ReformerConfig``.
 
     A transformers ``reformer`` config loads as this one (``configs/transformers_checkpoints.py``); its checkpoints
     load into our classes with the LM bias where ours is.

@@ -578,10 +578,12 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             num_hashes: hashing rounds for this call (None: ``config.num_hashes``).
             past_buckets_states: cache from an earlier call (decoders): the input is then one new position.
             use_cache: return a cache (decoders in eval; default ``config.use_cache``).
-            seq_idx, cu_seq_lens_q, cu_seq_lens_k: the boundaries of a packed batch (:mod:`~hf_xformers.ops.packing`;
+            seq_idx: the boundaries of a packed batch (:mod:`~hf_xformers.ops.packing`; ``cu_seq_lens_q/k`` or
                 restarting ``position_ids`` alone mark them too, in eager mode): every document then gets what its own
                 forward gives, and each may be up to ``max_position_embeddings`` long. ``max_length_q/k`` are
                 accepted and not needed. Packed batches run in eager mode and take no cache.
+            cu_seq_lens_q: the same boundaries as ``(num_documents + 1,)`` cumulative lengths of one row.
+            cu_seq_lens_k: equal to ``cu_seq_lens_q``.
         Returns:
             :class:`HfxReformerModelOutput`, ``last_hidden_state`` ``(batch, seq_len, 2 * hidden_size)``.
         """

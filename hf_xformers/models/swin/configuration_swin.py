@@ -15,7 +15,7 @@ class HfxSwinConfig(TransformersCheckpointConfig, BackboneConfigMixin, PreTraine
     Field names and defaults follow ``transformers.SwinConfig`` (the defaults are Swin-T,
     ``microsoft/swin-tiny-patch4-window7-224``), so its checkpoints convert by renaming.
 
-    Args:
+    Attributes:
         image_size (`int` or `(int, int)`, defaults to 224): the training resolution, which sizes the absolute
             position table (with ``use_absolute_embeddings``). Any other input size works too (see the model).
         patch_size (`int` or `(int, int)`, defaults to 4): side of the patches (stride of the patch embedding).
@@ -26,17 +26,19 @@ class HfxSwinConfig(TransformersCheckpointConfig, BackboneConfigMixin, PreTraine
         window_size (`int`, defaults to 7): side of the attention windows, in tokens.
         mlp_ratio (`float`, defaults to 4.0): hidden width of the MLP relative to the stage width.
         qkv_bias (`bool`, defaults to True): biases on the query, key and value projections.
-        hidden_dropout_prob, attention_probs_dropout_prob (`float`, default 0.0): dropout after the output
-            projections / on the attention probabilities.
+        hidden_dropout_prob (`float`, defaults to 0.0): dropout after the output projections.
+        attention_probs_dropout_prob (`float`, defaults to 0.0): dropout on the attention probabilities.
         drop_path_rate (`float`, defaults to 0.1): stochastic depth, rising linearly from 0 to this value over
             all blocks.
-        hidden_act (`str`, defaults to "gelu"), layer_norm_eps (`float`, defaults to 1e-5),
-            initializer_range (`float`, defaults to 0.02): as in transformers.
+        hidden_act (`str`, defaults to "gelu"): as in transformers.
+        layer_norm_eps (`float`, defaults to 1e-5): as in transformers.
+        initializer_range (`float`, defaults to 0.02): as in transformers.
         use_absolute_embeddings (`bool`, defaults to False): add a learned absolute position table.
         encoder_stride (`int`, defaults to 32): upsampling factor of the SimMIM decoder; must equal
             ``patch_size * 2 ** (len(depths) - 1)``.
-        out_features / out_indices: stages the backbone returns (``"stem"``, ``"stage1"`` ...), as in
+        out_features (`list[str]`, *optional*): stages the backbone returns (``"stem"``, ``"stage1"`` ...), as in
             transformers' backbone API.
+        out_indices (`list[int]`, *optional*): the same stages by index.
 
     A transformers ``swin`` config loads as this one (``configs/transformers_checkpoints.py``), and its checkpoints
     into our classes (the names transformers saves are ours; the newer in-memory names are renamed).

@@ -29,12 +29,13 @@ class HfxTransfoXLConfig(TransformersCheckpointConfig, PreTrainedConfig):
     its checkpoints import by renaming; ``hidden_size``, ``num_attention_heads``, ``num_hidden_layers`` and
     ``intermediate_size`` are aliases of ``d_model``, ``n_head``, ``n_layer`` and ``d_inner``.
 
-    Args:
+    Attributes:
         vocab_size (`int`): vocabulary size.
         cutoffs (`list[int]`): adaptive input / softmax cluster boundaries (``[]`` for one plain softmax).
         d_model (`int`): width of the hidden states (the projection width ``d_proj`` of the adaptive layers).
         d_embed (`int`, *optional*): embedding width of the shortlist cluster (``d_model`` when None).
-        n_head (`int`), d_head (`int`, *optional*): heads and their width (``d_model // n_head`` when None).
+        n_head (`int`): attention heads.
+        d_head (`int`, *optional*): their width (``d_model // n_head`` when None).
         d_inner (`int`): feed-forward width.
         div_val (`int`): cluster ``i`` has embedding width ``d_embed // div_val**i``.
         pre_lnorm (`bool`): LayerNorm before (True) or after (False, the paper) each sub-layer.
@@ -46,8 +47,10 @@ class HfxTransfoXLConfig(TransformersCheckpointConfig, PreTrainedConfig):
             earlier ones; needs ``mem_len > 0``.
         proj_share_all_but_first (`bool`): tie the softmax projections of the tail clusters to the input ones
             (when ``tie_word_embeddings``); the shortlist projection stays separate.
-        dropout (`float`), dropatt (`float`): dropout on activations and on attention probabilities.
-        init_std (`float`), proj_init_std (`float`): initialisation scales of weights and adaptive projections.
+        dropout (`float`): dropout on activations.
+        dropatt (`float`): dropout on attention probabilities.
+        init_std (`float`): initialisation scale of the weights.
+        proj_init_std (`float`): initialisation scale of the adaptive projections.
         classifier_dropout (`float`): dropout before the sequence classification layer (``dropout`` when None).
 
     A transformers 4.x ``transfo-xl`` config (``transfo-xl-wt103``; transformers 5 has no Transformer-XL) loads as

@@ -309,8 +309,8 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
                 masked. It may also cover earlier tokens (``(batch, past + seq_len)``, what ``generate()`` passes):
                 its last ``memory + seq_len`` columns then mask the memory too; memory it does not cover counts as
                 real, and ``attentions`` then cover all of its columns (0 for tokens no longer in the memory).
-            position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, packed_batch: accepted so that a
-                packed (padding-free) batch from ``DataCollatorWithFlattening`` is refused with a ``ValueError``
+            position_ids: accepted, with ``seq_idx``, ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``packed_batch``, so
+                that a packed (padding-free) batch from ``DataCollatorWithFlattening`` is refused with a ``ValueError``
                 instead of mixing its documents (positions are relative here: ``position_ids`` of an ordinary batch
                 are not used).
         Returns:

@@ -17,7 +17,7 @@ class HfxUniversalConfig(HfxTextConfig):
     Defaults follow tensor2tensor's ``universal_transformer_base`` where it has one (ACT epsilon, loss weight and
     halting bias, twice as many ACT steps as fixed steps); the size and special-token fields are ``RobertaConfig``'s.
 
-    Args:
+    Attributes:
         use_act (`bool`, defaults to True): dynamic halting per position (ACT). False: every position takes exactly
             ``num_hidden_layers`` steps.
         num_hidden_layers (`int`, defaults to 6): the number of recurrent steps in fixed-step mode (``use_act=False``).
@@ -38,8 +38,9 @@ class HfxUniversalConfig(HfxTextConfig):
         transition (`str`, defaults to ``"ffn"``): the block's transition function: ``"ffn"``, the position-wise
             feed-forward network ``dense(act(dense(x)))``; ``"sepconv"``, the paper's separable convolutions
             ``sepconv_k2(relu(sepconv_k1(x)))`` over the sequence (centred in encoders, causal in decoders).
-        sepconv_first_kernel_size (`int`, defaults to 3), sepconv_second_kernel_size (`int`, defaults to 5): kernel
-            widths of the two separable convolutions (tensor2tensor's 3 and 5).
+        sepconv_first_kernel_size (`int`, defaults to 3): kernel width of the first separable convolution
+            (tensor2tensor's 3).
+        sepconv_second_kernel_size (`int`, defaults to 5): kernel width of the second (tensor2tensor's 5).
         position_embedding_type (`str`, defaults to ``"sinusoidal"``): ``"sinusoidal"``, the paper's coordinate
             embedding: the sinusoidal position signal is added to the state at every step (no position table);
             ``"absolute"``, a learned position table added once in the embeddings (BERT/ALBERT).
@@ -56,7 +57,8 @@ class HfxUniversalConfig(HfxTextConfig):
             (the decoder of ``HfxUniversalForSeq2SeqLM``, which sets it on its decoder's copy of the config).
         decoder_start_token_id (`int`, *optional*): first decoder token of ``HfxUniversalForSeq2SeqLM``; None:
             ``bos_token_id``.
-        Other fields as in ``RobertaConfig`` (``hidden_act`` is used by the feed-forward transition and the LM head).
+
+    Other fields as in ``RobertaConfig`` (``hidden_act`` is used by the feed-forward transition and the LM head).
     """
 
     model_type = "hfx-universal"

@@ -437,10 +437,12 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
                 ``encoder_attention_mask`` ``(batch, src_len)``.
             past_key_values: a :class:`HfxUniversalCache` to extend (decoders); ``use_cache=True`` starts one.
             cache: the same, under transformers 5.24's name (pass one of the two).
-            position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k: the boundaries of a packed batch, in any of the
-                collator's forms (:mod:`~hf_xformers.ops.packing`): every document then gets what its own forward
-                gives (attention, separable convolutions and positions stay inside it; ACT halts per position as
-                always). ``max_length_q/k`` are accepted and not needed. No cache and no cross-attention then.
+            seq_idx: the boundaries of a packed batch, in any of the collator's forms (with ``cu_seq_lens_q/k`` or
+                restarting ``position_ids``; :mod:`~hf_xformers.ops.packing`): every document then gets what its own
+                forward gives (attention, separable convolutions and positions stay inside it; ACT halts per position
+                as always). ``max_length_q/k`` are accepted and not needed. No cache and no cross-attention then.
+            cu_seq_lens_q: the same boundaries as ``(num_documents + 1,)`` cumulative lengths of one row.
+            cu_seq_lens_k: equal to ``cu_seq_lens_q``.
         Returns:
             :class:`HfxUniversalModelOutput`; for a packed batch ``pooler_output`` is ``(num_documents, hidden)``, one
             row per document in order, and ``ponder_loss`` the mean over all real tokens of the batch (as for a
