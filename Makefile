@@ -20,7 +20,7 @@ LOWEST_TRANSFORMERS ?= 5.18.0
 # the integration tests, can be given as COMPAT_TESTS="tests/test_generation.py tests/test_peft.py ...".
 COMPAT_TESTS ?= tests
 
-.PHONY: demo test lint bench install test-compat test-newest test-lowest gpu-check
+.PHONY: demo test lint docs bench install test-compat test-newest test-lowest gpu-check
 
 install: $(VENV)/.installed
 
@@ -43,6 +43,11 @@ test: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+
+# The documentation site (mkdocs.yml, docs/): into site/, failing on any warning (a broken link, a docstring that
+# does not match its signature). tests/test_docs.py runs the same build.
+docs: $(VENV)/.installed
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.benchmark_long_context --arch longformer

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 from mkdocs.structure.files import File, Files
@@ -49,3 +50,12 @@ def on_files(files: Files, config) -> Files:
         if files.get_file_from_path(uri) is None:
             files.append(File.generated(config, uri, abs_src_path=str(path)))
     return files
+
+
+# The docstrings cross-reference in Sphinx's roles (":class:`X`", ":func:`f`"), which Markdown renders as the role's
+# name followed by the code span; the site shows the code span alone.
+_SPHINX_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|data|attr|exc|obj):(?=<code>)")
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    return _SPHINX_ROLE.sub("", html)
