@@ -52,10 +52,15 @@ def on_files(files: Files, config) -> Files:
     return files
 
 
-# The docstrings cross-reference in Sphinx's roles (":class:`X`", ":func:`f`"), which Markdown renders as the role's
-# name followed by the code span; the site shows the code span alone.
-_SPHINX_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|data|attr|exc|obj):(?=<code>)")
+# The docstrings cross-reference in Sphinx's roles (":class:`X`", ":func:`~pkg.mod.f`"), which Markdown renders as
+# the role's name followed by the code span; the site shows the code span alone (with "~", the last name only).
+_SPHINX_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|data|attr|exc|obj):<code>(~?)([^<]*)</code>")
+
+
+def _role(match: re.Match) -> str:
+    name = match.group(2).rsplit(".", 1)[-1] if match.group(1) else match.group(2)
+    return f"<code>{name}</code>"
 
 
 def on_page_content(html: str, page, config, files) -> str:
-    return _SPHINX_ROLE.sub("", html)
+    return _SPHINX_ROLE.sub(_role, html)
