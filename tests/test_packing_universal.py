@@ -275,6 +275,23 @@ def test_a_packed_document_longer_than_the_positions_is_refused():
         model(**batch)
 
 
+def test_the_batch_says_how_long_its_longest_document_is():
+    """A training step on an accelerator reads nothing back, so the longest document comes from the batch: the
+    collator's ``max_length_q`` is checked against the position table without a read (and without it, nothing is
+    checked there rather than read)."""
+    model = build(HfxUniversalModel, "train")
+    batch, _ = collate(documents((5, 17)), "cu_seq_lens")
+    counter = HostReadCounter()
+    with as_if_on_accelerator(), counter:
+        with pytest.raises(ValueError, match="17 tokens exceeds config.max_position_embeddings=16"):
+            model(**batch)
+    assert counter.total_reads == 0, dict(counter.reads)
+    batch, _ = collate(documents((5, 11)), "cu_seq_lens")
+    batch["max_length_q"] = batch["max_length_k"] = 17  # the batch's word is taken as it is
+    with pytest.raises(ValueError, match="17 tokens exceeds"):
+        model(**batch)
+
+
 def test_an_ordinary_batch_with_plain_positions_is_not_packed():
     model = build(HfxUniversalModel, "eval")
     ids = documents((12,))[0][None]

@@ -6,10 +6,10 @@ per document and need the boundaries on the host; instead every recurrent step o
 with one of three kernels, chosen and prepared once per forward (:func:`document_layout`) and reused by every call
 (:func:`document_attention`):
 
-* ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10+, FlashAttention's variable-length kernel, CUDA
-  and 16-bit only, no dropout), given the row's cumulative lengths ``cu_seq_lens`` and the longest document: each
-  document is attended as its own sequence, nothing is masked or skipped. One unpadded row only (the collator's
-  ``cu_seq_lens`` form).
+* ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10 and later: FlashAttention's variable-length
+  kernel, CUDA and 16-bit only, no dropout), given the row's cumulative lengths ``cu_seq_lens`` and the longest
+  document: each document is attended as its own sequence, nothing is masked or skipped. One unpadded row only (the
+  collator's ``cu_seq_lens`` form, or boundaries the eager forward worked out).
 * ``flex``: FlexAttention with a document ``BlockMask``: the kernel skips the blocks between documents.
 * ``sdpa`` (the CPU default and the fallback): ``scaled_dot_product_attention`` with a block-diagonal boolean mask
   ``(batch, 1, seq_len, seq_len)``, exact for any number of rows and documents and for padding (a padding run is a
@@ -21,7 +21,7 @@ carries (``cu_seq_lens``), and the host integers (``max_length``) come from the 
 
 from __future__ import annotations
 
-import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -35,21 +35,30 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
 
 
-@functools.cache
+try:
+    from torch.nn.attention.varlen import varlen_attn as _VARLEN_ATTN
+except ImportError:  # torch before 2.10
+    _VARLEN_ATTN = None
+# torch 2.10's kernel takes `is_causal` and no `scale`; later ones take `window_size=(-1, 0)` for causal, and `scale`.
+_VARLEN_PARAMETERS = frozenset(inspect.signature(_VARLEN_ATTN).parameters) if _VARLEN_ATTN is not None else frozenset()
+
+
 def varlen_kernel() -> Callable | None:
     """``torch.nn.attention.varlen.varlen_attn`` where the installed torch has it, else None (older releases)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
+    return _VARLEN_ATTN
+
+
+@torch.compiler.assume_constant_result
+def _flash_capable(index: int | None) -> bool:
+    """Whether CUDA device ``index`` (None: the current one) is an Ampere or later GPU, which FlashAttention needs. A
+    property of the hardware: traced graphs take it as a constant instead of tracing the query."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def _flash_device(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether FlashAttention's kernels run on ``device`` for ``dtype``: CUDA (Ampere or later), 16-bit."""
-    if torch.device(device).type != "cuda" or dtype not in _FLASH_DTYPES:
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    device = torch.device(device)
+    return device.type == "cuda" and dtype in _FLASH_DTYPES and _flash_capable(device.index)
 
 
 def varlen_applies(device: torch.device, dtype: torch.dtype, head_dim: int, dropout_p: float = 0.0) -> bool:
@@ -164,11 +173,19 @@ def document_attention(
 
 
 def _varlen(query, key, value, layout: DocumentLayout, scale: float | None) -> torch.Tensor:
+    options = {}
+    if "window_size" in _VARLEN_PARAMETERS:
+        options["window_size"] = (-1, 0) if layout.causal else (-1, -1)
+    else:
+        options["is_causal"] = layout.causal
+    if scale is not None and "scale" in _VARLEN_PARAMETERS:
+        options["scale"] = scale
+    elif scale is not None:  # the kernel scales by d ** -0.5: fold the rest into the queries
+        query = query * (scale * query.shape[-1] ** 0.5)
     # varlen_attn takes the row's tokens flat, (total_tokens, heads, d), and the documents' boundaries.
     flat = [t[0].transpose(0, 1) for t in (query, key, value)]
     cu, longest = layout.cu_seq_lens, layout.max_length
-    window = (-1, 0) if layout.causal else (-1, -1)
-    out = varlen_kernel()(*flat, cu, cu, longest, longest, scale=scale, window_size=window)
+    out = varlen_kernel()(*flat, cu, cu, longest, longest, **options)
     return out.transpose(0, 1)[None]
 
 
