@@ -443,6 +443,33 @@ def test_varlen_kernel_dispatch(decoder, mode, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_kernel_of_torch_2_10(causal, monkeypatch):
+    """torch 2.10's ``varlen_attn`` takes ``is_causal`` and no ``scale`` (later releases: ``window_size``): the call
+    is spelled for the kernel installed, and a scale is folded into the queries."""
+    calls = []
+
+    def kernel_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False):
+        calls.append(is_causal)
+        return reference_varlen_attn(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, 0) if is_causal else (-1, -1)
+        )
+
+    monkeypatch.setattr(varlen, "_flash_device", lambda device, dtype: True)
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda: kernel_2_10)
+    monkeypatch.setattr(varlen, "_VARLEN_PARAMETERS", frozenset(["query", "is_causal"]))
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, sum(LENGTHS), 8).unbind(0)
+    cu = torch.tensor([0, *LENGTHS]).cumsum(0).int()
+    ids = torch.bucketize(torch.arange(sum(LENGTHS)), cu[1:], right=True)[None]
+    layout = varlen.document_layout(ids, causal, cu_seq_lens=cu, max_length=max(LENGTHS), varlen=True)
+    got = varlen.document_attention(q, k, v, layout, scale=0.2)
+    mask = varlen.document_mask(ids, causal)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2)
+    assert calls == [causal]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
 def test_varlen_is_not_used_where_it_cannot_run(monkeypatch):
     """The varlen kernel has no dropout and takes one unpadded row only: with attention dropout in training, or with
     padding, the SDPA path runs (the kernel is never called)."""
