@@ -25,8 +25,11 @@ from hf_xformers import (
 )
 from hf_xformers.models.universal.recurrent_block import HfxSeparableConv1d
 from hf_xformers.ops import attention_switch as switch
+from hf_xformers.ops import varlen
+from hf_xformers.ops.input_checks import as_if_on_accelerator
 
 from .conformance import VOCAB
+from .host_reads import HostReadCounter
 from .test_transfo_xl import tiny as tiny_transfo_xl
 
 ATOL = 1e-5
@@ -139,10 +142,8 @@ def test_flex_attention_builds_the_document_mask_once(monkeypatch):
     """Under flex_attention a packed forward builds one BlockMask from the document ids (no dense (seq, seq) mask) and
     every recurrent step reuses it."""
     monkeypatch.setattr(switch, "FLEX_COMPILE", False)
-    from hf_xformers.attention import multi_head
-
     built, calls = [], []
-    real_mask, real_flex = multi_head.make_block_mask, multi_head.flex_attention
+    real_mask, real_flex = varlen.make_block_mask, varlen.flex_attention
 
     def recording_mask(mask_mod, *args, **kwargs):
         built.append(mask_mod.__code__.co_freevars)
@@ -152,13 +153,13 @@ def test_flex_attention_builds_the_document_mask_once(monkeypatch):
         calls.append(kwargs["block_mask"])
         return real_flex(*args, **kwargs)
 
-    monkeypatch.setattr(multi_head, "make_block_mask", recording_mask)
-    monkeypatch.setattr(multi_head, "flex_attention", recording_flex)
+    monkeypatch.setattr(varlen, "make_block_mask", recording_mask)
+    monkeypatch.setattr(varlen, "flex_attention", recording_flex)
     model = build(HfxUniversalModel, "eval", "flex_attention", is_decoder=True, use_act=False, num_hidden_layers=3)
     batch, _ = collate(documents(), "cu_seq_lens")
     with torch.no_grad():
         model(**batch)
-    assert len(built) == 1 and "groups" in built[0]
+    assert len(built) == 1 and "document_ids" in built[0]
     assert len(calls) == 3 and all(mask is calls[0] for mask in calls)
 
 
@@ -274,6 +275,23 @@ def test_a_packed_document_longer_than_the_positions_is_refused():
         model(**batch)
 
 
+def test_the_batch_says_how_long_its_longest_document_is():
+    """A training step on an accelerator reads nothing back, so the longest document comes from the batch: the
+    collator's ``max_length_q`` is checked against the position table without a read (and without it, nothing is
+    checked there rather than read)."""
+    model = build(HfxUniversalModel, "train")
+    batch, _ = collate(documents((5, 17)), "cu_seq_lens")
+    counter = HostReadCounter()
+    with as_if_on_accelerator(), counter:
+        with pytest.raises(ValueError, match="17 tokens exceeds config.max_position_embeddings=16"):
+            model(**batch)
+    assert counter.total_reads == 0, dict(counter.reads)
+    batch, _ = collate(documents((5, 11)), "cu_seq_lens")
+    batch["max_length_q"] = batch["max_length_k"] = 17  # the batch's word is taken as it is
+    with pytest.raises(ValueError, match="17 tokens exceeds"):
+        model(**batch)
+
+
 def test_an_ordinary_batch_with_plain_positions_is_not_packed():
     model = build(HfxUniversalModel, "eval")
     ids = documents((12,))[0][None]
@@ -343,22 +361,160 @@ def test_transfo_xl_generates_from_a_left_padded_prompt():
     assert torch.equal(out[:, 2:], alone)
 
 
+# ----- one attention call per step over the whole row (ops/varlen.py) ---------------------------------------------
+
+
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
-def test_sdpa_runs_per_document_on_an_unpadded_packed_row(decoder, monkeypatch):
-    """One unpadded packed row under SDPA attends document by document (each call sees one document's tokens), so a
-    row costs what its documents cost alone, not the row's squared length."""
-    from hf_xformers.attention import multi_head
+def test_sdpa_attends_to_the_whole_row_once_per_step(decoder, monkeypatch):
+    """Under SDPA a packed row makes one attention call per recurrent step, over the whole row, with a block-diagonal
+    mask (causal inside each document for a decoder): the number of calls does not depend on the documents."""
+    calls = []
+    real_sdpa = varlen.F.scaled_dot_product_attention
 
-    lengths = []
-    real_sdpa = multi_head.F.scaled_dot_product_attention
+    def recording_sdpa(q, k, v, attn_mask=None, **kwargs):
+        calls.append((q.shape[2], attn_mask))
+        return real_sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
 
-    def recording_sdpa(q, k, v, **kwargs):
-        lengths.append(q.shape[2])
-        return real_sdpa(q, k, v, **kwargs)
-
-    model = build(HfxUniversalForCausalLM if decoder else HfxUniversalModel, "eval", is_decoder=decoder)
+    model = build(HfxUniversalModel, "eval", is_decoder=decoder, use_act=False, num_hidden_layers=3)
     inputs, _ = collate(documents(), "seq_idx")
-    monkeypatch.setattr(multi_head.F, "scaled_dot_product_attention", recording_sdpa)
+    monkeypatch.setattr(varlen.F, "scaled_dot_product_attention", recording_sdpa)
     with torch.no_grad():
         model(**inputs)
-    assert lengths and set(lengths) == set(LENGTHS)
+    total = sum(LENGTHS)
+    assert [length for length, _ in calls] == [total] * 3
+    ends = torch.tensor(LENGTHS).cumsum(0)
+    document = torch.bucketize(torch.arange(total), ends, right=True)
+    expected = document[:, None] == document[None, :]
+    if decoder:
+        expected &= torch.ones(total, total, dtype=torch.bool).tril()
+    assert all(mask is calls[0][1] for _, mask in calls)  # built once per forward
+    assert torch.equal(calls[0][1][0, 0], expected)
+
+
+def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """What ``varlen_attn`` computes, spelled out per document: ``(tokens, heads, d)`` inputs, each document of
+    ``cu_seq_q`` its own softmax attention (``window_size=(-1, 0)``: causal)."""
+    assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k
+    bounds = cu_seq_q.tolist()
+    assert max(b - a for a, b in zip(bounds, bounds[1:])) <= max_q
+    outputs = []
+    for a, b in zip(bounds, bounds[1:]):
+        q, k, v = (t[a:b].transpose(0, 1) for t in (query, key, value))
+        scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if tuple(window_size) == (-1, 0):
+            scores = scores.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        outputs.append((scores.softmax(-1) @ v).transpose(0, 1))
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+def test_varlen_kernel_dispatch(decoder, mode, monkeypatch):
+    """Where ``varlen_attn`` runs (CUDA, 16-bit; stood in for here by a reference kernel on the CPU), a packed row of
+    the collator's flash form makes one call per step over the whole row, with the batch's ``cu_seq_lens`` and
+    ``max_length_q`` and the causal window for a decoder, and gives what the SDPA path gives, gradients included."""
+    model = build(HfxUniversalModel, mode, is_decoder=decoder, transition="sepconv")
+    docs = documents()
+    batch, _ = collate(docs, "cu_seq_lens")
+
+    def step():
+        model.zero_grad()
+        out = model(**batch)
+        out.last_hidden_state.square().sum().backward()
+        return out.last_hidden_state, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    expected, expected_grads = step()
+    calls = []
+
+    def recording_kernel(*args, **kwargs):
+        calls.append((args[3], args[5], kwargs["window_size"]))
+        return reference_varlen_attn(*args, **kwargs)
+
+    monkeypatch.setattr(varlen, "_flash_device", lambda device, dtype: True)
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda: recording_kernel)
+    got, grads = step()
+    steps = model.config.act_max_steps
+    assert len(calls) == steps
+    for cu, longest, window in calls:
+        assert torch.equal(cu, batch["cu_seq_lens_q"].int()) and longest == batch["max_length_q"] == max(LENGTHS)
+        assert window == ((-1, 0) if decoder else (-1, -1))
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_kernel_of_torch_2_10(causal, monkeypatch):
+    """torch 2.10's ``varlen_attn`` takes ``is_causal`` and no ``scale`` (later releases: ``window_size``): the call
+    is spelled for the kernel installed, and a scale is folded into the queries."""
+    calls = []
+
+    def kernel_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False):
+        calls.append(is_causal)
+        return reference_varlen_attn(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, 0) if is_causal else (-1, -1)
+        )
+
+    monkeypatch.setattr(varlen, "_flash_device", lambda device, dtype: True)
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda: kernel_2_10)
+    monkeypatch.setattr(varlen, "_VARLEN_PARAMETERS", frozenset(["query", "is_causal"]))
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, sum(LENGTHS), 8).unbind(0)
+    cu = torch.tensor([0, *LENGTHS]).cumsum(0).int()
+    ids = torch.bucketize(torch.arange(sum(LENGTHS)), cu[1:], right=True)[None]
+    layout = varlen.document_layout(ids, causal, cu_seq_lens=cu, max_length=max(LENGTHS), varlen=True)
+    got = varlen.document_attention(q, k, v, layout, scale=0.2)
+    mask = varlen.document_mask(ids, causal)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2)
+    assert calls == [causal]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_varlen_is_not_used_where_it_cannot_run(monkeypatch):
+    """The varlen kernel has no dropout and takes one unpadded row only: with attention dropout in training, or with
+    padding, the SDPA path runs (the kernel is never called)."""
+    model = build(HfxUniversalModel, "eval", attention_probs_dropout_prob=0.1)
+    batch, _ = collate(documents(), "seq_idx")
+    length = batch["input_ids"].shape[1]
+    padded = {
+        "input_ids": torch.cat([batch["input_ids"], torch.ones(1, 3, dtype=torch.long)], dim=1),
+        "seq_idx": torch.cat([batch["seq_idx"], batch["seq_idx"][:, -1:].expand(1, 3)], dim=1),
+        "attention_mask": (torch.arange(length + 3) < length).long()[None],
+    }
+    with torch.no_grad():
+        alone = model(**batch)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("varlen_attn called where it cannot run")
+
+    monkeypatch.setattr(varlen, "_flash_device", lambda device, dtype: True)
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda: refuse)
+    with torch.no_grad():
+        out = model(**padded)
+    torch.testing.assert_close(out.last_hidden_state[:, :length], alone.last_hidden_state, atol=ATOL, rtol=0)
+    model.train()
+    model(**collate(documents(), "cu_seq_lens")[0]).last_hidden_state.sum().backward()
+
+
+@pytest.mark.parametrize("model_class", [HfxUniversalModel, HfxUniversalForCausalLM], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_packed_training_step_reads_nothing_and_costs_the_same_for_any_document_count(model_class, variant):
+    """A packed training step in the collator's flash form (``cu_seq_lens`` + ``max_length_q``) on an accelerator
+    makes no device->host read (counted on the CPU, as if on one) and dispatches as many operators for 4 documents
+    as for 16: attention, separable convolutions and ACT do not loop over documents."""
+    model = build(model_class, "train", max_position_embeddings=64, **VARIANTS[variant])
+    ops = {}
+    for count in (4, 16):
+        docs = documents(((9, 3, 12, 1) * 4)[:count], seed=count)
+        batch, labels = collate(docs, "cu_seq_lens")
+        if model_class is HfxUniversalForCausalLM:
+            batch["labels"] = labels
+        counter = HostReadCounter()
+        with as_if_on_accelerator():
+            with counter:
+                out = model(**batch)
+                loss = out.loss if model_class is HfxUniversalForCausalLM else out.last_hidden_state.square().mean()
+                loss.backward()
+        assert counter.total_reads == 0, f"{count} documents: host reads {dict(counter.reads)}"
+        ops[count] = counter.ops
+    assert ops[4] == ops[16], f"operators per step grow with the number of documents: {ops}"

@@ -11,7 +11,7 @@ Transformer has one block shared by every step, so the attention is built once, 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ from ..ops.attention_switch import (
     make_block_mask,
 )
 from ..ops.shapes import merge_heads, split_heads
+from ..ops.varlen import DocumentLayout, document_attention, document_mask
 from .base import AttentionOutput, QKVProjection
 
 
@@ -56,11 +57,7 @@ def attention_mask_4d(
     one always sees itself; those rows are padding and never read.
     """
     if groups is not None:
-        allowed = groups[:, None, :, None] == groups[:, None, None, :]
-        if causal:
-            positions = torch.arange(query_len, device=device)
-            allowed = allowed & (positions[None, :] <= positions[:, None])
-        return allowed
+        return document_mask(groups, causal)
     if not causal:
         if key_mask is None:
             return None
@@ -72,29 +69,6 @@ def attention_mask_4d(
         return allowed[None, None]
     own = keys[None, :] == queries[:, None]
     return allowed & (key_mask[:, None, None, :] | own)
-
-
-class DocumentSpans(NamedTuple):
-    """The documents of one unpadded packed row as ``(start, end)`` token spans, for SDPA per document: a row then
-    costs the sum of its documents' squared lengths (their own forwards' cost), where a block-diagonal dense mask
-    costs the row's squared length. The model builds it once per forward and passes it as the ``attention_mask``."""
-
-    spans: tuple[tuple[int, int], ...]
-    causal: bool
-
-
-def packed_block_mask(groups: torch.Tensor, causal: bool):
-    """FlexAttention's ``BlockMask`` of a packed batch: a query sees the keys of its own group (``groups``
-    ``(batch, seq_len)``, :func:`attention_groups`), and for a decoder only those up to itself. The kernel skips the
-    blocks between documents, so a row costs about what its documents cost alone. The pattern is the same at every
-    recurrent step: the model builds it once per forward and passes it as the ``attention_mask``."""
-
-    def keep(b, h, q_idx, kv_idx):
-        same = groups[b, q_idx] == groups[b, kv_idx]
-        return same & (q_idx >= kv_idx) if causal else same
-
-    length = groups.shape[1]
-    return make_block_mask(keep, groups.shape[0], None, length, length, groups.device)
 
 
 class HfxUniversalAttention(QKVProjection):
@@ -124,9 +98,10 @@ class HfxUniversalAttention(QKVProjection):
         is_causal: bool = False,
     ) -> AttentionOutput:
         """``hidden_states`` ``(batch, query, hidden)``; ``attention_mask`` bool ``(batch or 1, 1, query, keys)``, a
-        FlexAttention ``BlockMask`` (:func:`packed_block_mask`: the model chose FlexAttention for a packed batch and
-        built the mask once for every step), :class:`DocumentSpans` (SDPA per document of a packed row), or None; ``is_causal``: causal self-attention with ``attention_mask``
-        None and no earlier tokens (query ``i`` sees keys ``0..i``). Returns an
+        :class:`~hf_xformers.ops.varlen.DocumentLayout` (a packed batch's documents, prepared once per forward for
+        one kernel call over the whole row: varlen, FlexAttention or SDPA with a block-diagonal mask), or None;
+        ``is_causal``: causal self-attention with ``attention_mask`` None and no earlier tokens (query ``i`` sees keys
+        ``0..i``). Returns an
         :class:`~hf_xformers.attention.base.AttentionOutput`: the ``context`` ``(batch, query, hidden)`` (before the
         output projection) and the probabilities ``attentions`` or None."""
         if key_value_states is None:
@@ -143,19 +118,8 @@ class HfxUniversalAttention(QKVProjection):
                 if cache is not None:
                     cache.cross_key_value = (k, v)
         dropout = self.dropout_p if self.training else 0.0
-        if isinstance(attention_mask, DocumentSpans):
-            context = torch.cat(
-                [
-                    F.scaled_dot_product_attention(
-                        q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], dropout_p=dropout, is_causal=attention_mask.causal
-                    )
-                    for a, b in attention_mask.spans
-                ],
-                dim=2,
-            )
-            return AttentionOutput(merge_heads(context))
-        if attention_mask is not None and not torch.is_tensor(attention_mask):
-            return AttentionOutput(merge_heads(flex_attention(q, k, v, block_mask=attention_mask)))
+        if isinstance(attention_mask, DocumentLayout):
+            return AttentionOutput(merge_heads(document_attention(q, k, v, attention_mask, dropout)))
         implementation = attention_implementation(self.config)
         # Cached decoding (one new query against a growing cache) keeps SDPA: the compiled kernel is static in the key
         # length, so FlexAttention would compile anew at every generated token.

@@ -32,8 +32,13 @@ def reads_values(tensor: torch.Tensor) -> bool:
     """
     if is_tracing():
         return False
-    on_host = tensor.device.type == "cpu" and not _AS_IF_ON_ACCELERATOR
-    return on_host or not torch.is_grad_enabled()
+    return on_host(tensor.device) or not torch.is_grad_enabled()
+
+
+def on_host(device: torch.device) -> bool:
+    """Whether ``device`` is host memory, where reading a value back waits for nothing: the CPU, unless
+    :func:`as_if_on_accelerator` is on."""
+    return torch.device(device).type == "cpu" and not _AS_IF_ON_ACCELERATOR
 
 
 @contextmanager
@@ -123,6 +128,7 @@ __all__ = [
     "check_token_ids",
     "check_type_ids",
     "is_tracing",
+    "on_host",
     "reads_values",
     "unpadded_to_none",
 ]

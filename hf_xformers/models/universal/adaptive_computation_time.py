@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...ops.input_checks import is_tracing
+from ...ops.input_checks import is_tracing, on_host
 from ...ops.precision import float32_autocast_off
 
 
@@ -201,9 +201,9 @@ def early_exit_enabled(setting: bool | None, device: torch.device) -> bool:
     ``setting`` is ``config.act_early_exit``: True, always (one host read per step that ran; on a GPU each is a
     synchronisation, worth it when whole batches halt well before ``act_max_steps``, e.g. small-batch inference);
     False, never (every forward runs ``act_max_steps`` steps with masks, as traced graphs do); None (the default), on
-    the CPU only, where the read waits for no device and the skipped steps are saved compute (at the initial halting
-    bias positions halt after 2 steps, so 10 of the default 12 steps are skipped).
-    """
+    the CPU only (:func:`~hf_xformers.ops.input_checks.on_host`), where the read waits for no device and the skipped
+    steps are saved compute (at the initial halting bias positions halt after 2 steps, so 10 of the default 12 steps
+    are skipped)."""
     if setting is None:
-        return device.type == "cpu"
+        return on_host(device)
     return bool(setting)

@@ -30,7 +30,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils import ModelOutput
 
-from ...attention.multi_head import DocumentSpans, attention_groups, attention_mask_4d, packed_block_mask
+from ...attention.multi_head import attention_groups, attention_mask_4d
 from ...layers.encoder import HfxPooler
 from ...layers.generation import HfxGenerationMixin
 from ...layers.heads import (
@@ -52,14 +52,8 @@ from ...ops.input_checks import (
     reads_values,
     unpadded_to_none,
 )
-from ...ops.packing import (
-    PACKING_KWARGS,
-    PackedBatch,
-    document_lengths,
-    document_spans,
-    refuse_packed,
-    resolve_packed_batch,
-)
+from ...ops.packing import PACKING_KWARGS, PackedBatch, refuse_packed, resolve_packed_batch
+from ...ops.varlen import compute_dtype, document_layout, varlen_applies
 from .adaptive_computation_time import HfxHaltingUnit, ponder_loss
 from .configuration_universal import HfxUniversalConfig
 from .recurrent_block import (
@@ -316,12 +310,15 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             raise ValueError("`encoder_hidden_states` given, but config.add_cross_attention is False.")
 
     def _check_length(
-        self, past_len: int, length: int, document_ids: torch.Tensor | None, position_ids: torch.Tensor | None
+        self, past_len: int, length: int, packed: PackedBatch | None, position_ids: torch.Tensor | None
     ) -> None:
         """Past plus new tokens within ``config.max_position_embeddings``; in a packed batch each document (a row may
-        be longer: positions restart), checked in eager mode only (it reads values)."""
+        be longer: positions restart). A packed batch's longest document is the host integer the batch carries
+        (``max_length_q``) where it does; else it is read from ``position_ids`` or the lengths where a read is free
+        (:func:`~hf_xformers.ops.input_checks.reads_values`) and not checked elsewhere (a training step on an
+        accelerator, a traced graph), as the other value checks."""
         limit = self.config.max_position_embeddings
-        if document_ids is None:
+        if packed is None:
             if past_len + length > limit:
                 raise ValueError(
                     f"{past_len + length} tokens (past {past_len} + new {length}) exceed "
@@ -331,7 +328,11 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             return
         if is_tracing():
             return
-        longest = int(position_ids.max()) + 1 if position_ids is not None else int(document_lengths(document_ids).max())
+        longest = packed.longest
+        if longest is None:
+            if not reads_values(packed.document_ids):
+                return
+            longest = int(position_ids.max()) + 1 if position_ids is not None else packed.longest_document()
         if longest > limit:
             raise ValueError(
                 f"A packed document of {longest} tokens exceeds config.max_position_embeddings={limit}. Truncate the "
@@ -347,6 +348,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         seq_idx: torch.Tensor | None,
         cu_seq_lens_q: torch.Tensor | None,
         cu_seq_lens_k: torch.Tensor | None,
+        max_lengths: tuple[int | None, int | None],
         uses_cache: bool,
         encoder_hidden_states: torch.Tensor | None,
         packed_batch: PackedBatch | None = None,
@@ -370,6 +372,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             seq_idx,
             cu_seq_lens_q,
             cu_seq_lens_k,
+            *max_lengths,
             attention_mask=key_mask,
             positions_while_tracing=not uses_cache,
         )
@@ -440,9 +443,12 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             seq_idx: the boundaries of a packed batch, in any of the collator's forms (with ``cu_seq_lens_q/k`` or
                 restarting ``position_ids``; :mod:`~hf_xformers.ops.packing`): every document then gets what its own
                 forward gives (attention, separable convolutions and positions stay inside it; ACT halts per position
-                as always). ``max_length_q/k`` are accepted and not needed. No cache and no cross-attention then.
+                as always). No cache and no cross-attention then.
             cu_seq_lens_q: the same boundaries as ``(num_documents + 1,)`` cumulative lengths of one row.
             cu_seq_lens_k: equal to ``cu_seq_lens_q``.
+            max_length_q: the longest document, as the collator's flash form gives it (the length check and the
+                varlen kernel read it instead of the device).
+            max_length_k: equal to ``max_length_q``.
         Returns:
             :class:`HfxUniversalModelOutput`; for a packed batch ``pooler_output`` is ``(num_documents, hidden)``, one
             row per document in order, and ``ponder_loss`` the mean over all real tokens of the batch (as for a
@@ -471,10 +477,11 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         key_mask = unpadded_to_none(attention_mask.bool()) if attention_mask is not None else None
         packed, position_ids = self._packed_inputs(
             (batch, length), device, key_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k,
-            past_key_values is not None or bool(use_cache), encoder_hidden_states, packed_batch,
+            (max_length_q, max_length_k), past_key_values is not None or bool(use_cache), encoder_hidden_states,
+            packed_batch,
         )  # fmt: skip
         document_ids = None if packed is None else packed.document_ids
-        self._check_length(past_len, length, document_ids, position_ids)
+        self._check_length(past_len, length, packed, position_ids)
         real_mask = (
             key_mask[:, past_len:]
             if key_mask is not None
@@ -490,19 +497,22 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         causal = bool(config.is_decoder)
         groups = None
         if document_ids is not None:
-            # Block-diagonal (causal within each document for a decoder), built once for every step: as a BlockMask
-            # where FlexAttention runs (no (seq, seq) tensor; blocks between documents skipped), else dense.
+            # Attention inside each document (causal within it for a decoder), prepared once for every step: one
+            # kernel call over the whole row per step, whatever the number of documents (ops/varlen.py).
             groups = attention_groups(document_ids, key_mask)
             is_causal = False
-            dropout = config.attention_probs_dropout_prob
             implementation = attention_implementation(config)
-            if not output_attentions and flex_applies(implementation, hidden, self.training, dropout):
-                mask = packed_block_mask(groups, causal)
-            elif not output_attentions and implementation != EAGER and key_mask is None and batch == 1:
-                # One unpadded row: SDPA per document costs what the documents cost alone (one host read).
-                mask = DocumentSpans(document_spans(document_ids), causal)
-            else:
+            if output_attentions or implementation == EAGER:
+                # The eager softmax, which also returns the probabilities, reads a dense mask.
                 mask = attention_mask_4d(key_mask, length, 0, causal, device, groups)
+            else:
+                dropout = config.attention_probs_dropout_prob if self.training else 0.0
+                head_dim = config.hidden_size // config.num_attention_heads
+                mask = document_layout(
+                    groups, causal, cu_seq_lens=packed.cu_seq_lens, max_length=packed.longest,
+                    varlen=varlen_applies(device, compute_dtype(hidden), head_dim, dropout),
+                    flex=flex_applies(implementation, hidden, self.training, config.attention_probs_dropout_prob),
+                )  # fmt: skip
         else:
             # An uncached causal pass without padding is SDPA's own is_causal (top-left aligned, which is right only
             # when there are no earlier tokens); one new token after a cache sees every key and needs no mask at all.

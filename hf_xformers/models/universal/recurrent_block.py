@@ -247,8 +247,8 @@ class HfxUniversalLayer(GradientCheckpointingLayer):
 
         Args:
             hidden_states: ``(batch, seq, hidden)``, the state with this step's signals added.
-            attention_mask: bool ``(batch or 1, 1, seq, keys)`` (see :func:`attention_mask_4d`), a FlexAttention
-                ``BlockMask`` (``packed_block_mask``) or None (no mask).
+            attention_mask: bool ``(batch or 1, 1, seq, keys)`` (see :func:`attention_mask_4d`), a packed batch's
+                :class:`~hf_xformers.ops.varlen.DocumentLayout` or None (no mask).
             is_causal: causal self-attention without a mask (``attention_mask`` None, no cached tokens).
             nonpadding: ``(batch, seq, 1)`` 1/0 mask for the separable convolutions, or None.
             encoder_hidden_states: ``(batch, src_len, hidden)`` for cross-attention (decoders of seq2seq models).
