@@ -366,8 +366,9 @@ def test_transfo_xl_generates_from_a_left_padded_prompt():
 
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
 def test_sdpa_attends_to_the_whole_row_once_per_step(decoder, monkeypatch):
-    """Under SDPA a packed row makes one attention call per recurrent step, over the whole row, with a block-diagonal
-    mask (causal inside each document for a decoder): the number of calls does not depend on the documents."""
+    """On an accelerator under SDPA a packed row makes one attention call per recurrent step, over the whole row, with
+    a block-diagonal mask (causal inside each document for a decoder): the number of calls does not depend on the
+    documents."""
     calls = []
     real_sdpa = varlen.F.scaled_dot_product_attention
 
@@ -378,7 +379,7 @@ def test_sdpa_attends_to_the_whole_row_once_per_step(decoder, monkeypatch):
     model = build(HfxUniversalModel, "eval", is_decoder=decoder, use_act=False, num_hidden_layers=3)
     inputs, _ = collate(documents(), "seq_idx")
     monkeypatch.setattr(varlen.F, "scaled_dot_product_attention", recording_sdpa)
-    with torch.no_grad():
+    with torch.no_grad(), as_if_on_accelerator():
         model(**inputs)
     total = sum(LENGTHS)
     assert [length for length, _ in calls] == [total] * 3
@@ -389,6 +390,27 @@ def test_sdpa_attends_to_the_whole_row_once_per_step(decoder, monkeypatch):
         expected &= torch.ones(total, total, dtype=torch.bool).tril()
     assert all(mask is calls[0][1] for _, mask in calls)  # built once per forward
     assert torch.equal(calls[0][1][0, 0], expected)
+
+
+@pytest.mark.parametrize("form", ["seq_idx", "cu_seq_lens"])
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+def test_cpu_attends_document_by_document(decoder, form, monkeypatch):
+    """On the CPU in eager mode (reads free, launches cheap) each document is its own SDPA call per step, with no
+    mask (causal through is_causal): the work is the documents' sum of squared lengths, not the row's square."""
+    calls = []
+    real_sdpa = varlen.F.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((q.shape[2], attn_mask, is_causal))
+        return real_sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    model = build(HfxUniversalModel, "eval", is_decoder=decoder, use_act=False, num_hidden_layers=3)
+    inputs, _ = collate(documents(), form)
+    monkeypatch.setattr(varlen.F, "scaled_dot_product_attention", recording_sdpa)
+    with torch.no_grad():
+        model(**inputs)
+    assert [length for length, _, _ in calls] == list(LENGTHS) * 3
+    assert all(mask is None and causal == decoder for _, mask, causal in calls)
 
 
 def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
