@@ -45,8 +45,9 @@ from ..ops.attention_switch import (
     flex_applies,
     flex_attention,
 )
-from ..ops.input_checks import is_tracing
+from ..ops.input_checks import is_tracing, reads_values
 from ..ops.kernels import attention
+from ..ops.packing import PackedBatch
 from ..ops.precision import autocast_input, is_half_precision
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
 from .base import AttentionOutput, QKVProjection
@@ -417,6 +418,19 @@ VARLEN_MAX_HEAD_DIM = 256
 def varlen_device(device: torch.device) -> bool:
     """Whether :data:`varlen_attn` exists and runs on ``device`` (a CUDA device)."""
     return varlen_attn is not None and torch.device(device).type == "cuda"
+
+
+def varlen_boundaries(packed: PackedBatch, device: torch.device) -> tuple[torch.Tensor, int] | None:
+    """``(cu_seq_lens, longest)`` for :data:`varlen_attn` when ``packed`` is one unpadded row (it then carries
+    ``cu_seq_lens``) on a device where the kernel runs, else None. ``longest`` is the batch's ``max_length`` or, where
+    a read is free (:func:`~hf_xformers.ops.input_checks.reads_values`: inference), read once; a training step whose
+    batch does not say takes the banded path instead of a read."""
+    if packed.cu_seq_lens is None or not varlen_device(device):
+        return None
+    longest = packed.longest
+    if longest is None and reads_values(packed.cu_seq_lens):
+        longest = packed.longest_document()
+    return None if longest is None else (packed.cu_seq_lens, longest)
 
 
 class LongformerLayout(NamedTuple):

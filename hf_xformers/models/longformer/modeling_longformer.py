@@ -12,7 +12,7 @@ from ...attention.sliding_window import (
     HfxSlidingWindowSelfAttention,
     first_token_sizes,
     longformer_layout,
-    varlen_device,
+    varlen_boundaries,
 )
 from ...layers.heads import (
     HfxMaskedLMHeadMixin,
@@ -24,7 +24,7 @@ from ...layers.heads import (
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
 from ...ops.attention_switch import FLEX, attention_implementation
-from ...ops.input_checks import is_tracing, reads_values
+from ...ops.input_checks import is_tracing
 from ...ops.packing import PackedBatch, document_starts
 from .configuration_longformer import HfxLongformerConfig
 
@@ -149,12 +149,8 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
             if longest is None and not is_tracing():
                 longest = packed.longest_document()  # one read (the batch did not say); spares a quadratic layout
             sizes = first_token_sizes(packed.count, longest, length, blocks)
-        if packed is not None and packed.cu_seq_lens is not None and varlen_device(device):
-            longest = packed.longest
-            if longest is None and reads_values(packed.cu_seq_lens):  # inference: one read; training falls back
-                longest = packed.longest_document()
-            if longest is not None:
-                varlen = (packed.cu_seq_lens, longest)
+        if packed is not None:
+            varlen = varlen_boundaries(packed, device)
         kwargs["layout"] = longformer_layout(
             attention_mask, global_attention_mask, length, device, blocks, windows,
             None if packed is None else packed.document_ids, sizes, varlen,
