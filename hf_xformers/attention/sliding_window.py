@@ -24,6 +24,11 @@ the band (no ``(seq_len, seq_len)`` tensor). Global tokens stay within their doc
 a query block gets only the global keys of the documents it touches, and the global queries of each document only
 that document's keys, so a packed row with global tokens costs what its documents' own forwards cost, not
 ``seq_len x G``.
+
+What every layer shares (the global slots, their per-document layout, FlexAttention's block masks) is worked out once
+per forward by :func:`longformer_layout`, whose sizes cost at most one device-to-host read (none for the documents'
+first tokens, whose sizes the batch gives). On CUDA a packed row without padding or global tokens goes through
+FlashAttention's variable-length kernel (``torch.nn.attention.varlen.varlen_attn`` with ``window_size=(w, w)``) in one call over the row.
 """
 
 from __future__ import annotations
@@ -485,10 +490,11 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
     """Sliding-window + global self-attention of one Longformer layer.
 
     ``attentions`` (with ``output_attentions=True``): ``(batch, heads, seq_len, G + 2w + 1)``, the first ``G``
-    columns are the global keys (``G`` = most global tokens of any example), then relative offsets ``-w .. w``;
-    the same layout as transformers' Longformer (rows of global tokens are zero there: their output comes from
-    global attention). ``global_attentions``: ``(batch, heads, G, seq_len)``, the transpose of transformers' (rows of empty
-    slots, in examples with fewer than ``G`` global tokens, are zero).
+    columns are the global keys (``G`` = most global tokens of any example; in a packed batch of several rows with the
+    default first-token globals, the batch's number of documents, sized without a read), then relative offsets
+    ``-w .. w``; the same layout as transformers' Longformer (rows of global tokens are zero there: their output comes
+    from global attention). ``global_attentions``: ``(batch, heads, G, seq_len)``, the transpose of transformers' (rows
+    of empty slots, in examples with fewer than ``G`` global tokens, are zero).
     """
 
     supports_global_attention = True

@@ -24,7 +24,7 @@ from ...layers.heads import (
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
 from ...ops.attention_switch import FLEX, attention_implementation
-from ...ops.input_checks import is_tracing
+from ...ops.input_checks import is_tracing, reads_values
 from ...ops.packing import PackedBatch, document_starts
 from .configuration_longformer import HfxLongformerConfig
 
@@ -53,6 +53,11 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
         ``input_ids`` / ``attention_mask``: ``(batch, seq_len)``. With ``document_ids`` ``(batch, seq_len)`` (a packed
         batch, :mod:`~hf_xformers.ops.packing`) each rule applies to every document: its first token, the tokens before
         its first separator, the tokens after its first separator pair. Returns ``(batch, seq_len)`` bool or None.
+
+        Raises:
+            ValueError: question answering or multiple choice on a sequence (document) without a separator; checked
+                where values may be read (:func:`~hf_xformers.ops.input_checks.reads_values`), not in an accelerator's
+                training step or a traced graph.
         """
         if input_ids is None or task in ("masked_lm", "token_classification"):
             return None
@@ -63,7 +68,7 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
             mask[:, 0] = True
             return mask
         is_sep = input_ids == self.config.sep_token_id
-        if not bool(is_sep.any(-1).all()):
+        if reads_values(input_ids) and not bool(is_sep.any(-1).all()):  # a value check: only where a read is free
             self._missing_separator(task, "inputs")
         first_sep = is_sep.int().argmax(-1, keepdim=True)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
@@ -88,7 +93,7 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
         seen = running - (running - is_sep).gather(1, first_token)
         last_token = torch.ones_like(starts)
         last_token[:, :-1] = starts[:, 1:]
-        if not bool(((seen > 0) | ~last_token).all()):
+        if reads_values(input_ids) and not bool(((seen > 0) | ~last_token).all()):
             self._missing_separator(task, "documents of the packed batch")
         if task == "question_answering":
             return seen == 0
