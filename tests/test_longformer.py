@@ -138,7 +138,10 @@ def test_equals_full_attention_roberta_when_window_covers_sequence(length):
     state = hf_to_hfx_state_dict({f"roberta.{k}": v for k, v in ref.state_dict().items()})
     result = ours.load_state_dict({k.removeprefix("longformer."): v for k, v in state.items()}, strict=False)
     assert set(result.missing_keys) == {
-        f"encoder.layer.{i}.attention.self.{n}_global.{p}" for i in range(2) for n in ("query", "key", "value") for p in ("weight", "bias")
+        f"encoder.layer.{i}.attention.self.{n}_global.{p}"
+        for i in range(2)
+        for n in ("query", "key", "value")
+        for p in ("weight", "bias")
     }
     ids = torch.randint(5, TINY["vocab_size"], (2, length))
     mask = torch.ones_like(ids)
@@ -349,3 +352,36 @@ def test_inference_in_chunks_equals_one_pass(monkeypatch, batch):
         chunked = model(**inputs).last_hidden_state
     assert len(calls) == config.num_hidden_layers
     torch.testing.assert_close(chunked, one_pass.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_chunked_inference_in_train_mode_keeps_attention_dropout(monkeypatch):
+    """A train-mode forward without gradients over more blocks than one chunk (the chunked path, e.g. Monte Carlo
+    dropout at inference) drops attention probabilities as the one-pass path does: with attention dropout 0.5 its
+    output is not the eval output (it was, silently), and with dropout 0 it is."""
+    from hf_xformers.attention import sliding_window
+
+    calls = []
+    original = sliding_window.HfxSlidingWindowSelfAttention._chunked_banded_attention
+    monkeypatch.setattr(
+        sliding_window.HfxSlidingWindowSelfAttention, "_chunked_banded_attention",
+        lambda self, *a: calls.append(1) or original(self, *a),
+    )  # fmt: skip
+    monkeypatch.setattr(sliding_window, "LOCAL_CHUNK_TOKENS", 16)  # two 8-query blocks per chunk
+    input_ids = torch.randint(5, 100, (2, 90), generator=torch.Generator().manual_seed(0))
+    differences = {}
+    for dropout in (0.5, 0.0):
+        config = HfxLongformerConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            attention_window=16, max_position_embeddings=130, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=dropout,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = HfxLongformerModel(config)
+        calls.clear()
+        with torch.no_grad():
+            evaluated = model.eval()(input_ids).last_hidden_state
+            trained = model.train()(input_ids).last_hidden_state
+        assert len(calls) == 2, "both forwards take the chunked path"
+        differences[dropout] = (trained - evaluated).abs().max().item()
+    assert differences[0.0] == 0.0
+    assert differences[0.5] > 1e-2, "train mode with attention dropout 0.5 gave the eval output"

@@ -22,6 +22,7 @@ from transformers import DataCollatorWithFlattening  # noqa: E402
 import hf_xformers.ops.attention_switch as switch  # noqa: E402
 from hf_xformers import HfxLongformerConfig, HfxLongformerModel  # noqa: E402
 from hf_xformers.attention import sliding_window  # noqa: E402
+from hf_xformers.ops.input_checks import as_if_on_accelerator  # noqa: E402
 from hf_xformers.ops.packing import document_ids_from_inputs  # noqa: E402
 
 ATOL = 1e-5
@@ -452,17 +453,21 @@ def test_packed_global_cost_does_not_grow_with_the_number_of_documents(monkeypat
 
 def test_model_lays_out_packed_global_tokens_once_per_forward(monkeypatch):
     """The model works out the per-document layout of the global tokens once, for the block sizes of all its layers
-    (windows 8 and 4 here): no layer computes it again."""
+    (windows 8 and 4 here), and hands it to every layer: no layer computes it again."""
     model = build()
     docs, globs = many_documents(count=6, seed=8)
     inputs = packed(docs, "position_ids")
+    calls, original = [], sliding_window.packed_globals_of
 
-    def refused(*args, **kwargs):
-        raise AssertionError("a layer laid out the packed global tokens itself")
+    def counted(document_ids, global_slots, query_blocks, sizes=None):
+        calls.append(sorted(set(query_blocks)))
+        return original(document_ids, global_slots, query_blocks, sizes)
 
-    monkeypatch.setattr(sliding_window, "packed_globals_of", refused)
+    monkeypatch.setattr(sliding_window, "packed_globals_of", counted)
     with torch.no_grad():
         model(**inputs, global_attention_mask=torch.cat(globs)[None])
+    blocks = sorted({layer.attention.self.query_block for layer in model.encoder.layer})
+    assert len(blocks) == 2 and calls == [blocks]
 
 
 @pytest.mark.parametrize("output_attentions", [False, True], ids=["context", "attentions"])
@@ -489,3 +494,136 @@ def test_traced_layout_of_packed_global_tokens(output_attentions, monkeypatch):
         out = layer(hidden, None, is_global, output_attentions=output_attentions, document_ids=document_ids).context
     for reference, span in zip(references, spans(docs)):
         assert (out[:, span] - reference).abs().max() < ATOL
+
+
+def banded_varlen_reference(calls):
+    """A stand-in for ``torch.nn.attention.varlen.varlen_attn`` written out: every document of ``cu_seq_q`` on its
+    own, query ``i`` attending to keys ``j`` with ``-left <= j - i <= right`` (``window_size=(left, right)``)."""
+
+    def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), scale=None, **kwargs):
+        assert torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32 and not kwargs
+        bounds = cu_seq_q.tolist()
+        assert max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:]))
+        calls.append(window_size)
+        left, right = window_size
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        out = []
+        for a, b in zip(bounds, bounds[1:]):
+            q, k, v = (t[a:b].transpose(0, 1) for t in (query, key, value))  # (heads, n, dim)
+            offset = torch.arange(b - a)[None, :] - torch.arange(b - a)[:, None]  # key minus query position
+            allowed = (offset >= -left) & (offset <= right)
+            scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+            out.append((torch.softmax(scores, dim=-1) @ v).transpose(0, 1))
+        return torch.cat(out)
+
+    return varlen
+
+
+@pytest.fixture
+def reference_varlen(monkeypatch):
+    """The varlen dispatch on the CPU: the kernel replaced by :func:`banded_varlen_reference`, the CUDA test by True and
+    float32 allowed; returns the list of the windows it was called with."""
+    calls = []
+    monkeypatch.setattr(sliding_window, "varlen_attn", banded_varlen_reference(calls))
+    monkeypatch.setattr(sliding_window, "varlen_device", lambda device: True)
+    monkeypatch.setattr(sliding_window, "VARLEN_DTYPES", (torch.float32,))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_packed_row_goes_through_the_varlen_kernel(reference_varlen, mode):
+    """A packed row (``cu_seq_lens``, no padding, no global token) under "sdpa" on a device with
+    ``varlen_attn`` is one kernel call per layer over the whole row, with ``window_size=(w, w)`` over the row's
+    boundaries and longest document: the same contexts (and gradients) as the banded path."""
+    docs = documents((10, 23, 7, 30), seed=11)
+    inputs = packed(docs, "cu_seq_lens")
+    model = build().train(mode == "train")  # attention dropout 0: training takes the kernel too
+    torch.manual_seed(0)
+    out = model(**inputs).last_hidden_state
+    windows = [(layer.attention.self.one_sided_window,) * 2 for layer in model.encoder.layer]
+    assert reference_varlen == windows
+    out.pow(2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    sliding_window.varlen_device, restore = (lambda device: False), sliding_window.varlen_device
+    try:
+        torch.manual_seed(0)
+        banded = model(**inputs).last_hidden_state
+    finally:
+        sliding_window.varlen_device = restore
+    assert reference_varlen == windows  # not called again
+    assert (out - banded).abs().max() < ATOL
+    banded.pow(2).sum().backward()
+    for a, b in zip(grads, [p.grad for p in model.parameters() if p.grad is not None]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_varlen_kernel_only_where_the_pattern_maps(reference_varlen):
+    """The banded path (no varlen call) for what the kernel cannot do: global tokens, attention dropout in training,
+    a padded row (no ``cu_seq_lens``), the "eager" and "flex_attention" choices, attention maps,
+    a dtype the kernel does not take; and where the batch does not say its longest document, a training step reads
+    nothing to find it (inference reads it once)."""
+    docs = documents((10, 23, 7), seed=12)
+    inputs = packed(docs, "cu_seq_lens")
+    globs = torch.cat(global_masks(docs))[None]
+    with torch.no_grad():
+        build()(**inputs, global_attention_mask=globs)
+        build(attention_probs_dropout_prob=0.1).train()(**inputs)
+        padded = packed(docs, "seq_idx")  # one row, padded at its end: no cu_seq_lens
+        padded["input_ids"] = torch.cat([padded["input_ids"], torch.ones(1, 3, dtype=torch.long)], -1)
+        padded["seq_idx"] = torch.cat([padded["seq_idx"], torch.full((1, 3), 3)], -1)
+        padded["attention_mask"] = (padded["input_ids"] != 1).long()
+        padded["attention_mask"][:, :-3] = 1
+        build()(**padded)
+        build()(**inputs, output_attentions=True)
+        for implementation in ("eager", "flex_attention"):
+            model = build()
+            model.set_attn_implementation(implementation)
+            model(**inputs)
+        sliding_window.VARLEN_DTYPES = (torch.bfloat16,)
+        try:
+            build()(**inputs)
+        finally:
+            sliding_window.VARLEN_DTYPES = (torch.float32,)
+    assert reference_varlen == []
+    without_longest = {k: v for k, v in inputs.items() if k not in ("max_length_q", "max_length_k")}
+    with as_if_on_accelerator():  # a training step on a GPU: no read for the longest document, no varlen
+        build().train()(**without_longest)
+    assert reference_varlen == []
+    with torch.no_grad():
+        build()(**without_longest)
+    assert len(reference_varlen) == TINY["num_hidden_layers"]
+
+
+def test_packed_flex_masks_are_built_once_per_forward_from_the_batch(monkeypatch, eager_flex):
+    """Under "flex_attention" a packed row's document-aware band masks are built once per forward, one per window
+    size (two here), from the batch's documents, and every layer uses its window's mask."""
+    built, original = [], sliding_window.band_block_mask
+    used, flex = [], sliding_window.flex_attention
+
+    def counted(attention_mask, is_global, window, length, device, document_ids=None):
+        mask = original(attention_mask, is_global, window, length, device, document_ids)
+        built.append((window, document_ids, mask))
+        return mask
+
+    def recorded(q, k, v, block_mask=None, **kwargs):
+        used.append(block_mask)
+        return flex(q, k, v, block_mask=block_mask, **kwargs)
+
+    monkeypatch.setattr(sliding_window, "band_block_mask", counted)
+    monkeypatch.setattr(sliding_window, "flex_attention", recorded)
+    model = build()
+    model.set_attn_implementation("flex_attention")
+    docs = documents((10, 23, 7), seed=13)
+    inputs = packed(docs, "cu_seq_lens")
+    with torch.no_grad():
+        out = model(**inputs).last_hidden_state
+    windows = [layer.attention.self.one_sided_window for layer in model.encoder.layer]
+    assert sorted(w for w, _, _ in built) == sorted(set(windows)) and len(built) == 2
+    expected = torch.repeat_interleave(torch.arange(3), torch.tensor([10, 23, 7]))[None]
+    assert all(torch.equal(ids, expected) for _, ids, _ in built)
+    by_window = {w: mask for w, _, mask in built}
+    assert [id(m) for m in used] == [id(by_window[w]) for w in windows]
+    for doc, span in zip(docs, spans(docs)):
+        with torch.no_grad():
+            assert (out[0, span] - solo(model, doc, None).last_hidden_state[0]).abs().max() < ATOL

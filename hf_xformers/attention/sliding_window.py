@@ -24,6 +24,11 @@ the band (no ``(seq_len, seq_len)`` tensor). Global tokens stay within their doc
 a query block gets only the global keys of the documents it touches, and the global queries of each document only
 that document's keys, so a packed row with global tokens costs what its documents' own forwards cost, not
 ``seq_len x G``.
+
+What every layer shares (the global slots, their per-document layout, FlexAttention's block masks) is worked out once
+per forward by :func:`longformer_layout`, whose sizes cost at most one device-to-host read (none for the documents'
+first tokens, whose sizes the batch gives). On CUDA a packed row without padding or global tokens goes through
+FlashAttention's variable-length kernel (``torch.nn.attention.varlen.varlen_attn`` with ``window_size=(w, w)``) in one call over the row.
 """
 
 from __future__ import annotations
@@ -36,9 +41,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..ops.attention_switch import EAGER, attention_implementation, block_mask_from_tables, flex_applies, flex_attention
-from ..ops.input_checks import is_tracing
+from ..ops.attention_switch import (
+    EAGER,
+    FLEX,
+    SDPA,
+    attention_implementation,
+    block_mask_from_tables,
+    flex_applies,
+    flex_attention,
+)
+from ..ops.input_checks import is_tracing, reads_values
 from ..ops.kernels import attention
+from ..ops.packing import PackedBatch
 from ..ops.precision import autocast_input, is_half_precision
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
 from .base import AttentionOutput, QKVProjection
@@ -166,20 +180,77 @@ def _project_rows(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return linear(_fold_blocks(x)).view(x.shape[0], x.shape[1], -1)
 
 
-def global_slots_of(is_global: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def global_slots_of(is_global: torch.Tensor, num_global: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Where the global tokens are: ``is_global`` ``(batch, seq_len)`` bool -> ``(batch, G)`` positions (each
-    example's global positions first, in order) and ``(batch, G)`` bool validity, ``G`` = most globals of any example.
+    example's global positions first, in order) and ``(batch, G)`` bool validity.
 
-    A traced graph cannot size a tensor by a value, so there ``G`` is the sequence length (every position a slot, the
-    unused ones invalid): the same result, at a cost quadratic in the length for inputs with global tokens. In eager
-    mode reading ``G`` is a device-to-host synchronisation: the model calls this once per forward for all layers.
+    ``G`` is ``num_global`` when the caller knows it (any bound on the most globals of an example: the unused slots
+    are invalid), else the most globals of any example, which eager mode reads (a device-to-host synchronisation:
+    :func:`longformer_layout` does it once per forward for all layers, with its other sizes). A traced graph cannot
+    size a tensor by a value, so there an unknown ``G`` is the sequence length (every position a slot): the same
+    result, at a cost quadratic in the length for inputs with global tokens.
     """
     counts = is_global.sum(-1)
-    num_global = is_global.shape[1] if is_tracing() else int(counts.max())
+    if num_global is None:
+        num_global = is_global.shape[1] if is_tracing() else int(counts.max())
     # A stable sort puts each example's global positions first, in order.
     global_idx = torch.argsort((~is_global).to(torch.int8), dim=-1, stable=True)[:, :num_global]
     global_valid = torch.arange(num_global, device=is_global.device)[None, :] < counts[:, None]
     return global_idx, global_valid
+
+
+class GlobalSizes(NamedTuple):
+    """The host sizes of the global-token layouts of one forward (bounds: every one may exceed what it bounds, the
+    extra places are masked). ``num_global``: ``G``, the global slots per row; the rest only for a packed batch
+    (:class:`PackedGlobals`): ``num_groups`` ``D``, the documents with global tokens in a row; ``group_size``
+    ``Gd``, the global tokens of one document; ``key_width`` ``K``, the longest document with global tokens;
+    ``widths``: by query block size ``b``, ``W``, the global slots of the documents one query block touches."""
+
+    num_global: int
+    num_groups: int | None = None
+    group_size: int | None = None
+    key_width: int | None = None
+    widths: dict[int, int] | None = None
+
+
+def global_sizes(
+    is_global: torch.Tensor, document_ids: torch.Tensor | None, query_blocks: Iterable[int]
+) -> GlobalSizes:
+    """The exact :class:`GlobalSizes` of an arbitrary ``is_global`` ``(batch, seq_len)`` bool (padding excluded), in a
+    packed batch given ``document_ids`` ``(batch, seq_len)`` (contiguous runs numbered upwards): one device-to-host
+    read for all of them (eager mode only; a traced graph takes the whole-row layouts instead)."""
+    counts = is_global.sum(-1)
+    if document_ids is None:
+        return GlobalSizes(int(counts.max()))
+    batch, length = is_global.shape
+    docs = document_ids.contiguous()
+    # Per document of each row (run numbers are below the length): its global tokens and its length.
+    per_doc = torch.zeros_like(docs).scatter_add(1, docs, is_global.long())
+    doc_length = torch.zeros_like(docs).scatter_add(1, docs, torch.ones_like(docs))
+    has = per_doc > 0
+    running = per_doc.cumsum(-1)
+    blocks = sorted(set(query_blocks))
+    widths = []
+    for b in blocks:
+        first_query = torch.arange(ceil_div(length, b), device=docs.device) * b
+        first, last = docs[:, first_query], docs[:, (first_query + b).clamp(max=length) - 1]
+        # the global tokens of documents first .. last
+        widths.append((running.gather(1, last) - running.gather(1, first) + per_doc.gather(1, first)).max())
+    values = torch.stack([
+        counts.max(), has.sum(-1).max(), per_doc.max(), torch.where(has, doc_length, 0).max(), *widths,
+    ]).tolist()  # fmt: skip
+    return GlobalSizes(*values[:4], dict(zip(blocks, values[4:])))
+
+
+def first_token_sizes(count, longest, length, query_blocks: Iterable[int]) -> GlobalSizes:
+    """The :class:`GlobalSizes` of a packed batch whose global tokens are the first token of every document (the
+    sequence-classification default), known without a read: at most ``count`` (the batch's documents) per row, one per
+    document, a document's keys at most ``longest`` (the longest document; None: the row), and a query block of ``b``
+    tokens touches at most ``b`` documents. ``count`` / ``longest`` may be symbolic (``torch.compile``)."""
+    per_row = torch.sym_min(count, length)  # several rows share the count: a row holds at most its length
+    key_width = length if longest is None else torch.sym_min(longest, length)
+    widths = {b: torch.sym_min(b, per_row) for b in set(query_blocks)}
+    return GlobalSizes(per_row, per_row, 1, key_width, widths)
 
 
 class PackedGlobals(NamedTuple):
@@ -209,7 +280,10 @@ class PackedGlobals(NamedTuple):
 
 
 def packed_globals_of(
-    document_ids: torch.Tensor, global_slots: tuple[torch.Tensor, torch.Tensor], query_blocks: Iterable[int]
+    document_ids: torch.Tensor,
+    global_slots: tuple[torch.Tensor, torch.Tensor],
+    query_blocks: Iterable[int],
+    sizes: GlobalSizes | None = None,
 ) -> PackedGlobals:
     """The per-document layout of the global tokens of a packed batch, so that a layer's global keys and global
     queries meet only their own documents: cost ``blocks x b x width`` for the global columns and
@@ -218,10 +292,11 @@ def packed_globals_of(
     Documents are contiguous runs numbered upwards and the global slots are in row order, so the slots of the
     documents that a query block touches are one contiguous range (found by binary search), and so are the slots of
     one document. ``document_ids``: ``(batch, seq_len)`` long; ``global_slots``: :func:`global_slots_of`;
-    ``query_blocks``: the query block sizes of the layers. In eager mode the widths are one device-to-host read (the
-    model calls this once per forward); a traced graph cannot size tensors by values and takes the whole row instead
-    (every block sees every slot, and all slots form one group over all keys): the same result, at the cost of the
-    unpacked layout.
+    ``query_blocks``: the query block sizes of the layers; ``sizes``: the widths ``D``, ``Gd``, ``K`` and ``W`` when
+    the caller knows them (:func:`global_sizes`, :func:`first_token_sizes`; bounds suffice, the extra places are
+    masked). Without them eager mode reads them here (one device-to-host read), and a traced graph, which cannot size
+    tensors by values, takes the whole row instead (every block sees every slot, and all slots form one group over
+    all keys): the same result, at the cost of the unpacked layout.
     """
     global_idx, global_valid = global_slots
     (batch, length), num_global = document_ids.shape, global_idx.shape[1]
@@ -235,23 +310,25 @@ def packed_globals_of(
         last_query = (first_query + b).clamp(max=length) - 1
         first = torch.searchsorted(slot_docs, docs[:, first_query])
         starts[b] = (first, torch.searchsorted(slot_docs, docs[:, last_query], right=True) - first)
-    if is_tracing():
+    if sizes is None and is_tracing():
         columns = {b: (torch.zeros_like(first), num_global) for b, (first, _) in starts.items()}
         members, member_docs = slot.expand(batch, 1, num_global), slot_docs[:, None]
         place = slot.expand(batch, num_global)
         key_positions = torch.arange(length, device=device).expand(batch, 1, length)
         return PackedGlobals(slot_docs, columns, members, member_docs, place, key_positions, docs[:, None])
     first_key = torch.searchsorted(docs, slot_docs)
-    doc_length = torch.searchsorted(docs, slot_docs, right=True) - first_key  # 0 for empty slots
     new_group = global_valid.clone()
     new_group[:, 1:] &= slot_docs[:, 1:] != slot_docs[:, :-1]
     rank = slot - torch.where(new_group, slot, 0).cummax(-1).values
-    widths = torch.stack([
-        new_group.sum(-1).max(), rank.masked_fill(~global_valid, 0).max() + 1, doc_length.max(),
-        *(count.max() for _, count in starts.values()),
-    ]).tolist()  # fmt: skip
-    num_groups, group_size, key_width = widths[:3]
-    columns = {b: (first, width) for (b, (first, _)), width in zip(starts.items(), widths[3:])}
+    if sizes is None:
+        doc_length = torch.searchsorted(docs, slot_docs, right=True) - first_key  # 0 for empty slots
+        widths = torch.stack([
+            new_group.sum(-1).max(), rank.masked_fill(~global_valid, 0).max() + 1, doc_length.max(),
+            *(count.max() for _, count in starts.values()),
+        ]).tolist()  # fmt: skip
+        sizes = GlobalSizes(num_global, *widths[:3], dict(zip(starts, widths[3:])))
+    num_groups, group_size, key_width = sizes.num_groups, sizes.group_size, sizes.key_width
+    columns = {b: (first, sizes.widths[b]) for b, (first, _) in starts.items()}
     size = num_groups * group_size
     place = torch.where(global_valid, (new_group.long().cumsum(-1) - 1) * group_size + rank, size)
     # Empty slots all land on the extra place ``size``, cut off.
@@ -331,14 +408,93 @@ def band_block_mask(
     return block_mask_from_tables(partial, full, size, local, length)
 
 
+# FlashAttention's variable-length kernel (torch >= 2.9; CUDA only): a packed row's documents in one call, each
+# attending within itself, with a sliding window through ``window_size``. None where the installed torch lacks it.
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    varlen_attn = None
+
+# The dtypes and head sizes FlashAttention's kernels take.
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+VARLEN_MAX_HEAD_DIM = 256
+
+
+def varlen_device(device: torch.device) -> bool:
+    """Whether :data:`varlen_attn` exists and runs on ``device`` (a CUDA device)."""
+    return varlen_attn is not None and torch.device(device).type == "cuda"
+
+
+def varlen_boundaries(packed: PackedBatch, device: torch.device) -> tuple[torch.Tensor, int] | None:
+    """``(cu_seq_lens, longest)`` for :data:`varlen_attn` when ``packed`` is one unpadded row (it then carries
+    ``cu_seq_lens``) on a device where the kernel runs, else None. ``longest`` is the batch's ``max_length`` or, where
+    a read is free (:func:`~hf_xformers.ops.input_checks.reads_values`: inference), read once; a training step whose
+    batch does not say takes the banded path instead of a read."""
+    if packed.cu_seq_lens is None or not varlen_device(device):
+        return None
+    longest = packed.longest
+    if longest is None and reads_values(packed.cu_seq_lens):
+        longest = packed.longest_document()
+    return None if longest is None else (packed.cu_seq_lens, longest)
+
+
+class LongformerLayout(NamedTuple):
+    """What every layer of one forward shares, worked out once (:func:`longformer_layout`).
+
+    * ``is_global`` ``(batch, seq_len)`` bool, padding excluded, or None when no token is global.
+    * ``global_slots``: :func:`global_slots_of`, or None without global tokens.
+    * ``packed_globals``: :func:`packed_globals_of` for a packed batch with global tokens, else None.
+    * ``flex_masks``: FlexAttention's block masks by one-sided window (:func:`band_block_mask`), for the windows
+      asked for (``attn_implementation="flex_attention"``).
+    * ``varlen``: ``(cu_seq_lens, longest)`` of a packed row without padding or global tokens on a device where
+      :data:`varlen_attn` runs: ``(count + 1,)`` int32 boundaries and the longest document's length, else None.
+    """
+
+    is_global: torch.Tensor | None = None
+    global_slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    packed_globals: PackedGlobals | None = None
+    flex_masks: dict | None = None
+    varlen: tuple[torch.Tensor, int] | None = None
+
+
+def longformer_layout(
+    attention_mask: torch.Tensor | None, is_global: torch.Tensor | None, length: int, device: torch.device,
+    query_blocks: Iterable[int], windows: Iterable[int] = (), document_ids: torch.Tensor | None = None,
+    sizes: GlobalSizes | None = None, varlen: tuple[torch.Tensor, int] | None = None,
+) -> LongformerLayout:  # fmt: skip
+    """The :class:`LongformerLayout` of one forward, for layers of query block sizes ``query_blocks`` and one-sided
+    windows ``windows`` (a FlexAttention block mask for each; empty: none).
+
+    ``attention_mask`` ``(batch, seq_len)`` bool or None (no padding); ``is_global`` ``(batch, seq_len)`` bool with
+    padding excluded, or None; ``document_ids`` ``(batch, seq_len)`` long, the runs of a packed batch, or None.
+    ``sizes``: the :class:`GlobalSizes` when the caller knows them without a read (:func:`first_token_sizes`);
+    otherwise eager mode reads them here, all in one device-to-host read (an ``is_global`` without a global token then
+    becomes None), and a traced graph takes the whole-row layouts. ``varlen``: kept when there is no global token.
+    """
+    if is_global is not None and sizes is None and not is_tracing():
+        sizes = global_sizes(is_global, document_ids, query_blocks)
+        if sizes.num_global == 0:
+            is_global = None
+    slots = packed = None
+    if is_global is not None:
+        slots = global_slots_of(is_global, None if sizes is None else sizes.num_global)
+        if document_ids is not None:
+            packed = packed_globals_of(document_ids, slots, query_blocks, sizes)
+    flex_masks = {
+        w: band_block_mask(attention_mask, is_global, w, length, device, document_ids) for w in sorted(set(windows))
+    }
+    return LongformerLayout(is_global, slots, packed, flex_masks, varlen if is_global is None else None)
+
+
 class HfxSlidingWindowSelfAttention(QKVProjection):
     """Sliding-window + global self-attention of one Longformer layer.
 
     ``attentions`` (with ``output_attentions=True``): ``(batch, heads, seq_len, G + 2w + 1)``, the first ``G``
-    columns are the global keys (``G`` = most global tokens of any example), then relative offsets ``-w .. w``;
-    the same layout as transformers' Longformer (rows of global tokens are zero there: their output comes from
-    global attention). ``global_attentions``: ``(batch, heads, G, seq_len)``, the transpose of transformers' (rows of empty
-    slots, in examples with fewer than ``G`` global tokens, are zero).
+    columns are the global keys (``G`` = most global tokens of any example; in a packed batch of several rows with the
+    default first-token globals, the batch's number of documents, sized without a read), then relative offsets
+    ``-w .. w``; the same layout as transformers' Longformer (rows of global tokens are zero there: their output comes
+    from global attention). ``global_attentions``: ``(batch, heads, G, seq_len)``, the transpose of transformers' (rows
+    of empty slots, in examples with fewer than ``G`` global tokens, are zero).
     """
 
     supports_global_attention = True
@@ -366,38 +522,32 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         attention_mask: torch.Tensor | None = None,
         global_attention_mask: torch.Tensor | None = None,
         output_attentions: bool = False,
-        global_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
-        flex_masks: dict | None = None,
         document_ids: torch.Tensor | None = None,
-        packed_globals: PackedGlobals | None = None,
+        layout: LongformerLayout | None = None,
     ) -> AttentionOutput:
         """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, hidden)``.
 
-        ``attention_mask`` None means no padding, ``global_attention_mask`` None no global token. ``global_slots``
-        is :func:`global_slots_of` the global tokens, which the model computes once for all layers (None: computed here);
-        ``flex_masks`` the FlexAttention block masks by one-sided window (:func:`band_block_mask`, which the model builds
-        once per forward under ``attn_implementation="flex_attention"``; None: built here). ``document_ids``
+        ``attention_mask`` None means no padding, ``global_attention_mask`` None no global token. ``document_ids``
         ``(batch, seq_len)`` long: the documents of a packed batch (:mod:`~hf_xformers.ops.packing`), each attended
-        to as if alone; None: one document per row. ``packed_globals``: :func:`packed_globals_of` for a packed batch
-        with global tokens, which the model computes once for all layers (None: computed here).
+        to as if alone; None: one document per row. ``layout``: :func:`longformer_layout`, which the model works out
+        once per forward for all layers (the global tokens, their per-document layout, FlexAttention's block masks,
+        the varlen boundaries); the layer then reads the global tokens from it and ignores
+        ``global_attention_mask``. None (the module called on its own): worked out here for this layer.
         """
         implementation = attention_implementation(self.config)
         batch, length, hidden = hidden_states.shape
+        if layout is None:  # called on its own, not through the model
+            is_global = global_attention_mask
+            if is_global is not None and attention_mask is not None:
+                is_global = is_global & attention_mask
+            windows = (self.one_sided_window,) if implementation == FLEX else ()
+            layout = longformer_layout(
+                attention_mask, is_global, length, hidden_states.device, (self.query_block,), windows, document_ids
+            )
         # Up to five projections read the input (local and global query, key, value): cast it once under autocast.
         hidden_states = autocast_input(hidden_states)
-        is_global = None
-        if global_attention_mask is not None:
-            is_global = global_attention_mask if attention_mask is None else global_attention_mask & attention_mask
-            if global_slots is None:  # called on its own, not through the model
-                if not is_tracing() and not bool(is_global.any()):
-                    is_global = None
-                else:
-                    global_slots = global_slots_of(is_global)
-        global_idx, global_valid = global_slots if is_global is not None else (None, None)
-        if is_global is None or document_ids is None:
-            packed_globals = None
-        elif packed_globals is None or self.query_block not in packed_globals.columns:
-            packed_globals = packed_globals_of(document_ids, global_slots, (self.query_block,))
+        is_global, packed_globals = layout.is_global, layout.packed_globals
+        global_idx, global_valid = layout.global_slots if is_global is not None else (None, None)
 
         # Up to one block's key span (b + 2w) the blocked computation does no less work than one dense call over
         # all keys, so short inputs take the dense call with the band as a mask: the same result at the speed
@@ -405,13 +555,11 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         # take the banded path: the same result, and no branch on the length.
         # "eager" (and output_attentions) take the explicit softmax of the banded path.
         eager = output_attentions or implementation == EAGER
-        if not eager and flex_applies(implementation, hidden_states, self.training, self.dropout_p):
-            block_mask = (flex_masks or {}).get(self.one_sided_window)
-            if block_mask is None:
-                block_mask = band_block_mask(
-                    attention_mask, is_global, self.one_sided_window, length, hidden_states.device, document_ids
-                )
+        if not eager and implementation == SDPA and layout.varlen is not None and self._varlen_applies(hidden_states):
+            context, probs = self._varlen_attention(hidden_states, *layout.varlen), None
+        elif not eager and flex_applies(implementation, hidden_states, self.training, self.dropout_p):
             q, k, v = (split_heads(t, self.num_heads) for t in self.fused_qkv(hidden_states))
+            block_mask = layout.flex_masks[self.one_sided_window]
             context, probs = merge_heads(flex_attention(q, k, v, block_mask=block_mask)), None
         elif not eager and not is_tracing() and length <= self.query_block + 2 * self.one_sided_window:
             context, probs = self._dense_attention(hidden_states, attention_mask, is_global, document_ids), None
@@ -443,6 +591,26 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             )
             context = context + 0.0 * unused
         return AttentionOutput(context, probs, global_probs)
+
+    def _varlen_applies(self, hidden_states: torch.Tensor) -> bool:
+        """Whether :data:`varlen_attn` takes this layer's attention (the layout says the batch and device allow it):
+        a dtype and head size FlashAttention takes, and no attention dropout (the kernel has none)."""
+        return (
+            hidden_states.dtype in VARLEN_DTYPES
+            and self.head_dim % 8 == 0
+            and self.head_dim <= VARLEN_MAX_HEAD_DIM
+            and not (self.training and self.dropout_p > 0.0)
+        )
+
+    def _varlen_attention(self, hidden_states: torch.Tensor, cu_seq_lens: torch.Tensor, longest: int) -> torch.Tensor:
+        """A packed row ``(1, seq_len, hidden)`` in one call of FlashAttention's varlen kernel over its documents
+        (``cu_seq_lens`` ``(count + 1,)`` int32, ``longest`` the longest document): query ``i`` sees the keys ``j`` of
+        its own document with ``|i - j| <= w``, i.e. ``window_size=(w, w)``. Returns ``(1, seq_len, hidden)``."""
+        batch, length, hidden = hidden_states.shape
+        w = self.one_sided_window
+        q, k, v = (t.reshape(batch * length, self.num_heads, self.head_dim) for t in self.fused_qkv(hidden_states))
+        out = varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, longest, longest, window_size=(w, w))
+        return out.reshape(batch, length, hidden)
 
     def _dense_attention(self, hidden_states, attention_mask, is_global, document_ids=None) -> torch.Tensor:
         """Short inputs: one attention call over all keys, masked to the window and the global keys.
@@ -540,9 +708,10 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             same = query_docs[..., None] == _neighbourhoods(docs, span, b)[:, :, None, :]
             bias = bias.masked_fill(~_fold_blocks(same[:, :, None]), float("-inf"))
         # A padding query can be left with no key at all (NaN); let it see its whole neighbourhood instead,
-        # its output is zeroed later.
+        # its output is zeroed later. A packed batch always does it, whatever its length (one more operator when the
+        # length is a multiple of the block), so that its step launches the same kernels for every row length.
         query_pad = _fold_blocks(~F.pad(real, (0, nb * b - length), value=False).view(batch, nb, 1, b, 1))
-        if attention_mask is not None or is_tracing() or nb * b != length:
+        if attention_mask is not None or document_ids is not None or is_tracing() or nb * b != length:
             bias.masked_fill_(query_pad, 0.0)
 
         num_global = 0
@@ -588,7 +757,8 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         """:meth:`_banded_attention` without gradients, ``LOCAL_CHUNK_TOKENS`` queries at a time: the key windows
         (with the global keys in front) and the scores of one chunk of blocks exist at once, not of all ``nb``
         (128k tokens at base width: 3.6 GB of float32 scores and 1.8 GB of windows per tensor otherwise). The same
-        numbers: every block is its own attention problem.
+        numbers: every block is its own attention problem. In training mode (a forward under ``no_grad``, e.g. Monte
+        Carlo dropout) each chunk drops attention probabilities as the one-pass computation does.
 
         ``q`` ``(batch, nb * b, heads * dim)``; ``k`` / ``v`` ``(batch, nb * b + 2w, heads, dim)``; ``bias``
         ``(batch, nb, 1, b, span)``; ``gk`` / ``gv`` ``(batch, G, heads, dim)`` and ``global_bias``
@@ -601,6 +771,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         values = _neighbourhoods(v, span, b).permute(0, 1, 3, 2, 4)
         out = q.new_empty(batch, nb, heads, b, dim)
         step = max(1, LOCAL_CHUNK_TOKENS // b)
+        dropout = self.dropout_p if self.training else 0.0
         for first in range(0, nb, step):
             blocks = slice(first, min(first + step, nb))
             n = blocks.stop - first
@@ -609,7 +780,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
             fold = (batch * n, heads)
             context = attention(
                 queries[:, blocks].reshape(*fold, b, dim), kc.reshape(*fold, -1, dim), vc.reshape(*fold, -1, dim),
-                bc.reshape(batch * n, 1, b, -1),
+                bc.reshape(batch * n, 1, b, -1), dropout,
             )  # fmt: skip
             out[:, blocks] = context.view(batch, n, heads, b, dim)
         return out

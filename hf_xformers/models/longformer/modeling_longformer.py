@@ -10,9 +10,9 @@ import torch
 
 from ...attention.sliding_window import (
     HfxSlidingWindowSelfAttention,
-    band_block_mask,
-    global_slots_of,
-    packed_globals_of,
+    first_token_sizes,
+    longformer_layout,
+    varlen_boundaries,
 )
 from ...layers.heads import (
     HfxMaskedLMHeadMixin,
@@ -24,7 +24,8 @@ from ...layers.heads import (
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
 from ...ops.attention_switch import FLEX, attention_implementation
-from ...ops.packing import document_starts
+from ...ops.input_checks import is_tracing, reads_values
+from ...ops.packing import PackedBatch, document_starts
 from .configuration_longformer import HfxLongformerConfig
 
 
@@ -52,6 +53,11 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
         ``input_ids`` / ``attention_mask``: ``(batch, seq_len)``. With ``document_ids`` ``(batch, seq_len)`` (a packed
         batch, :mod:`~hf_xformers.ops.packing`) each rule applies to every document: its first token, the tokens before
         its first separator, the tokens after its first separator pair. Returns ``(batch, seq_len)`` bool or None.
+
+        Raises:
+            ValueError: question answering or multiple choice on a sequence (document) without a separator; checked
+                where values may be read (:func:`~hf_xformers.ops.input_checks.reads_values`), not in an accelerator's
+                training step or a traced graph.
         """
         if input_ids is None or task in ("masked_lm", "token_classification"):
             return None
@@ -62,7 +68,7 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
             mask[:, 0] = True
             return mask
         is_sep = input_ids == self.config.sep_token_id
-        if not bool(is_sep.any(-1).all()):
+        if reads_values(input_ids) and not bool(is_sep.any(-1).all()):  # a value check: only where a read is free
             self._missing_separator(task, "inputs")
         first_sep = is_sep.int().argmax(-1, keepdim=True)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
@@ -87,7 +93,7 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
         seen = running - (running - is_sep).gather(1, first_token)
         last_token = torch.ones_like(starts)
         last_token[:, :-1] = starts[:, 1:]
-        if not bool(((seen > 0) | ~last_token).all()):
+        if reads_values(input_ids) and not bool(((seen > 0) | ~last_token).all()):
             self._missing_separator(task, "documents of the packed batch")
         if task == "question_answering":
             return seen == 0
@@ -114,35 +120,47 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
 
     attention_class = HfxSlidingWindowSelfAttention
 
-    def prepare_attention_inputs(self, attention_mask, global_attention_mask, length, packed=None):
-        """As :meth:`HfxTextModel.prepare_attention_inputs`, plus where the global tokens are (``global_slots``) and, in
-        a packed batch, which documents they belong to (``packed_globals``): the same for every layer, and finding out
-        how many there are is a device-to-host read."""
-        attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
-            attention_mask, global_attention_mask, length, packed
-        )
-        if global_attention_mask is not None:
-            kwargs["global_slots"] = global_slots_of(global_attention_mask)
-            if packed is not None:
-                blocks = {layer.attention.self.query_block for layer in self.encoder.layer}
-                kwargs["packed_globals"] = packed_globals_of(packed.document_ids, kwargs["global_slots"], blocks)
-        if attention_implementation(self.config) == FLEX:
-            # One block mask per window size for all layers (the band, global columns, padding and documents are per
-            # example).
-            device = self.embeddings.word_embeddings.weight.device
-            windows = {layer.attention.self.one_sided_window for layer in self.encoder.layer}
-            kwargs["flex_masks"] = {
-                w: band_block_mask(
-                    attention_mask,
-                    global_attention_mask,
-                    w,
-                    length,
-                    device,
-                    None if packed is None else packed.document_ids,
-                )
-                for w in sorted(windows)
-            }
-        return attention_mask, global_attention_mask, kwargs
+    def prepare_attention_inputs(
+        self,
+        attention_mask: torch.Tensor | None,
+        global_attention_mask: torch.Tensor | None,
+        length: int,
+        packed: PackedBatch | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+        """As :meth:`HfxTextModel.prepare_attention_inputs`, plus the layers' shared
+        :class:`~hf_xformers.attention.sliding_window.LongformerLayout` (``layout``): where the global tokens are, in a
+        packed batch which documents they belong to, FlexAttention's block masks, the varlen kernel's boundaries. All
+        layers use it; none works anything out again.
+
+        Host reads: the sizes of the global layouts (how many global tokens a row holds, and in a packed batch how
+        many per document, how long their documents are, how many a query block meets) are one device-to-host read for
+        an arbitrary ``global_attention_mask`` (eager mode; a traced graph takes whole-row layouts instead). The
+        sequence-classification default of a packed batch, the first token of every document, arrives as
+        ``packed.starts`` itself (:class:`HfxLongformerForSequenceClassification`): its sizes are known from the batch
+        (``packed.count`` documents, the longest ``packed.longest``), so it makes no read, also when compiled. A packed
+        row without global tokens makes none either.
+        """
+        first_tokens = packed is not None and global_attention_mask is packed.starts and packed.count is not None
+        if global_attention_mask is not None and attention_mask is not None and not first_tokens:
+            global_attention_mask = global_attention_mask & attention_mask  # padding is never global
+        attention_mask, _, kwargs = super().prepare_attention_inputs(attention_mask, None, length, packed)
+        layers = [layer.attention.self for layer in self.encoder.layer]
+        blocks = {layer.query_block for layer in layers}
+        windows = {layer.one_sided_window for layer in layers} if attention_implementation(self.config) == FLEX else ()
+        device = self.embeddings.word_embeddings.weight.device
+        sizes = varlen = None
+        if first_tokens:
+            longest = packed.longest
+            if longest is None and not is_tracing():
+                longest = packed.longest_document()  # one read (the batch did not say); spares a quadratic layout
+            sizes = first_token_sizes(packed.count, longest, length, blocks)
+        if packed is not None:
+            varlen = varlen_boundaries(packed, device)
+        kwargs["layout"] = longformer_layout(
+            attention_mask, global_attention_mask, length, device, blocks, windows,
+            None if packed is None else packed.document_ids, sizes, varlen,
+        )  # fmt: skip
+        return attention_mask, kwargs["layout"].is_global, kwargs
 
 
 class HfxLongformerForMaskedLM(HfxMaskedLMHeadMixin, HfxLongformerPreTrainedModel):
@@ -152,6 +170,20 @@ class HfxLongformerForMaskedLM(HfxMaskedLMHeadMixin, HfxLongformerPreTrainedMode
 
 class HfxLongformerForSequenceClassification(HfxSequenceClassificationHeadMixin, HfxLongformerPreTrainedModel):
     base_model_class = HfxLongformerModel
+
+    def _encode(
+        self, input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states,
+        packed=None, **kw,
+    ):  # fmt: skip
+        """The head's encoding (:meth:`HfxHeadMixin._encode`); in a packed batch without a caller's
+        ``global_attention_mask`` the task's default, the first token of every document, goes to the base model as
+        ``packed.starts`` itself, by which :meth:`HfxLongformerModel.prepare_attention_inputs` knows its sizes without a
+        device-to-host read."""
+        if global_attention_mask is None and packed is not None:
+            global_attention_mask = packed.starts
+        return super()._encode(
+            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, packed, **kw
+        )
 
 
 class HfxLongformerForMultipleChoice(HfxMultipleChoiceHeadMixin, HfxLongformerPreTrainedModel):
