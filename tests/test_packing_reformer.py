@@ -217,6 +217,27 @@ def test_packed_flex_attention_matches_solo(num_hashes):
             torch.testing.assert_close(packed[0, span], model(doc[None]).last_hidden_state[0], atol=ATOL, rtol=0)
 
 
+def test_packed_flex_local_layers_share_one_document_mask(monkeypatch):
+    """Every local layer of a packed forward runs FlexAttention over the whole internal row with one document
+    BlockMask, built by the first local layer and reused by the others (same chunks, windows and key mask)."""
+    from hf_xformers.attention import chunked_local
+
+    built = []
+    make = chunked_local.make_block_mask
+    monkeypatch.setattr(chunked_local, "make_block_mask", lambda *a, **k: built.append(1) or make(*a, **k))
+    model = make_model(is_decoder=True, attn_layers=["local", "lsh", "local", "local"])
+    model.set_attn_implementation("flex_attention")
+    docs = documents()
+    with torch.no_grad():
+        packed = model(**pack(docs, "cu_seq_lens")).last_hidden_state
+        assert len(built) == 1
+        model(**pack(docs, "cu_seq_lens"))
+        assert len(built) == 2  # once per forward: nothing outlives it
+        model.set_attn_implementation("sdpa")
+        for span, doc in zip(spans(docs), docs):
+            torch.testing.assert_close(packed[0, span], model(doc[None]).last_hidden_state[0], atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_packed_causal_lm_logits_and_loss(form):
     """HfxReformerForCausalLM: logits of each document as alone; the loss is the mean over every document's
