@@ -8,6 +8,7 @@ than the chunks (local 4, LSH 8, chunk multiple 8) and of lengths that are no mu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,7 +24,9 @@ from hf_xformers import (  # noqa: E402
     HfxReformerModel,
 )
 from hf_xformers.models.reformer.modeling_reformer import lay_out_documents  # noqa: E402
-from hf_xformers.ops.packing import document_ids_from_inputs  # noqa: E402
+from hf_xformers.ops.input_checks import as_if_on_accelerator  # noqa: E402
+from hf_xformers.ops.packing import resolve_packed_batch  # noqa: E402
+from tests.host_reads import HostReadCounter  # noqa: E402
 
 ATOL = 1e-5
 TINY = dict(
@@ -150,24 +153,29 @@ def test_packed_rows_of_a_batch_via_seq_idx():
                 torch.testing.assert_close(packed[b, span], solo, atol=ATOL, rtol=0)
 
 
-def test_packed_documents_with_masked_tokens_match_their_own_masked_forwards():
-    """An attention mask on a packed row hides those tokens as keys; each document then gets what its own forward
-    gives with its part of the mask (trailing masked tokens shorten the chunks it wraps around, as in a padded
-    batch)."""
+def test_masked_tokens_of_a_packed_row_are_padding_between_documents():
+    """An attention mask on a packed row marks padding, which is never part of a document (``ops.packing``, as every
+    architecture reads a packed batch): a masked span splits a document in two, and each unmasked run of tokens gets
+    what its own forward gives (positions restart in each, as the batch gives none). Masked spans at a document's
+    start, inside it and at its end, of one token and of many; runs shorter than a chunk and longer."""
     model = make_model(num_hashes=2)
     docs = documents()
     mask = torch.ones(sum(LENGTHS), dtype=torch.long)
-    # The first document: one inside, its last token; the second (23 tokens, 24 alone): its last 18 (it then wraps
-    # around 16); the fifth: its first three; the sixth (13 tokens): its last 8 (5 left: no longer than an LSH chunk).
     mask[[4, 9, *range(15, 33), 37, 38, 39, *range(50, 58)]] = 0
     with torch.no_grad():
         packed = model(**pack(docs, "cu_seq_lens"), attention_mask=mask[None]).last_hidden_state
-        for span, doc in zip(spans(docs), docs):
-            keep = mask[span].bool()
-            if not keep.any():
-                continue
-            solo = model(doc[None], attention_mask=mask[span][None]).last_hidden_state[0]
-            torch.testing.assert_close(packed[0, span][keep], solo[keep], atol=ATOL, rtol=0)
+        ids = torch.cat(docs)
+        runs = 0
+        for span in spans(docs):
+            where = torch.arange(span.start, span.stop)
+            real = where[mask[span].bool()]
+            # maximal unmasked runs of this document
+            for run in torch.tensor_split(real, (torch.nonzero(real.diff() != 1)[:, 0] + 1).tolist()):
+                if run.numel():
+                    runs += 1
+                    solo = model(ids[run][None]).last_hidden_state[0]
+                    torch.testing.assert_close(packed[0, run], solo, atol=ATOL, rtol=0)
+    assert runs == 8  # the first document split in two; the others cut short or whole
 
 
 def test_packed_hidden_states_and_attentions():
@@ -204,6 +212,27 @@ def test_packed_flex_attention_matches_solo(num_hashes):
     model.set_attn_implementation("flex_attention")
     with torch.no_grad():
         packed = model(**pack(docs, "position_ids")).last_hidden_state
+        model.set_attn_implementation("sdpa")
+        for span, doc in zip(spans(docs), docs):
+            torch.testing.assert_close(packed[0, span], model(doc[None]).last_hidden_state[0], atol=ATOL, rtol=0)
+
+
+def test_packed_flex_local_layers_share_one_document_mask(monkeypatch):
+    """Every local layer of a packed forward runs FlexAttention over the whole internal row with one document
+    BlockMask, built by the first local layer and reused by the others (same chunks, windows and key mask)."""
+    from hf_xformers.attention import chunked_local
+
+    built = []
+    make = chunked_local.make_block_mask
+    monkeypatch.setattr(chunked_local, "make_block_mask", lambda *a, **k: built.append(1) or make(*a, **k))
+    model = make_model(is_decoder=True, attn_layers=["local", "lsh", "local", "local"])
+    model.set_attn_implementation("flex_attention")
+    docs = documents()
+    with torch.no_grad():
+        packed = model(**pack(docs, "cu_seq_lens")).last_hidden_state
+        assert len(built) == 1
+        model(**pack(docs, "cu_seq_lens"))
+        assert len(built) == 2  # once per forward: nothing outlives it
         model.set_attn_implementation("sdpa")
         for span, doc in zip(spans(docs), docs):
             torch.testing.assert_close(packed[0, span], model(doc[None]).last_hidden_state[0], atol=ATOL, rtol=0)
@@ -276,18 +305,64 @@ def test_ordinary_inputs_are_not_packed():
 
 
 def test_layout_costs_the_tokens_plus_less_than_a_chunk_multiple_per_document():
-    """Every document starts at a multiple of the chunk multiple (8) and occupies its length rounded up to it."""
+    """Every document starts at a multiple of the chunk multiple (8) and occupies its length rounded up to it. Where
+    values may be read (here: no gradients) the row is as long as its regions; where they may not (a training step
+    on an accelerator, a traced graph) it is the bound ``tokens + documents * 7`` rounded up to 8, from host numbers
+    only: the same slots and regions, and a longer empty tail."""
     docs = documents()
     batch = pack(docs, "cu_seq_lens")
-    document_ids = document_ids_from_inputs(
+    packed = resolve_packed_batch(
         tuple(batch["input_ids"].shape), torch.device("cpu"), cu_seq_lens_q=batch["cu_seq_lens_q"]
     )
-    layout, slots, length = lay_out_documents(document_ids, None, 8, 4)
     regions = [(n + 7) // 8 * 8 for n in LENGTHS]
-    assert length == sum(regions) < sum(LENGTHS) + 8 * len(LENGTHS)
     starts = torch.tensor([0, *regions]).cumsum(0)[:-1]
-    for start, span in zip(starts, spans(docs)):
-        assert torch.equal(slots[0, span], start + torch.arange(span.stop - span.start))
-        assert int(layout.region_start[0, start]) == int(start)
     solo = [n if n <= 4 else (n + 7) // 8 * 8 for n in LENGTHS]
-    assert layout.solo_length[0, starts].tolist() == solo
+    with torch.no_grad():
+        exact = lay_out_documents(packed, 8, 4)
+    with as_if_on_accelerator(), HostReadCounter() as counter:
+        bound = lay_out_documents(packed, 8, 4)
+    assert counter.total_reads == 0, dict(counter.reads)
+    assert exact[2] == sum(regions) < sum(LENGTHS) + 8 * len(LENGTHS)
+    assert bound[2] == (sum(LENGTHS) + 7 * len(LENGTHS) + 7) // 8 * 8 > exact[2]
+    for layout, slots, length in (exact, bound):
+        assert torch.equal(slots, exact[1])
+        for start, span in zip(starts, spans(docs)):
+            assert torch.equal(slots[0, span], start + torch.arange(span.stop - span.start))
+            assert int(layout.region_start[0, start]) == int(start)
+        assert layout.solo_length[0, starts].tolist() == solo
+        tail = torch.arange(length) >= sum(regions)  # one region holding no document
+        assert torch.equal(layout.region_start[0, tail], torch.full((int(tail.sum()),), sum(regions)))
+        assert not layout.solo_length[0, tail].any()
+
+
+def test_layout_of_an_unknown_number_of_documents_names_cu_seq_lens():
+    """A traced graph given only restarting positions cannot know how many documents there are (eager mode reads it):
+    the layout, whose length depends on it, refuses with the fix."""
+    packed = resolve_packed_batch((1, 12), torch.device("cpu"), position_ids=torch.tensor([[0, 1, 2, 0, 1] + [0] * 7]))
+    unknown = dataclasses.replace(packed, count=None)
+    with pytest.raises(ValueError, match="cu_seq_lens_q/k"):
+        lay_out_documents(unknown, 8, 4)
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+@pytest.mark.parametrize("model_class", [HfxReformerModel, HfxReformerForCausalLM])
+def test_left_padded_row_with_generate_positions_is_not_packed(model_class, use_cache):
+    """A left-padded single row with generate()-style positions (counted over the mask, padding at 1: they restart)
+    is an ordinary padded row, not documents: its outputs are those of the same row in a batch of two (never read as
+    packed from positions), with or without a cache."""
+    model = make_model(model_class, is_decoder=True)
+    ids = torch.cat(documents((19, 19), seed=4))[None].view(2, 19)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        alone = model(ids[:1], attention_mask=mask[:1], position_ids=positions[:1], use_cache=use_cache)
+        pair = model(ids, attention_mask=mask, position_ids=positions, use_cache=use_cache)
+    name = "last_hidden_state" if model_class is HfxReformerModel else "logits"
+    torch.testing.assert_close(getattr(alone, name), getattr(pair, name)[:1], atol=ATOL, rtol=0)
+    assert (alone.past_buckets_states is not None) == use_cache
+    # Reading the positions as documents would give the real tokens what they get alone (their chunks then start at
+    # their first token): other numbers, so the comparison above can fail.
+    with torch.no_grad():
+        real_alone = getattr(model(ids[:1, 5:]), name)
+    assert not torch.allclose(real_alone[0], getattr(alone, name)[0, 5:], atol=1e-3)

@@ -21,7 +21,7 @@ document's and each document gets the windows, and the repeated chunks, of its o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -76,10 +76,14 @@ class DocumentLayout:
     Attributes:
         region_start: ``(batch, length)`` long: the first slot of the region each slot lies in.
         solo_length: ``(batch, length)`` long: the solo length of the document of that region (0 in a row's tail).
+        flex_masks: what the layers of one forward share, filled as they run: FlexAttention's document ``BlockMask``
+            of the local layers (with its repeat counts), built by the first local layer and reused by the others and
+            by the reversible recomputation. A layout lives for one forward, so nothing outlives its inputs.
     """
 
     region_start: torch.Tensor
     solo_length: torch.Tensor
+    flex_masks: dict = field(default_factory=dict, compare=False, repr=False)
 
     def chunk_segments(self, chunk: int, num_chunks: int, scale: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunks each chunk wraps around among, for a row of ``scale`` copies of every region laid end to end
@@ -312,7 +316,7 @@ class HfxLocalSelfAttention(nn.Module):
             attention_implementation(self.config), hidden_states, self.training, self.dropout.p
         ):
             context = self._flex_attention(
-                q.flatten(2, 3), keys, values, index, keep, attention_mask, chunk, num_chunks, seq_len
+                q.flatten(2, 3), keys, values, index, keep, attention_mask, chunk, num_chunks, seq_len, documents
             )  # fmt: skip
             return AttentionOutput(merge_heads(context), None)
         if self.is_decoder:
@@ -330,14 +334,22 @@ class HfxLocalSelfAttention(nn.Module):
         context = unblock(torch.matmul(self.dropout(probs), v), seq_len, dim=2)  # (batch, heads, seq_len, head_dim)
         return AttentionOutput(merge_heads(context), None)
 
-    def _flex_attention(self, q, k, v, index, keep, attention_mask, chunk, num_chunks, seq_len) -> torch.Tensor:
+    def _flex_attention(self, q, k, v, index, keep, attention_mask, chunk, num_chunks, seq_len,
+                        documents=None) -> torch.Tensor:  # fmt: skip
         """The chunk windows as FlexAttention's ``BlockMask`` over the whole sequence: ``q`` ``(batch, heads, seq_len,
         dim)``, ``k`` (already scaled by ``dim ** -0.5``) and ``v`` ``(batch, heads, seq_len, dim)`` -> the context
         ``(batch, heads, seq_len, dim)``.
 
         A key chunk that appears ``n`` times in a query chunk's window (a window wider than the chunk count, as in
         transformers) counts ``n`` times in the softmax: its scores get ``log n`` (``score_mod``), the same weights as
-        ``n`` copies of the key."""
+        ``n`` copies of the key. A packed row's mask (``documents``, every document's windows in one kernel over the
+        internal row) is built once per forward and shared by every local layer: they all have the same chunks,
+        windows, key mask and layout."""
+        shared = None if documents is None else ("local", chunk, self.num_chunks_before, self.num_chunks_after,
+                                                 self.is_decoder)  # fmt: skip
+        if shared is not None and shared in documents.flex_masks:
+            block_mask, repeats = documents.flex_masks[shared]
+            return flex_attention(q, k, v, block_mask=block_mask, score_mod=repeats, scale=1.0)
         batch = q.shape[0]
         counts, log_counts = window_repeats(index, keep, num_chunks, batch)
         causal = self.is_decoder
@@ -354,6 +366,8 @@ class HfxLocalSelfAttention(nn.Module):
             return score + log_counts[b, q_idx // chunk, kv_idx // chunk]
 
         block_mask = make_block_mask(in_window, batch, None, seq_len, seq_len, q.device)
+        if shared is not None:
+            documents.flex_masks[shared] = (block_mask, repeats)
         return flex_attention(q, k, v, block_mask=block_mask, score_mod=repeats, scale=1.0)
 
     def decode_step(

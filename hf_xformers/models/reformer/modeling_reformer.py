@@ -15,7 +15,12 @@ row, each in a region padded to the chunk multiple as its own forward pads it (:
 run on that row with every chunk kept inside one document (``attention/chunked_local.py``, ``attention/lsh.py``) and
 the outputs are gathered back into the packed row: every document gets what its own forward gives (with fixed
 rotations: eval, or a ``hash_seed``; training rotations are one draw per layer and call, as for any batch). Positions
-restart at 0 in each document. A packed batch costs its tokens plus less than one chunk multiple per document.
+restart at 0 in each document. Padding (``attention_mask``) is never part of a document
+(:class:`~hf_xformers.ops.packing.PackedBatch`). A packed batch costs its tokens plus less than one chunk multiple per
+document (and one more where the row's length is not read: training on an accelerator, traced graphs). The layout
+makes no host read when the batch carries ``cu_seq_lens_q/k`` (the number of documents by their shape), and a traced
+graph needs them: restarting ``position_ids`` alone do not say how many documents there are (a ``ValueError`` says
+so).
 
 Mixed precision (``torch.autocast`` or ``model.to(bfloat16 / float16)``): mask logits fit the scores' dtype, LSH
 hashing and the rounds' softmax statistics compute in float32 (the fixed rotations stay a float32 buffer when the model
@@ -47,14 +52,8 @@ from ...layers.heads import (
 )
 from ...layers.pretrained import HfxPreTrainedModel
 from ...ops.fast_dropout import HfxDropout, fast_dropout
-from ...ops.input_checks import check_not_empty, check_token_ids, unpadded_to_none
-from ...ops.packing import (
-    PackedBatch,
-    document_ids_from_inputs,
-    document_starts,
-    flat_document_index,
-    positions_in_documents,
-)
+from ...ops.input_checks import check_not_empty, check_token_ids, reads_values, unpadded_to_none
+from ...ops.packing import PackedBatch, resolve_packed_batch
 from ...ops.shapes import ceil_div, cut_to_length
 from .configuration_reformer import HfxReformerConfig
 from .reversible import reversible_sequence
@@ -329,8 +328,11 @@ class HfxReformerEncoder(nn.Module):
             cache.key_mask = attention_mask
         elif (
             self.config.reversible and self.training and torch.is_grad_enabled()
-            and not (output_attentions or output_hidden_states)
+            and not (output_attentions or output_hidden_states) and not torch.compiler.is_compiling()
         ):  # fmt: skip
+            # (A traced graph takes the loop below, whose activations autograd keeps: the same numbers, without the
+            # reversible memory saving. The reversible function records and restores the random generator's state
+            # around every f and g, which dynamo refuses to trace.)
             x1, x2 = reversible_sequence(
                 self.layers, x1, x2, attention_mask=attention_mask, padded_lengths=padded_lengths,
                 num_hashes=num_hashes, documents=documents,
@@ -383,52 +385,73 @@ def _on_path(x: torch.Tensor, length, slots: torch.Tensor | None = None) -> tupl
 
 
 def lay_out_documents(
-    document_ids: torch.Tensor, attention_mask: torch.Tensor | None, multiple: int, min_chunk_length: int
+    packed: PackedBatch, multiple: int, min_chunk_length: int
 ) -> tuple[DocumentLayout, torch.Tensor, int]:
-    """Where the documents of a packed batch go in the internal row the layers run on (eager only: two host reads).
+    """Where the documents of a packed batch go in the internal row the layers run on.
 
-    Each document gets a region of its length rounded up to ``multiple`` (the chunk multiple), in order, so that
+    Each real document gets a region of its length rounded up to ``multiple`` (the chunk multiple), in order, so that
     every chunk of every layer lies in one document and each document is chunked from its first token, as its own
-    forward pads and chunks it; the row is as long as the longest row's regions.
+    forward pads and chunks it; the padding tokens of a row (never a document) follow its last region, in the row's
+    tail, which is a region of its own that holds no document.
+
+    Every step is a tensor operation whose count does not depend on the number of documents, and the row's length is
+    a host number: with values that may be read for free (eager mode on the CPU, or without gradients) the longest
+    row's need, one read; otherwise (a training step on an accelerator, a traced graph) the bound ``seq_len +
+    count * (multiple - 1)`` rounded up to ``multiple``, which every row meets (each region adds less than
+    ``multiple`` slots to its document) and which needs only ``packed.count``, known from the shape of
+    ``cu_seq_lens``. The tail's extra slots change no document's numbers.
 
     Args:
-        document_ids: ``(batch, packed_len)`` long (:func:`~hf_xformers.ops.packing.document_ids_from_inputs`).
-        attention_mask: ``(batch, packed_len)`` bool or None; a document's solo length follows the extent of its
-            real tokens (as ``padded_lengths`` does for a padded batch).
+        packed: the batch's :class:`~hf_xformers.ops.packing.PackedBatch` (``index``, ``positions`` ``(batch,
+            packed_len)``, ``count``).
         multiple, min_chunk_length: ``config.chunk_multiple`` and ``config.min_chunk_length``.
     Returns:
         ``(layout, slots, length)``: the :class:`DocumentLayout` of the internal row ``(batch, length)``, and the
         internal slot of every packed token ``(batch, packed_len)`` long.
+    Raises:
+        ValueError: the number of documents is unknown (a traced graph whose documents only ``position_ids`` or
+            ``seq_idx`` mark).
     """
-    batch, packed_len = document_ids.shape
-    device = document_ids.device
-    flat = flat_document_index(document_ids)  # documents numbered across rows
-    inside = positions_in_documents(document_ids)
-    lengths = torch.bincount(flat.reshape(-1))  # (num_docs,); every document has a token
-    num_docs = lengths.shape[0]
-    extent = lengths
-    if attention_mask is not None:
-        real_end = (inside + 1) * attention_mask
-        extent = lengths.new_zeros(num_docs).scatter_reduce(0, flat.reshape(-1), real_end.reshape(-1), "amax")
-        extent = extent.clamp(min=1)
-    solo = torch.where(extent > min_chunk_length, (extent + multiple - 1) // multiple * multiple, extent)
-    region = (lengths + multiple - 1) // multiple * multiple
-    ends = region.cumsum(0)
-    starts = ends - region  # across rows: every row's first document must count from its row's start
-    row_of_doc = torch.zeros_like(lengths).scatter_(
-        0, flat.reshape(-1), torch.arange(batch, device=device).repeat_interleave(packed_len)
+    count = packed.count
+    if count is None:  # eager mode always knows it (resolve_packed_batch reads it): this is a traced graph
+        raise ValueError(
+            "Reformer lays the documents of a packed row out in an internal row whose length depends on the number "
+            "of documents, which a traced graph (torch.compile / torch.export) cannot read when only `position_ids` "
+            "or `seq_idx` mark them: pass `cu_seq_lens_q/k` and `max_length_q/k` for one packed row "
+            "(DataCollatorWithFlattening(return_flash_attn_kwargs=True)). For a single unpacked sequence under "
+            "tracing, leave `position_ids` out (or pass `attention_mask`): restarting positions read as documents."
+        )
+    index, inside = packed.index, packed.positions
+    batch, packed_len = index.shape
+    device = index.device
+    real = index < count  # padding holds document number `count`
+    lengths = packed.lengths()  # (count,)
+    region = ceil_div(lengths, multiple) * multiple
+    solo = torch.where(lengths > min_chunk_length, region, lengths)
+    rows = torch.arange(batch, device=device)[:, None].expand(batch, packed_len).reshape(-1)
+    # Documents are numbered row after row: each one's row, and its region's start inside that row.
+    row_of_doc = torch.zeros(count + 1, dtype=torch.long, device=device).scatter_reduce(
+        0, index.reshape(-1), rows, "amax"
+    )[:count]
+    row_used = torch.zeros(batch, dtype=torch.long, device=device).index_add(0, row_of_doc, region)
+    start = region.cumsum(0) - region - (row_used.cumsum(0) - row_used)[row_of_doc]
+    padding_rank = (~real).long().cumsum(-1) - 1
+    start_of = torch.cat([start, start.new_zeros(1)])  # padding's slot `count` reads 0 (replaced below)
+    slots = torch.where(real, start_of[index] + inside, row_used[:, None] + padding_rank)
+    need = row_used + (~real).sum(-1)
+    if reads_values(need):
+        length = ceil_div(int(need.max()), multiple) * multiple
+    else:
+        length = ceil_div(packed_len + count * (multiple - 1), multiple) * multiple
+    # The document of every internal slot: region starts marked and counted along the row, from the row's first.
+    marks = torch.zeros(batch, length, dtype=torch.long, device=device).index_put(
+        (row_of_doc, start), torch.ones_like(start)
     )
-    row_first = flat[:, 0]
-    start = starts - starts[row_first][row_of_doc]  # (num_docs,) region start inside its row
-    row_length = torch.zeros(batch, dtype=torch.long, device=device).index_add_(0, row_of_doc, region)
-    length = int(row_length.max())
-    slots = start[flat] + inside
-    # The document of every internal slot: marked at each region's start, carried over the region.
-    owner = torch.full((batch, length), -1, dtype=torch.long, device=device)
-    owner[row_of_doc, start] = torch.arange(num_docs, device=device)
-    owner = owner.cummax(-1).values.clamp(min=0)
-    tail = torch.arange(length, device=device) >= row_length[:, None]
-    region_start = torch.where(tail, row_length[:, None], start[owner])
+    per_row = torch.zeros(batch, dtype=torch.long, device=device).index_add(0, row_of_doc, torch.ones_like(start))
+    owner = (per_row.cumsum(0) - per_row)[:, None] + marks.cumsum(-1) - 1
+    owner = owner.clamp(min=0, max=count - 1)
+    tail = torch.arange(length, device=device) >= row_used[:, None]
+    region_start = torch.where(tail, row_used[:, None], start[owner])
     solo_length = torch.where(tail, torch.zeros_like(region_start), solo[owner])
     return DocumentLayout(region_start, solo_length), slots, length
 
@@ -511,7 +534,7 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         self.embeddings.word_embeddings = value
 
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, cache,
-                      document_ids=None, position_ids=None):  # fmt: skip
+                      packed=None, position_ids=None):  # fmt: skip
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
@@ -519,9 +542,10 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             raise ValueError(f"`input_ids` must have shape (batch, seq_len), got {shape}; add a batch dimension.")
         past = cache.get_seq_length() if cache is not None else 0
         longest = past + shape[1]
-        if document_ids is not None:
-            # A packed row may be longer than the table: each document must fit (its positions restart).
-            longest = int(position_ids.max()) + 1
+        if packed is not None:
+            # A packed row may be longer than the table: each document must fit (its positions restart). Read where
+            # reading is free, else the longest document the batch states (`max_length_q`), if it does.
+            longest = int(position_ids.max()) + 1 if reads_values(position_ids) else (packed.longest or 0)
         if longest > self.config.max_position_embeddings:
             raise ValueError(
                 f"Sequence length {longest} exceeds config.max_position_embeddings "
@@ -580,28 +604,35 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             use_cache: return a cache (decoders in eval; default ``config.use_cache``).
             seq_idx: the boundaries of a packed batch (:mod:`~hf_xformers.ops.packing`; ``cu_seq_lens_q/k`` or
                 restarting ``position_ids`` alone mark them too, in eager mode): every document then gets what its own
-                forward gives, and each may be up to ``max_position_embeddings`` long. ``max_length_q/k`` are
-                accepted and not needed. Packed batches run in eager mode and take no cache.
+                forward gives, and each may be up to ``max_position_embeddings`` long; padding (``attention_mask``)
+                is never part of a document. Traced graphs need ``cu_seq_lens_q/k``; packed batches take no cache.
             cu_seq_lens_q: the same boundaries as ``(num_documents + 1,)`` cumulative lengths of one row.
             cu_seq_lens_k: equal to ``cu_seq_lens_q``.
+            max_length_q: the longest document (checked against the position table where the positions are not
+                read).
+            max_length_k: equal to ``max_length_q``.
+            packed_batch: the batch's :class:`~hf_xformers.ops.packing.PackedBatch`, as the heads resolve it once
+                (None: resolved here from the arguments above and ``attention_mask``).
         Returns:
             :class:`HfxReformerModelOutput`, ``last_hidden_state`` ``(batch, seq_len, 2 * hidden_size)``.
         """
         cache = past_buckets_states
         reference = input_ids if input_ids is not None else inputs_embeds
-        document_ids = None if packed_batch is None else packed_batch.document_ids
-        if packed_batch is None and reference is not None and reference.dim() == (2 if input_ids is not None else 3):
-            # While tracing, positions alone never mark documents (document_ids_from_inputs): a traced graph cannot
-            # tell restarting positions from ordinary ones, and the packed layout needs eager mode.
-            document_ids = document_ids_from_inputs(
-                tuple(reference.shape[:2]), reference.device, position_ids, seq_idx,
-                cu_seq_lens_q, cu_seq_lens_k,
+        packed = packed_batch
+        if packed is None and reference is not None and reference.dim() == (2 if input_ids is not None else 3):
+            # As the heads resolve it: with the mask (padding restarts generate()'s positions, and a padded row is
+            # never read as documents from its positions), and positions continuing a cache are positions.
+            shape = tuple(reference.shape[:2])
+            packed = resolve_packed_batch(
+                shape, reference.device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
+                max_length_k, attention_mask if attention_mask is None or attention_mask.shape == shape else None,
+                positions_while_tracing=not (bool(use_cache) or cache is not None),
             )  # fmt: skip
-        if document_ids is not None:
-            position_ids = self._packed_position_ids(document_ids, position_ids, cache, use_cache)
+        if packed is not None:
+            position_ids = self._packed_position_ids(packed, position_ids, cache, use_cache)
             use_cache = False
         self._check_inputs(input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, cache,
-                           document_ids, position_ids)  # fmt: skip
+                           packed, position_ids)  # fmt: skip
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -609,9 +640,9 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         use_cache = bool(use_cache and config.is_decoder and not self.training) or cache is not None
         batch, seq_len = reference.shape[:2]
         device = reference.device
-        if document_ids is not None:
+        if packed is not None:
             return self._packed_forward(
-                input_ids, attention_mask, position_ids, inputs_embeds, num_hashes, document_ids, output_attentions,
+                input_ids, attention_mask, position_ids, inputs_embeds, num_hashes, packed, output_attentions,
                 output_hidden_states, return_dict,
             )  # fmt: skip
 
@@ -680,7 +711,7 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         return unpadded_to_none(torch.cat([past, new], dim=1))
 
     def _packed_position_ids(
-        self, document_ids: torch.Tensor, position_ids: torch.Tensor | None, cache, use_cache: bool | None
+        self, packed: PackedBatch, position_ids: torch.Tensor | None, cache, use_cache: bool | None
     ) -> torch.Tensor:
         """The positions of a packed batch (each document's own, from 0), after refusing what packing cannot do."""
         if cache is not None or use_cache:
@@ -689,27 +720,30 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
                 "pass use_cache=False (generate() decodes ordinary batches)."
             )
         if position_ids is None:
-            return positions_in_documents(document_ids, 0)
-        starts = position_ids[document_starts(document_ids)]
-        if bool((starts != 0).any()):
-            raise ValueError(
-                "In a packed batch every document's positions must start at 0, Reformer's first position, but some "
-                f"start at {sorted(set(starts.tolist()))[:4]}; use DataCollatorWithFlattening(position_ids_start=0)."
-            )
+            return packed.positions
+        if reads_values(position_ids):  # eager, where the read is free
+            first = torch.where(packed.starts, position_ids, torch.zeros_like(position_ids))
+            if bool(first.any()):
+                starts = sorted(set(first[first != 0].tolist()))[:4]
+                raise ValueError(
+                    "In a packed batch every document's positions must start at 0, Reformer's first position, but "
+                    f"some start at {starts}; use DataCollatorWithFlattening(position_ids_start=0)."
+                )
         return position_ids
 
-    def _packed_forward(self, input_ids, attention_mask, position_ids, inputs_embeds, num_hashes, document_ids,
+    def _packed_forward(self, input_ids, attention_mask, position_ids, inputs_embeds, num_hashes, packed,
                         output_attentions, output_hidden_states, return_dict):  # fmt: skip
-        """A packed batch ``(batch, packed_len)``: embed, lay the documents out in the internal row
-        (:func:`lay_out_documents`), run the layers there and gather the packed tokens back."""
+        """A packed batch ``(batch, packed_len)`` (:class:`~hf_xformers.ops.packing.PackedBatch` ``packed``): embed,
+        lay the documents out in the internal row (:func:`lay_out_documents`), run the layers there and gather the
+        packed tokens back."""
         config = self.config
         hidden = self.embeddings(input_ids, position_ids, inputs_embeds)
         batch = hidden.shape[0]
-        mask = None if attention_mask is None else unpadded_to_none(attention_mask.bool())
-        layout, slots, length = lay_out_documents(document_ids, mask, config.chunk_multiple, config.min_chunk_length)
+        layout, slots, length = lay_out_documents(packed, config.chunk_multiple, config.min_chunk_length)
         index = slots[..., None].expand(-1, -1, hidden.shape[-1])
         row = hidden.new_zeros(batch, length, hidden.shape[-1]).scatter(1, index, hidden)
-        real = torch.ones_like(slots, dtype=torch.bool) if mask is None else mask
+        # Real tokens are those of a document (padding holds document number `count`); empty slots stay masked.
+        real = packed.index < packed.count
         row_mask = torch.zeros(batch, length, dtype=torch.bool, device=hidden.device).scatter(1, slots, real)
         row, all_hidden, all_attn = self.encoder(
             row, row_mask, None, num_hashes, output_attentions, output_hidden_states, documents=layout, slots=slots
