@@ -57,7 +57,6 @@ import hf_xformers  # noqa: F401  (registers the hfx-* model types with the Auto
 from examples.utils_examples import (
     RunArguments,
     check_world_size,
-    enable_cpu_distributed,
     finish_output_dir,
     hub_model_id,
     load_local_file,
@@ -388,7 +387,6 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run the script; returns the training and evaluation metrics (also written to ``output_dir``)."""
-    enable_cpu_distributed()  # before TrainingArguments sets up the devices
     model_args, data_args, training_args, run_args = parse_args(argv)
     setup_logging(training_args, logger)
     check_world_size(training_args)
@@ -498,7 +496,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         dataset_name="WikiHop (qangaroo v1.1)",
         dataset_type="local",
         task_type="multiple-choice",
-        extra_hyperparameters={"max_seq_length": max_length, "max_chunks_per_example": data_args.max_chunks_per_example},
+        extra_hyperparameters={
+            "max_seq_length": max_length,
+            "max_chunks_per_example": data_args.max_chunks_per_example,
+        },
     )
     return metrics
 
