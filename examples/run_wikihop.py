@@ -135,7 +135,8 @@ class WikiHopModel(nn.Module):
 
     A packed batch (``--padding_free``) holds the real chunks, example by example, in one row: ``input_ids`` and
     ``global_attention_mask`` ``(1, T)``, ``position_ids`` ``(1, T)`` restarting at every chunk, and
-    ``chunk_starts`` ``(N,)``, where each of the ``N`` real chunks starts in the row (no ``attention_mask``). The
+    ``chunk_starts`` ``(N,)``, where each of the ``N`` real chunks starts in the row (no ``attention_mask``), and
+    the chunks' boundaries ``cu_seq_lens_q/k`` ``(N + 1,)`` and ``max_length_q/k`` (ints), which reach the encoder. The
     encoder attends within each chunk, so the logits are those of the padded batch.
 
     Returns ``logits`` ``(B, C)`` (padding candidates at the dtype's minimum) and the cross-entropy ``loss``.
@@ -175,6 +176,10 @@ class WikiHopModel(nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         chunk_starts: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
     ) -> MultipleChoiceModelOutput:
         batch = candidate_spans.shape[0]
         real = chunk_mask.bool()
@@ -190,6 +195,11 @@ class WikiHopModel(nn.Module):
             prefix_states = self.encoder(**inputs, return_dict=True).last_hidden_state[:, :prefix]  # (N, P, H)
         else:
             inputs = {"input_ids": input_ids, "position_ids": position_ids}
+            boundaries = dict(
+                cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q,
+                max_length_k=max_length_k,
+            )  # fmt: skip
+            inputs.update({key: value for key, value in boundaries.items() if value is not None})
             if self.uses_global_attention and global_attention_mask is not None:
                 inputs["global_attention_mask"] = global_attention_mask
             hidden = self.encoder(**inputs, return_dict=True).last_hidden_state[0]  # (T, H)

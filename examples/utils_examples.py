@@ -204,7 +204,7 @@ def packed_collator(
 ) -> DataCollatorForPackedDocuments:
     """The collator of ``--padding_free``: every batch one row of unpadded documents
     (:class:`hf_xformers.padding_free.DataCollatorForPackedDocuments`, ``options`` as its fields), with the model's
-    first position. Turns grouping by length off (``--train_sampling_strategy group_by_length``, ``--group_by_length``
+    first position and explicit boundaries (``cu_seq_lens_q/k`` and ``max_length_q/k`` beside ``position_ids``). Turns grouping by length off (``--train_sampling_strategy group_by_length``, ``--group_by_length``
     on older transformers): it only served to keep padding small.
 
     Raises:
@@ -221,6 +221,9 @@ def packed_collator(
     if getattr(training_args, "group_by_length", False):
         log.info("--padding_free: --group_by_length is off (a packed row has no padding to save).")
         training_args.group_by_length = False
+    # Explicit boundaries (cu_seq_lens_q/k, max_length_q/k) beside the restarting positions: the model resolves the
+    # documents from them by shape, with no read of the positions, and a varlen kernel takes them as they are.
+    options.setdefault("return_flash_attn_kwargs", True)
     collator = DataCollatorForPackedDocuments.for_model(model, **options)
     log.info(
         "--padding_free: each batch is one row of unpadded documents (positions restart at %d in each).",
