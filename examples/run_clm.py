@@ -22,7 +22,6 @@ fine-tuning, not training from scratch. The log says which were applied.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -35,7 +34,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import HfArgumentParser, TrainingArguments, set_seed  # noqa: E402
+from transformers import TrainingArguments, set_seed  # noqa: E402
 
 from examples.utils_examples import (  # noqa: E402
     HubArguments,
@@ -43,6 +42,7 @@ from examples.utils_examples import (  # noqa: E402
     finish_output_dir,
     hub_model_id,
     model_origin,
+    parse_script_args,
 )
 from hf_xformers import (  # noqa: E402
     HfxRecurrentTrainer,
@@ -50,7 +50,6 @@ from hf_xformers import (  # noqa: E402
     HfxTransfoXLConfig,
     HfxTransfoXLForCausalLM,
 )
-from hf_xformers.ops.compat import checkpointing_argv  # noqa: E402
 
 logger = logging.getLogger(__name__)
 UNK, EOS = "<unk>", "<eos>"
@@ -139,9 +138,14 @@ def load_saved_model(source: Path) -> tuple[HfxTransfoXLForCausalLM, dict[str, i
     return HfxTransfoXLForCausalLM.from_pretrained(source), json.loads(vocab_file.read_text())
 
 
+def parse_args(argv: list[str] | None = None):
+    """``(ModelArguments, DataArguments, TrainingArguments, HubArguments)`` from the command line (``argv``), or from
+    a single ``.json`` file argument."""
+    return parse_script_args((ModelArguments, DataArguments, TrainingArguments, HubArguments), argv, __doc__)
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments, HubArguments), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model_args, data_args, training_args, hub_args = parser.parse_args_into_dataclasses(args=checkpointing_argv(sys.argv[1:] if argv is None else argv))
+    model_args, data_args, training_args, hub_args = parse_args(argv)
     if not model_args.model_name_or_path:
         apply_scratch_defaults(training_args, argv, SCRATCH_TRAINING, logger)
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)

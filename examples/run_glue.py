@@ -50,7 +50,6 @@ import hf_xformers  # noqa: F401  (registers the hfx-* model types with the Auto
 from examples.utils_examples import (
     RunArguments,
     check_world_size,
-    enable_cpu_distributed,
     finish_output_dir,
     hub_model_id,
     load_local_file,
@@ -356,7 +355,6 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run the script; returns the training and evaluation metrics (also written to ``output_dir``)."""
-    enable_cpu_distributed()  # before TrainingArguments sets up the devices
     model_args, data_args, training_args, run_args = parse_args(argv)
     setup_logging(training_args, logger)
     check_world_size(training_args)
@@ -517,8 +515,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         dataset_type=data_args.dataset_name if from_hub else "local",
         dataset_config=task_name,
         task_type="text-classification",
-        eval_splits={"eval": "validation_matched" if task_name == "mnli" else "validation",
-                     "eval_mismatched": "validation_mismatched"},  # fmt: skip
+        eval_splits={
+            "eval": "validation_matched" if task_name == "mnli" else "validation",
+            "eval_mismatched": "validation_mismatched",
+        },  # fmt: skip
     )
     return metrics
 

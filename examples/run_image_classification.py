@@ -70,7 +70,6 @@ from examples.utils_examples import (
     RunArguments,
     apply_scratch_defaults,
     check_world_size,
-    enable_cpu_distributed,
     explicit_options,
     finish_output_dir,
     hub_model_id,
@@ -618,7 +617,6 @@ def parse_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run the script; returns the training and evaluation metrics (also written to ``output_dir``)."""
     started = time.monotonic()  # the time budget counts from here
-    enable_cpu_distributed()  # before TrainingArguments sets up the devices
     model_args, data_args, training_args, run_args = parse_args(argv)
     # The transforms need the raw `image` column; Trainer would drop it as unused by the model's forward.
     training_args.remove_unused_columns = False

@@ -84,7 +84,6 @@ from examples.utils_examples import (  # noqa: E402
     RunArguments,
     apply_scratch_defaults,
     check_world_size,
-    enable_cpu_distributed,
     finish_output_dir,
     hub_model_id,
     load_local_file,
@@ -125,7 +124,9 @@ class ModelArguments:
     )  # fmt: skip
     config_overrides: str | None = field(
         default=None,
-        metadata={"help": "with --model_type: config fields 'name=value,...' (e.g. 'hidden_size=128,num_hidden_layers=2')"},
+        metadata={
+            "help": "with --model_type: config fields 'name=value,...' (e.g. 'hidden_size=128,num_hidden_layers=2')"
+        },
     )
     tokenizer_name: str | None = field(default=None, metadata={"help": "tokenizer (default: the model's)"})
     copy_proj_layers: bool = field(
@@ -139,7 +140,9 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    train_file: str | None = field(default=None, metadata={"help": ".txt (one document per line), .csv, .json or .jsonl"})
+    train_file: str | None = field(
+        default=None, metadata={"help": ".txt (one document per line), .csv, .json or .jsonl"}
+    )
     validation_file: str | None = field(
         default=None, metadata={"help": "evaluation text (default: --validation_split_percentage of the training data)"}
     )
@@ -244,7 +247,10 @@ def load_documents(args: DataArguments, cache_dir: str | None = None) -> tuple[D
             )
         held_out = max(1, len(train) * args.validation_split_percentage // 100)
         # The last documents, not a random draw: neighbouring lines of a corpus often continue one another.
-        train, valid = train.select(range(len(train) - held_out)), train.select(range(len(train) - held_out, len(train)))
+        train, valid = (
+            train.select(range(len(train) - held_out)),
+            train.select(range(len(train) - held_out, len(train))),
+        )
     return train, valid
 
 
@@ -516,7 +522,9 @@ def block_size_for(requested: int | None, model: PreTrainedModel) -> int:
     positions = model_positions(model)
     if requested is None:
         if positions is None:
-            raise ValueError(f"{model.config.model_type} models have no position limit to default to: pass --max_seq_length.")
+            raise ValueError(
+                f"{model.config.model_type} models have no position limit to default to: pass --max_seq_length."
+            )
         return positions
     if requested < 1:
         raise ValueError(f"--max_seq_length must be positive, got {requested}.")
@@ -542,7 +550,6 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run the script; returns the training and evaluation metrics (also written to ``output_dir``)."""
-    enable_cpu_distributed()  # before TrainingArguments sets up the devices
     model_args, data_args, training_args, run_args = parse_args(argv)
     setup_logging(training_args, logger)
     check_world_size(training_args)
@@ -569,7 +576,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # Everything that can be wrong with the data or the model fails here, before any training.
     train_docs, valid_docs = load_documents(data_args, model_args.cache_dir)
     if do_train and train_docs is None:
-        raise ValueError("Training needs --train_file (or a dataset with a train split); pass --do_eval alone to evaluate.")
+        raise ValueError(
+            "Training needs --train_file (or a dataset with a train split); pass --do_eval alone to evaluate."
+        )
     config = load_config(model_args)
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.tokenizer_name or model_args.model_name_or_path,
@@ -577,7 +586,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         trust_remote_code=model_args.trust_remote_code,
     )
     if tokenizer.mask_token is None:
-        raise ValueError(f"The tokenizer of {model_args.tokenizer_name or model_args.model_name_or_path!r} has no mask token.")
+        raise ValueError(
+            f"The tokenizer of {model_args.tokenizer_name or model_args.model_name_or_path!r} has no mask token."
+        )
     if new_model:
         if len(tokenizer) > config.vocab_size:
             config.vocab_size = len(tokenizer)

@@ -57,7 +57,6 @@ import hf_xformers  # noqa: F401  (registers the hfx-* model types with the Auto
 from examples.utils_examples import (
     RunArguments,
     check_world_size,
-    enable_cpu_distributed,
     finish_output_dir,
     hub_model_id,
     load_local_file,
@@ -135,8 +134,9 @@ class WikiHopModel(nn.Module):
     * ``labels``: ``(B,)``, the index of the answer among the candidates.
 
     A packed batch (``--padding_free``) holds the real chunks, example by example, in one row: ``input_ids`` and
-    ``global_attention_mask`` ``(1, T)``, ``position_ids`` ``(1, T)`` restarting at every chunk, the chunks'
-    ``cu_seq_lens_q/k`` and ``max_length_q/k``, and ``chunk_starts`` ``(N,)``, where each of the ``N`` real chunks starts in the row (no ``attention_mask``). The
+    ``global_attention_mask`` ``(1, T)``, ``position_ids`` ``(1, T)`` restarting at every chunk, and
+    ``chunk_starts`` ``(N,)``, where each of the ``N`` real chunks starts in the row (no ``attention_mask``), and
+    the chunks' boundaries ``cu_seq_lens_q/k`` ``(N + 1,)`` and ``max_length_q/k`` (ints), which reach the encoder. The
     encoder attends within each chunk, so the logits are those of the padded batch.
 
     Returns ``logits`` ``(B, C)`` (padding candidates at the dtype's minimum) and the cross-entropy ``loss``.
@@ -195,12 +195,11 @@ class WikiHopModel(nn.Module):
             prefix_states = self.encoder(**inputs, return_dict=True).last_hidden_state[:, :prefix]  # (N, P, H)
         else:
             inputs = {"input_ids": input_ids, "position_ids": position_ids}
-            # The chunks' boundaries as the collator sent them (explicit: no guessing from positions).
             boundaries = dict(
                 cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q,
                 max_length_k=max_length_k,
             )  # fmt: skip
-            inputs.update({k: v for k, v in boundaries.items() if v is not None})
+            inputs.update({key: value for key, value in boundaries.items() if value is not None})
             if self.uses_global_attention and global_attention_mask is not None:
                 inputs["global_attention_mask"] = global_attention_mask
             hidden = self.encoder(**inputs, return_dict=True).last_hidden_state[0]  # (T, H)
@@ -398,7 +397,6 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run the script; returns the training and evaluation metrics (also written to ``output_dir``)."""
-    enable_cpu_distributed()  # before TrainingArguments sets up the devices
     model_args, data_args, training_args, run_args = parse_args(argv)
     setup_logging(training_args, logger)
     check_world_size(training_args)
@@ -508,7 +506,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         dataset_name="WikiHop (qangaroo v1.1)",
         dataset_type="local",
         task_type="multiple-choice",
-        extra_hyperparameters={"max_seq_length": max_length, "max_chunks_per_example": data_args.max_chunks_per_example},
+        extra_hyperparameters={
+            "max_seq_length": max_length,
+            "max_chunks_per_example": data_args.max_chunks_per_example,
+        },
     )
     return metrics
 

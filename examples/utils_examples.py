@@ -70,7 +70,12 @@ def parse_script_args(dataclass_types: tuple, argv: list[str] | None = None, des
     )
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+        options = json.loads(Path(argv[0]).read_text())
+        if TrainingArguments in dataclass_types and not has_accelerator():
+            options.setdefault("use_cpu", True)  # as cpu_argv does on the command line
+        return parser.parse_dict(options)
+    if TrainingArguments in dataclass_types:
+        argv = cpu_argv(argv)
     return parser.parse_args_into_dataclasses(args=checkpointing_argv(argv))
 
 
@@ -79,19 +84,22 @@ def launched_processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def enable_cpu_distributed() -> None:
-    """Make ``torchrun`` work on machines without GPUs; call before the arguments are parsed.
+def has_accelerator() -> bool:
+    """Whether torch sees an accelerator Trainer would train on (CUDA, XPU, MPS ...)."""
+    return torch.accelerator.is_available()
 
-    accelerate (1.15), which Trainer uses to set up processes, only builds a multi-process CPU (gloo) group when
-    told to use the CPU. Otherwise each process silently trains alone on the whole data set. This sets
-    ``ACCELERATE_USE_CPU``, the variable ``TrainingArguments`` reads as ``--use_cpu``, when several processes
-    were launched and no accelerator is present.
+
+def cpu_argv(argv: list[str]) -> list[str]:
+    """``argv`` with ``--use_cpu`` added on a machine without an accelerator, unless ``--use_cpu`` is given.
+
+    ``TrainingArguments`` refuses ``--bf16`` without ``--use_cpu`` when it finds no GPU ("Your setup doesn't
+    support bf16/gpu. You need to assign use_cpu ..."), before any training; and accelerate (1.15)
+    builds a multi-process CPU (gloo) group under ``torchrun`` only when told to use the CPU: otherwise each process
+    silently trains alone on the whole data set. With the flag, the README's commands run as written on a laptop.
     """
-    # torch.accelerator (CUDA, XPU, MPS ...) appeared in torch 2.6; older versions only know about CUDA here.
-    accelerator = getattr(torch, "accelerator", None)
-    has_accelerator = accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
-    if launched_processes() > 1 and not has_accelerator:
-        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    if has_accelerator() or "use_cpu" in explicit_options(argv):
+        return list(argv)
+    return [*argv, "--use_cpu"]
 
 
 def check_world_size(training_args: TrainingArguments) -> None:
@@ -196,7 +204,7 @@ def packed_collator(
 ) -> DataCollatorForPackedDocuments:
     """The collator of ``--padding_free``: every batch one row of unpadded documents
     (:class:`hf_xformers.padding_free.DataCollatorForPackedDocuments`, ``options`` as its fields), with the model's
-    first position. Turns grouping by length off (``--train_sampling_strategy group_by_length``, ``--group_by_length``
+    first position and explicit boundaries (``cu_seq_lens_q/k`` and ``max_length_q/k`` beside ``position_ids``). Turns grouping by length off (``--train_sampling_strategy group_by_length``, ``--group_by_length``
     on older transformers): it only served to keep padding small.
 
     Raises:
@@ -213,6 +221,9 @@ def packed_collator(
     if getattr(training_args, "group_by_length", False):
         log.info("--padding_free: --group_by_length is off (a packed row has no padding to save).")
         training_args.group_by_length = False
+    # Explicit boundaries (cu_seq_lens_q/k, max_length_q/k) beside the restarting positions: the model resolves the
+    # documents from them by shape, with no read of the positions, and a varlen kernel takes them as they are.
+    options.setdefault("return_flash_attn_kwargs", True)
     collator = DataCollatorForPackedDocuments.for_model(model, **options)
     log.info(
         "--padding_free: each batch is one row of unpadded documents (positions restart at %d in each).",

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
-from transformers import AutoTokenizer, RobertaConfig, RobertaModel
+from transformers import AutoTokenizer, RobertaConfig, RobertaModel, TrainingArguments
 from transformers.training_args import ParallelMode
 
 import hf_xformers
-from examples import run_glue, run_wikihop, utils_examples
+from examples import run_clm, run_glue, run_image_classification, run_mlm, run_wikihop, utils_examples
 from tests.tiny_tokenizers import SENTENCES, roberta_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,8 +45,6 @@ TINY = dict(
 # ---------------------------------------------------------------------------------------------------------------
 # Tiny models and data
 # ---------------------------------------------------------------------------------------------------------------
-
-
 
 
 @pytest.fixture(scope="module")
@@ -423,25 +421,58 @@ def test_run_glue_torchrun_two_processes_same_loss(longformer_dir, cache_dir, tm
     assert two == pytest.approx(one, rel=1e-3), f"2-process loss {two} vs 1-process {one}"
 
 
-def test_torchrun_without_gpus_uses_cpu_processes(monkeypatch):
-    """accelerate builds a CPU process group only when asked for the CPU: the scripts ask when torchrun
-    launched several processes and there is no accelerator, and refuse to run with processes left out."""
-    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+def test_torchrun_without_gpus_uses_cpu_processes(monkeypatch, tmp_path):
+    """accelerate builds a CPU process group only when asked for the CPU (and TrainingArguments refuses --bf16
+    without a GPU unless asked): the scripts ask on a machine without an accelerator, unless the command line says
+    otherwise, and refuse to run with processes left out."""
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    utils_examples.enable_cpu_distributed()  # GPUs: accelerate picks them up by itself
-    assert "ACCELERATE_USE_CPU" not in os.environ
+    assert utils_examples.cpu_argv(["--bf16"]) == ["--bf16"]  # GPUs: accelerate picks them up by itself
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    utils_examples.enable_cpu_distributed()  # a single process: nothing to do
-    assert "ACCELERATE_USE_CPU" not in os.environ
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    utils_examples.enable_cpu_distributed()
-    assert os.environ["ACCELERATE_USE_CPU"] == "true"
+    assert utils_examples.cpu_argv(["--bf16"]) == ["--bf16", "--use_cpu"]
+    assert utils_examples.cpu_argv(["--use_cpu", "false"]) == ["--use_cpu", "false"]  # the user's word stands
+    assert utils_examples.cpu_argv(["--use-cpu=true"]) == ["--use-cpu=true"]
+    # A single .json arguments file gets the same default.
+    options = tmp_path / "args.json"
+    options.write_text(json.dumps({"output_dir": str(tmp_path), "bf16": True}))
+    (training_args,) = utils_examples.parse_script_args((TrainingArguments,), [str(options)])
+    assert training_args.use_cpu and training_args.bf16
     alone = SimpleNamespace(world_size=1, parallel_mode=ParallelMode.NOT_PARALLEL)
+    monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="2 processes were launched but Trainer set up 1"):
         utils_examples.check_world_size(alone)
     utils_examples.check_world_size(SimpleNamespace(world_size=2, parallel_mode=ParallelMode.DISTRIBUTED))
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="what a machine without an accelerator does")
+@pytest.mark.parametrize(
+    ("script", "required"),
+    [
+        pytest.param(run_glue, ["--model_name_or_path", "unused", "--task_name", "sst2"], id="run_glue"),
+        pytest.param(run_wikihop, ["--model_name_or_path", "unused"], id="run_wikihop"),
+        pytest.param(run_mlm, ["--model_name_or_path", "unused"], id="run_mlm"),
+        pytest.param(run_clm, ["--train_file", "unused.txt"], id="run_clm"),
+        pytest.param(run_image_classification, [], id="run_image_classification"),
+    ],
+)
+def test_bf16_without_use_cpu_parses_on_a_cpu(script, required, tmp_path):
+    """Every Trainer script takes --bf16 as the README shows it, without --use_cpu, on a machine without a GPU
+    (TrainingArguments alone refuses it: "Your setup doesn't support bf16/gpu ...")."""
+    parsed = script.parse_args([*required, "--output_dir", str(tmp_path), "--bf16"])
+    (training_args,) = [args for args in parsed if isinstance(args, TrainingArguments)]
+    assert training_args.bf16 and training_args.use_cpu and training_args.device.type == "cpu"
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="what a machine without an accelerator does")
+def test_run_glue_trains_in_bf16_on_a_cpu(longformer_dir, cache_dir, tmp_path):
+    """`python -m examples.run_glue ... --bf16` as a new user types it on a laptop: it trains (bf16 autocast on
+    the CPU) and evaluates, with no --use_cpu on the command line."""
+    train = write_rows(tmp_path / "train.csv", glue_rows("sst2", 8))
+    dev = write_rows(tmp_path / "dev.csv", glue_rows("sst2", 4))
+    out = tmp_path / "out"
+    args = run_args(longformer_dir, out, cache_dir, "--task_name", "sst2", "--do_train", "--do_eval", "--bf16")
+    metrics = run_glue.main(args + ["--train_file", train, "--validation_file", dev, "--max_seq_length", "32"])
+    assert math.isfinite(first_logged_loss(out)) and 0.0 <= metrics["eval_accuracy"] <= 1.0
+    assert json.loads((out / "hfx_card_data.json").read_text())["hyperparameters"]["mixed_precision"] == "bf16"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -126,6 +126,55 @@ def test_dict_outputs(model_type, task, model_class, use_cache):
         assert len(out.encoder_attentions) >= 1 and len(out.cross_attentions) == steps
 
 
+# transformers' four dict-output generation tests (test_greedy_generate_dict_outputs, test_sample_generate_dict_output,
+# test_beam_search_generate_dict_output, test_beam_sample_generate_dict_output): their generate() arguments and the
+# rows generate() runs (num_return_sequences samples, num_beams beams per prompt).
+TRANSFORMERS_DICT_OUTPUT_TESTS = {
+    "greedy": (dict(do_sample=False, num_beams=1), 1),
+    "sample": (dict(do_sample=True, num_beams=1, num_return_sequences=2, top_k=10, top_p=0.7, temperature=0.7), 2),
+    "beam_search": (dict(do_sample=False, num_beams=2, early_stopping=False, length_penalty=2.0), 2),
+    "beam_sample": (dict(do_sample=True, num_beams=2, early_stopping=False, length_penalty=2.0, top_k=10), 2),
+}
+# A memory shorter than the prompt: a cached step sees the memory and the new token, yet reports every token so far.
+SHORT_MEMORY = {"hfx-transfo-xl": dict(mem_len=4)}
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CASES, ids=IDS)
+@pytest.mark.parametrize("mode", list(TRANSFORMERS_DICT_OUTPUT_TESTS))
+def test_transformers_dict_output_tests(model_type, task, model_class, mode):
+    """What transformers' ``_check_generate_outputs`` reads from those four tests with the cache, on an unpadded
+    prompt (whose all-ones mask ``generate()`` drops before the first step): the cache comes back; scores and logits
+    per step; attentions ``(rows, heads, queries, keys)`` with one query per step after the first and keys over every
+    token so far; hidden states of one position per step after the first. (Without the cache every step is a full
+    forward: ``test_dict_outputs`` and ``test_left_padded_dict_outputs_use_the_cache``.)"""
+    config_class = REGISTRY[model_type][0]
+    torch.manual_seed(0)
+    config = config_class(vocab_size=VOCAB, **{**TINY_CONFIGS[model_type], **SHORT_MEMORY.get(model_type, {})})
+    model = model_class(config).eval()
+    prompt = _prompt(2, 7)
+    kwargs, rows_per_prompt = TRANSFORMERS_DICT_OUTPUT_TESTS[mode]
+    torch.manual_seed(0)
+    out = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, use_cache=True, pad_token_id=PAD,
+        eos_token_id=None, bad_words_ids=[[1, 0]], repetition_penalty=1.2, remove_invalid_values=True,
+        output_scores=True, output_logits=True, output_attentions=True, output_hidden_states=True,
+        return_dict_in_generate=True, **kwargs,
+    )  # fmt: skip
+    rows, steps = 2 * rows_per_prompt, 3
+    assert getattr(out, CACHE_NAME) is not None
+    assert len(out.scores) == len(out.logits) == steps
+    assert all(tuple(s.shape) == (rows, VOCAB) for s in (*out.scores, *out.logits))
+    config = model.config  # the seq2seq head sets is_encoder_decoder on its own copy
+    seen = 1 if config.is_encoder_decoder else prompt.shape[1]
+    for step, (hidden, attentions) in enumerate(
+        zip(_per_step(out, "hidden_states"), _per_step(out, "attentions"), strict=True)
+    ):
+        queries = 1 if step > 0 else seen
+        assert {tuple(h.shape) for h in hidden} == {(rows, queries, config.hidden_size)}, step
+        expected = (rows, config.num_attention_heads, queries, seen + step)
+        assert {tuple(a.shape) for a in attentions} == {expected}, step
+
+
 @pytest.mark.parametrize(("model_type", "task", "model_class"), CASES, ids=IDS)
 @pytest.mark.parametrize("num_beams", [1, 2], ids=["greedy", "beam"])
 def test_left_padded_dict_outputs_use_the_cache(model_type, task, model_class, num_beams):

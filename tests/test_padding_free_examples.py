@@ -523,6 +523,33 @@ def test_wikihop_packed_chunks_equal_padded(longformer_dir):
     torch.testing.assert_close(packed.loss, padded.loss, rtol=REL, atol=1e-6)
 
 
+def test_padding_free_scripts_send_explicit_boundaries(longformer_dir, tmp_path):
+    """The scripts' packed rows carry cu_seq_lens_q/k and max_length_q/k beside the restarting positions (the model
+    then resolves documents by shape, without reading the positions), and WikiHop's wrapper hands them on to its
+    encoder; the logits are those of the positions alone."""
+    import logging
+
+    from examples.utils_examples import packed_collator
+
+    model = run_wikihop.WikiHopModel.from_pretrained(str(longformer_dir)).eval()
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    collator = packed_collator(model.encoder, args, logging.getLogger(__name__))
+    rows = collator([{"input_ids": doc} for doc in DOCS])
+    assert rows["cu_seq_lens_q"].tolist() == rows["cu_seq_lens_k"].tolist() == [*STARTS, TOTAL]
+    assert rows["max_length_q"] == rows["max_length_k"] == 7
+    assert rows["position_ids"].shape == (1, TOTAL)
+
+    features = [{"input_ids": [doc], "prefix_length": 2, "candidate_spans": [[0, 2]], "label": 0} for doc in DOCS]
+    seen = {}
+    model.encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    with torch.no_grad():
+        explicit = model(**run_wikihop.WikiHopCollator(1, collator)(features)).logits
+        assert seen["cu_seq_lens_q"].tolist() == [*STARTS, TOTAL] and seen["max_length_k"] == 7
+        positions_only = DataCollatorForPackedDocuments.for_model(model.encoder)
+        assert "cu_seq_lens_q" not in positions_only([{"input_ids": doc} for doc in DOCS])
+        torch.testing.assert_close(explicit, model(**run_wikihop.WikiHopCollator(1, positions_only)(features)).logits)
+
+
 def test_run_wikihop_padding_free_equals_padded(longformer_dir, cache_dir, tmp_path):
     losses = {}
     for name, extra in (("padded", []), ("packed", ["--padding_free"])):

@@ -71,7 +71,11 @@ def run_segments(model, ids: torch.Tensor, segment: int, mems=None) -> tuple[tor
 class TestTransfoXLConformance(TextModelConformance):
     packing_refusal = "cannot take a packed"
     config_class = HfxTransfoXLConfig
-    base_config = {k: v for k, v in TINY.items() if k not in ("vocab_size", "num_labels", "d_model", "n_head", "d_inner", "n_layer")}
+    base_config = {
+        k: v
+        for k, v in TINY.items()
+        if k not in ("vocab_size", "num_labels", "d_model", "n_head", "d_inner", "n_layer")
+    }
     heads = {
         "AutoModel": HfxTransfoXLModel,
         "AutoModelForCausalLM": HfxTransfoXLForCausalLM,
@@ -118,7 +122,10 @@ class TestTransfoXLConformance(TextModelConformance):
         torch.manual_seed(0)
         model = HfxTransfoXLForSequenceClassification(self.make_config())
         ids = _ids(8, SEQ_LEN, seed=7)
-        rows = [{"input_ids": ids[i], "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": i % NUM_LABELS} for i in range(8)]
+        rows = [
+            {"input_ids": ids[i], "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": i % NUM_LABELS}
+            for i in range(8)
+        ]
         before = {n: p.clone() for n, p in model.state_dict().items()}
         args = TrainingArguments(
             output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
@@ -184,7 +191,9 @@ def _check_fixture_parity(model: HfxTransfoXLForCausalLM) -> None:
             torch.testing.assert_close(out.logits, expected[f"logits_{s}"], atol=1e-5, rtol=0)
             torch.testing.assert_close(out.loss, expected[f"loss_{s}"], atol=1e-5, rtol=0)
             # 4.x returns the per-token losses grouped by cluster, not in token order: compare them as sets.
-            torch.testing.assert_close(out.losses.flatten().sort().values, expected[f"losses_{s}"].flatten().sort().values, atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                out.losses.flatten().sort().values, expected[f"losses_{s}"].flatten().sort().values, atol=1e-5, rtol=0
+            )
             if s == 1:
                 assert out.losses[1, 2] == 0  # the ignored target (labels[1, 3] = -100)
             for layer, mem in enumerate(out.mems):
@@ -211,7 +220,13 @@ def test_reference_parity_safetensors_without_tied_tensors(tmp_path):
     source.mkdir()
     shutil.copy(FIXTURE / "config.json", source / "config.json")
     weights = torch.load(FIXTURE / "pytorch_model.bin", weights_only=True)
-    for key in ("crit.out_layers.0.weight", "crit.out_layers.1.weight", "crit.out_layers.2.weight", "crit.out_projs.1", "crit.out_projs.2"):
+    for key in (
+        "crit.out_layers.0.weight",
+        "crit.out_layers.1.weight",
+        "crit.out_layers.2.weight",
+        "crit.out_projs.1",
+        "crit.out_projs.2",
+    ):
         weights.pop(key)
     save_file({k: v.clone().contiguous() for k, v in weights.items()}, str(source / "model.safetensors"))
     model, _ = convert_from_transformers(source)
@@ -239,7 +254,9 @@ def test_import_base_model_with_shared_biases(tmp_path):
             layer.attention.r_w_bias.copy_(base["r_w_bias"])
             layer.attention.r_r_bias.copy_(base["r_r_bias"])
         ids = _ids(2, 7) % config["vocab_size"]
-        assert torch.equal(model(input_ids=ids).last_hidden_state, reference.transformer(input_ids=ids).last_hidden_state)
+        assert torch.equal(
+            model(input_ids=ids).last_hidden_state, reference.transformer(input_ids=ids).last_hidden_state
+        )
 
 
 # ----- the attention formula, against a per-pair oracle -------------------------------------------------------
@@ -262,7 +279,9 @@ def _oracle_hidden(model: HfxTransfoXLModel, ids: torch.Tensor, mems=None) -> to
                     continue
                 d = float(min(dist, config.clamp_len) if config.clamp_len > 0 else dist)
                 r = att.r_net(sinusoid_positions(torch.tensor([d]), config.d_model)).view(config.n_head, config.d_head)
-                scores[:, :, i, j] = ((q[:, i] + att.r_w_bias) * k[:, j]).sum(-1) + ((q[:, i] + att.r_r_bias) * r).sum(-1)
+                scores[:, :, i, j] = ((q[:, i] + att.r_w_bias) * k[:, j]).sum(-1) + ((q[:, i] + att.r_r_bias) * r).sum(
+                    -1
+                )
         probs = torch.softmax(scores / config.d_head**0.5, dim=-1)
         context = torch.einsum("bhij,bjhd->bihd", probs, v).reshape(batch, q_len, -1)
         hidden = layer.attention_layer_norm(hidden + layer.attention_output(context))
@@ -270,7 +289,9 @@ def _oracle_hidden(model: HfxTransfoXLModel, ids: torch.Tensor, mems=None) -> to
     return hidden
 
 
-@pytest.mark.parametrize("overrides", [dict(mem_len=0), dict(clamp_len=3), dict(same_length=True, mem_len=5, clamp_len=4)])
+@pytest.mark.parametrize(
+    "overrides", [dict(mem_len=0), dict(clamp_len=3), dict(same_length=True, mem_len=5, clamp_len=4)]
+)
 def test_attention_matches_pairwise_oracle(overrides):
     """With and without memories; mem_len=0 is a plain causal Transformer with relative positions."""
     model = lm(**overrides).transformer
@@ -321,7 +342,11 @@ def test_segments_with_memory_equal_one_pass(overrides, total, segment):
         whole_loss = model(input_ids=ids[:, :-1], shift_labels=ids[:, 1:]).losses
         seg_losses, mems = [], None
         for start in range(0, total - 1, segment):
-            out = model(input_ids=ids[:, start : start + segment][:, : total - 1 - start], shift_labels=ids[:, start + 1 : start + segment + 1], mems=mems)
+            out = model(
+                input_ids=ids[:, start : start + segment][:, : total - 1 - start],
+                shift_labels=ids[:, start + 1 : start + segment + 1],
+                mems=mems,
+            )
             seg_losses.append(out.losses)
             mems = out.mems
     torch.testing.assert_close(torch.cat(seg_losses, 1), whole_loss, atol=1e-5, rtol=0)
@@ -344,7 +369,9 @@ def test_memory_too_short_differs_and_memories_are_detached():
 
 
 # ----- adaptive softmax ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("div_val, d_embed, cutoffs", [(1, 16, [10, 30]), (1, 24, [10, 30]), (2, 16, [10, 30]), (1, 16, [])])
+@pytest.mark.parametrize(
+    "div_val, d_embed, cutoffs", [(1, 16, [10, 30]), (1, 24, [10, 30]), (2, 16, [10, 30]), (1, 16, [])]
+)
 def test_adaptive_softmax_normalised_and_nll_consistent(div_val, d_embed, cutoffs):
     torch.manual_seed(0)
     softmax = HfxAdaptiveLogSoftmax(40, d_embed, 24, cutoffs, div_val)
@@ -454,6 +481,25 @@ def test_generate_per_step_outputs_follow_transformers_contract(mem_len, same_le
             torch.testing.assert_close(cached[..., 0, :], full[..., -1, :], atol=1e-5, rtol=0)
 
 
+def test_unpadded_cached_steps_report_every_token_so_far():
+    """An unpadded prompt longer than the memory: generate() drops its all-ones mask, yet each cached step's one
+    query row spans every token so far (the memory's columns last, 0 for tokens that have left it), as transformers'
+    generation tests read it, and equals the last row of a full forward (same_length: both see the last mem_len)."""
+    model = lm(mem_len=4, same_length=True)
+    prompt = _ids(2, 7, seed=3)
+    out = model.generate(
+        prompt, max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+        output_attentions=True,
+    )  # fmt: skip
+    for step in (1, 2):
+        with torch.no_grad():
+            full = model(input_ids=out.sequences[:, : 7 + step], output_attentions=True).attentions
+        for cached, whole in zip(out.attentions[step], full, strict=True):
+            assert tuple(cached.shape) == (2, 4, 1, 7 + step)
+            assert bool((cached[..., : 7 + step - 5] == 0).all())  # left the memory (4 kept + the new token)
+            torch.testing.assert_close(cached[..., 0, :], whole[..., -1, :], atol=1e-5, rtol=0)
+
+
 # ----- streams and the recurrent Trainer -------------------------------------------------------------------------
 def test_stream_segments_keep_rows():
     data = HfxStreamSegments(torch.arange(43), batch_size=2, segment_length=5)
@@ -480,7 +526,11 @@ def test_recurrent_trainer_carries_memories(tmp_path):
     with torch.no_grad():
         for step in range(data.num_segments):
             batch = [data[step * 2 + row] for row in range(2)]
-            out = model(input_ids=torch.stack([b["input_ids"] for b in batch]), shift_labels=torch.stack([b["shift_labels"] for b in batch]), mems=mems)
+            out = model(
+                input_ids=torch.stack([b["input_ids"] for b in batch]),
+                shift_labels=torch.stack([b["shift_labels"] for b in batch]),
+                mems=mems,
+            )
             expected.append(out.loss)
             mems = out.mems
         no_memory = torch.stack([model(input_ids=torch.stack([data[i]["input_ids"], data[i + 1]["input_ids"]]), shift_labels=torch.stack([data[i]["shift_labels"], data[i + 1]["shift_labels"]])).loss for i in range(0, len(data), 2)])  # fmt: skip
@@ -502,7 +552,9 @@ def test_sequence_classification_uses_last_real_token():
     padded = torch.cat([ids, torch.zeros(1, 3, dtype=torch.long)], 1)
     mask = torch.cat([torch.ones(1, 8), torch.zeros(1, 3)], 1).long()
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=padded, attention_mask=mask).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            model(input_ids=padded, attention_mask=mask).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0
+        )
 
 
 @pytest.mark.parametrize(
@@ -529,7 +581,7 @@ def test_resize_token_embeddings_grows_last_cluster(overrides, tmp_path):
     for start, end in zip(bounds, bounds[1:]):
         diff = before[..., start:end] - after[..., start:end]
         torch.testing.assert_close(diff, diff[..., :1].expand_as(diff), atol=1e-5, rtol=0)
-    assert (before[..., bounds[-2]:] - after[..., bounds[-2]:VOCAB]).min() > 0  # new tokens take probability
+    assert (before[..., bounds[-2] :] - after[..., bounds[-2] : VOCAB]).min() > 0  # new tokens take probability
     new_ids = torch.full((1, 4), VOCAB + 6)
     loss = model(input_ids=new_ids, labels=new_ids).loss
     loss.backward()
@@ -554,8 +606,9 @@ def test_smaller_vocab_than_cutoffs_on_load_is_a_clear_error(tmp_path):
     lm().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="pass cutoffs that fit"):
         HfxTransfoXLForCausalLM.from_pretrained(tmp_path, vocab_size=40, ignore_mismatched_sizes=True)
-    model = HfxTransfoXLForCausalLM.from_pretrained(tmp_path, vocab_size=40, cutoffs=[10, 20],
-                                                    ignore_mismatched_sizes=True)
+    model = HfxTransfoXLForCausalLM.from_pretrained(
+        tmp_path, vocab_size=40, cutoffs=[10, 20], ignore_mismatched_sizes=True
+    )
     assert model.adaptive_softmax.log_prob(torch.randn(1, 32)).shape == (1, 40)
 
 

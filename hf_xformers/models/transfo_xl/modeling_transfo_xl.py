@@ -532,6 +532,32 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
         # Memories do not count tokens (they keep the last mem_len); generate() adds one token per step.
         return 1 if cache is not None else input_ids.shape[1]
 
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> dict:
+        """The shared step inputs (:class:`~hf_xformers.layers.generation.HfxGenerationMixin`), plus, on a cached
+        step that reports attentions without a mask, the all-ones mask of every token so far ``(batch, seq_len)``.
+
+        ``generate()`` drops an all-ones mask before the first step (nothing is padded). A cached step then feeds the
+        new token and the memories, which hold at most ``mem_len`` earlier tokens, so the forward alone cannot know
+        how many tokens there were; the mask's width tells it, and the attentions of the new token's query row cover
+        them all (0 for tokens that have left the memory), as transformers' per-step contract reads them. A mask
+        with nothing padded changes no logits; without ``output_attentions`` none is made.
+        """
+        inputs = super().prepare_inputs_for_generation(
+            input_ids, attention_mask=attention_mask, use_cache=use_cache, **kwargs
+        )
+        output_attentions = inputs.get("output_attentions")
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
+        if output_attentions and inputs.get("attention_mask") is None and inputs.get("mems") is not None:
+            inputs["attention_mask"] = input_ids.new_ones(input_ids.shape)
+        return inputs
+
 
 class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
     """A linear classifier on the last real token's hidden state (the only one that has seen the whole input in a
