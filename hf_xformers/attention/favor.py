@@ -57,7 +57,9 @@ its solo output to rounding. Documents are contiguous, so they meet chunks of ``
 same-document mask on the ``(c, c)`` product; across chunks, causally, each chunk's state holds only the document
 through its last token and the ``(chunks, chunks)`` matrix keeps chunks of one document
 (:func:`causal_linear_attention`); bidirectionally, the parts of each document that crosses a chunk boundary are
-summed into one state per such document (:func:`packed_linear_attention`). Nothing costs documents x length.
+summed into one state per such document (:func:`packed_linear_attention`). Nothing costs documents x length, and
+the operations of a step are the same whatever the number of documents: where the documents lie against the chunks
+(:class:`FavorDocuments`) is worked out once per forward, by tensor operations, and shared by every layer.
 
 Cached decoding (:func:`favor_attention_with_state`) is the same causal attention in its recurrent form: per
 (batch, head) the running sum ``S = sum_j phi(k_j) [v_j, 1]`` ``(m, e + 1)`` and, for the softmax kernel, the running
