@@ -228,26 +228,80 @@ def test_left_padded_prompt_with_a_cache_is_not_a_packed_batch():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-def test_one_unpadded_row_runs_each_documents_own_favor(causal, monkeypatch):
-    """One unpadded packed row runs FAVOR+ document by document (the spans worked out once per forward), at the
-    cost of the documents alone; the vectorised packed form serves padded and multi-row batches."""
+def test_packed_row_is_one_vectorised_favor_per_layer(causal, monkeypatch):
+    """A packed row runs one FAVOR+ per layer over the whole row, on a layout of its documents worked out once per
+    forward (the same :class:`FavorDocuments` in every layer), never one call per document."""
     from hf_xformers.attention import favor
 
-    lengths = []
-    real = favor.favor_attention
+    calls, layouts = [], []
+    real_attention, real_documents = favor.favor_attention, favor.favor_documents
 
     def recording(query, *args, **kwargs):
-        lengths.append((query.shape[2], kwargs.get("document_ids") is not None))
-        return real(query, *args, **kwargs)
+        calls.append((query.shape[2], kwargs.get("document_ids")))
+        return real_attention(query, *args, **kwargs)
+
+    def counting(*args, **kwargs):
+        layouts.append(real_documents(*args, **kwargs))
+        return layouts[-1]
 
     monkeypatch.setattr(favor, "favor_attention", recording)
+    from hf_xformers.models.performer import modeling_performer
+
+    monkeypatch.setattr(modeling_performer, "favor_documents", counting)
     model = build(causal).eval()
     docs = documents()
     with torch.no_grad():
-        packed = model(**pack(docs, "seq_idx")).last_hidden_state
-        solo = [model(input_ids=torch.tensor([d])).last_hidden_state[0] for d in docs]
-    packed_calls = lengths[: len(LENGTHS) * model.config.num_hidden_layers]
-    assert sorted({n for n, _ in packed_calls}) == sorted(set(LENGTHS))
-    assert not any(vectorised for _, vectorised in packed_calls)
-    for span, s in zip(spans(LENGTHS), solo):
-        torch.testing.assert_close(packed[0, span], s, atol=ATOL, rtol=0)
+        packed = model(**pack(docs, "cu_seq_lens")).last_hidden_state
+    assert len(layouts) == 1 and layouts[0].causal == causal
+    assert [n for n, _ in calls] == [sum(LENGTHS)] * model.config.num_hidden_layers
+    assert all(documents is layouts[0] for _, documents in calls)
+    with torch.no_grad():
+        for span, doc in zip(spans(LENGTHS), docs):
+            solo = model(input_ids=torch.tensor([doc])).last_hidden_state
+            torch.testing.assert_close(packed[:, span], solo, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_packed_training_step_operators_do_not_depend_on_documents_or_length(causal):
+    """Forward and backward of a packed row dispatch the same operators for 3 documents in one chunk as for 14
+    documents over several chunks (one of them 150 tokens long), and read nothing back from the device."""
+    from hf_xformers.ops.input_checks import as_if_on_accelerator
+
+    from .host_reads import HostReadCounter
+
+    model = build(causal).train()
+    ops = {}
+    for lengths in ((10, 23, 7), (10, 5, 8, 6, 4, 9, 3, 5, 12, 8, 6, 7, 150, 1)):
+        batch = pack(documents(lengths), "cu_seq_lens")
+        for _ in range(2):  # the second step is counted: the first builds what is built once
+            model.zero_grad()
+            with as_if_on_accelerator(), HostReadCounter() as counter:
+                model(**batch).last_hidden_state.pow(2).sum().backward()
+        assert counter.total_reads == 0, dict(counter.reads)
+        ops[len(lengths)] = counter.ops
+    assert ops[3] == ops[14], ops
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_padded_packed_rows_equal_solo_forwards(causal):
+    """``seq_idx`` rows with right and left padding: padded keys add nothing to any document's sums or stabilisers
+    (their features are 0), and every document gets its own forward's output."""
+    lengths = ((10, 23), (7, 70))
+    docs = documents((10, 23, 7, 70), seed=7)
+    width = 80
+    ids = torch.full((2, width), TINY["pad_token_id"])
+    mask = torch.zeros(2, width, dtype=torch.long)
+    seq_idx = torch.zeros(2, width, dtype=torch.long)
+    ids[0, :33], mask[0, :33] = torch.tensor(docs[0] + docs[1]), 1  # right padding
+    seq_idx[0, 10:] = 1
+    ids[1, 3:], mask[1, 3:] = torch.tensor(docs[2] + docs[3]), 1  # left padding, sharing document 0's label
+    seq_idx[1, 10:] = 1
+    starts = {(0, 0): 0, (0, 1): 10, (1, 0): 3, (1, 1): 10}
+    model = build(causal).eval()
+    with torch.no_grad():
+        packed = model(input_ids=ids, attention_mask=mask, seq_idx=seq_idx).last_hidden_state
+        for number, (row, doc) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+            n = lengths[row][doc]
+            solo = model(input_ids=torch.tensor([docs[number]])).last_hidden_state
+            start = starts[(row, doc)]
+            torch.testing.assert_close(packed[row : row + 1, start : start + n], solo, atol=ATOL, rtol=0)

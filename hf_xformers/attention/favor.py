@@ -57,7 +57,9 @@ its solo output to rounding. Documents are contiguous, so they meet chunks of ``
 same-document mask on the ``(c, c)`` product; across chunks, causally, each chunk's state holds only the document
 through its last token and the ``(chunks, chunks)`` matrix keeps chunks of one document
 (:func:`causal_linear_attention`); bidirectionally, the parts of each document that crosses a chunk boundary are
-summed into one state per such document (:func:`packed_linear_attention`). Nothing costs documents x length.
+summed into one state per such document (:func:`packed_linear_attention`). Nothing costs documents x length, and
+the operations of a step are the same whatever the number of documents: where the documents lie against the chunks
+(:class:`FavorDocuments`) is worked out once per forward, by tensor operations, and shared by every layer.
 
 Cached decoding (:func:`favor_attention_with_state`) is the same causal attention in its recurrent form: per
 (batch, head) the running sum ``S = sum_j phi(k_j) [v_j, 1]`` ``(m, e + 1)`` and, for the softmax kernel, the running
@@ -69,6 +71,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -228,7 +231,55 @@ def softmax_key_logits(
     return logits
 
 
-def _chunked_documents(document_ids: torch.Tensor, chunks: int, chunk_size: int) -> torch.Tensor:
+@dataclass(frozen=True, eq=False)
+class FavorDocuments:
+    """Where the documents of a packed batch lie against the chunks of ``chunk_size`` positions that packed FAVOR+
+    works in: index and mask tensors only, worked out once per forward (the model does it in
+    :meth:`~hf_xformers.models.performer.modeling_performer.HfxPerformerModel.prepare_attention_inputs`) and shared by
+    every layer, so that a layer adds no operation for the layout and none whose count depends on the number of
+    documents. Built by :func:`favor_documents`; nothing in it carries a gradient or is read back to the host.
+
+    ``C = ceil(seq / c)`` chunks of ``c = chunk_size`` positions, the last padded with its row's last document.
+
+    Attributes:
+        document_ids: ``(batch, seq)`` long, the run of every token (:class:`~hf_xformers.ops.packing.PackedBatch`).
+        chunk_size: ``c``.
+        causal: which of the two attentions the masks below serve.
+        documents: ``(batch, 1, C, c)`` long, ``document_ids`` in chunks (a head dimension to broadcast).
+        visible: ``(batch, 1, C, c, c)`` bool, query ``i`` reads key ``j`` of its chunk through the ``(c, c)``
+            product: same document (and ``j <= i`` when causal; bidirectionally only for documents that lie inside
+            one chunk, the others read their whole document's state).
+        links: causal, ``(batch, 1, C, C)`` bool: chunk ``c'`` comes before chunk ``c`` and its last token lies in the
+            document of chunk ``c``'s first token (:func:`_earlier_links`); else None.
+        carried: causal, ``(batch, 1, C, c)`` bool, keys of the document through the chunk's last token (the only
+            ones a later chunk sees); else None.
+        continued: ``(batch, 1, C, c)`` bool, queries of the document through the chunk's first token.
+        pieces: bidirectional, ``(batch, 1, C, c, 2, 1)`` float: ``[..., 0, :]`` the keys of the chunk's last
+            document (its "tail"), ``[..., 1, :]`` the keys of the document running in from the chunk before, where it
+            ends in this chunk (its "head"); else None.
+        reads: bidirectional, ``(batch, 1, C, c, 2, 1)`` float: ``[..., 0, :]`` the queries that read the state in
+            ``tail_slots`` (their document runs on into the next chunk), ``[..., 1, :]`` those that read the one in
+            ``head_slots`` (it runs in from the chunk before); else None.
+        tail_slots, head_slots: bidirectional, ``(batch, 1, C, 1, 1)`` long, the state slot in its row
+            (``0 .. C - 1``) that each chunk's tail goes to (the first chunk of the run of chunks whose last tokens
+            share a document) and that its head goes to (the previous chunk's); else None.
+    """
+
+    document_ids: torch.Tensor
+    chunk_size: int
+    causal: bool
+    documents: torch.Tensor
+    visible: torch.Tensor
+    continued: torch.Tensor
+    links: torch.Tensor | None = None
+    carried: torch.Tensor | None = None
+    pieces: torch.Tensor | None = None
+    reads: torch.Tensor | None = None
+    tail_slots: torch.Tensor | None = None
+    head_slots: torch.Tensor | None = None
+
+
+def _chunked_documents(document_ids: torch.Tensor, chunks, chunk_size: int) -> torch.Tensor:
     """``(batch, seq)`` document ids -> ``(batch, 1, chunks, chunk_size)`` (a head dimension to broadcast), the
     padding at the end counted in the last document (padded positions carry zero features)."""
     batch, length = document_ids.shape
@@ -250,8 +301,67 @@ def _earlier_links(documents: torch.Tensor) -> torch.Tensor:
     return (index[None, :] < index[:, None]) & (last.unsqueeze(-2) == first.unsqueeze(-1))
 
 
+def _previous_chunk(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` shifted by one chunk along ``dim`` (chunk ``c`` gets chunk ``c - 1``'s entry, chunk 0 the last one's, which
+    every caller masks). A roll, not a slice and a concatenation: slicing ``[:1]`` of a single chunk is a no-op that
+    dispatches nothing, so the operations of a step would depend on the length."""
+    return torch.roll(x, 1, dims=dim)
+
+
+def favor_documents(document_ids: torch.Tensor, causal: bool, chunk_size: int = CAUSAL_CHUNK_SIZE) -> FavorDocuments:
+    """The :class:`FavorDocuments` of ``document_ids`` ``(batch, seq)`` (long, contiguous runs numbered per row), for
+    causal or bidirectional packed FAVOR+ in chunks of ``chunk_size``: a fixed number of tensor operations whatever the
+    number of documents or the length, no host read."""
+    with torch.no_grad():
+        chunks = ceil_div(document_ids.shape[1], chunk_size)
+        documents = _chunked_documents(document_ids, chunks, chunk_size)  # (b, 1, C, c)
+        same = documents.unsqueeze(-1) == documents.unsqueeze(-2)  # (b, 1, C, c, c)
+        first, last = documents.narrow(-1, 0, 1), documents.narrow(-1, chunk_size - 1, 1)  # (b, 1, C, 1)
+        continued = documents == first
+        if causal:
+            causal_mask = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=documents.device).tril()
+            return FavorDocuments(
+                document_ids, chunk_size, True, documents, same & causal_mask, continued,
+                links=_earlier_links(documents), carried=documents == last,
+            )  # fmt: skip
+        # Chunk c's first document runs in from chunk c - 1 (it is that chunk's last); chunk 0's runs in from nothing.
+        index = torch.arange(chunks, device=documents.device)[:, None]  # (C, 1)
+        opens = (first != _previous_chunk(last, dim=2)) | (index == 0)  # (b, 1, C, 1)
+        runs_in = ~opens
+        runs_on = torch.roll(runs_in, -1, dims=2)  # the next chunk's first document is our last (chunk 0: never)
+        in_last = documents == last
+        reads_in = continued & runs_in
+        reads_on = in_last & runs_on & ~reads_in  # (a document that spans the chunk reads once, as running in)
+        ends = reads_in & (first != last)  # the document running in ends inside this chunk
+        # One slot per run of chunks whose last tokens share a document: the run's first chunk.
+        new_run = (last != _previous_chunk(last, dim=2)) | (index == 0)
+        run_start = torch.where(new_run, index, torch.zeros_like(index)).cummax(dim=2).values  # (b, 1, C, 1)
+        return FavorDocuments(
+            document_ids, chunk_size, False, documents, same & ~(reads_in | reads_on).unsqueeze(-1), continued,
+            pieces=torch.stack([in_last, ends], dim=-1).unsqueeze(-1).float(),
+            reads=torch.stack([reads_on, reads_in], dim=-1).unsqueeze(-1).float(),
+            tail_slots=run_start.unsqueeze(-1), head_slots=_previous_chunk(run_start, dim=2).unsqueeze(-1),
+        )  # fmt: skip
+
+
+def _as_documents(
+    document_ids: torch.Tensor | FavorDocuments | None, causal: bool, chunk_size: int
+) -> FavorDocuments | None:
+    """``document_ids`` as the :class:`FavorDocuments` of ``causal`` attention (built here when given as ids)."""
+    if document_ids is None or isinstance(document_ids, FavorDocuments):
+        if document_ids is not None and document_ids.causal != causal:
+            raise ValueError(
+                f"These FavorDocuments were built for {'causal' if document_ids.causal else 'bidirectional'} "
+                "attention; build them with favor_documents(document_ids, causal=...) for the attention they serve."
+            )
+        return document_ids
+    return favor_documents(document_ids, causal, chunk_size)
+
+
 def running_max(
-    x: torch.Tensor, chunk_size: int = CAUSAL_CHUNK_SIZE, document_ids: torch.Tensor | None = None
+    x: torch.Tensor,
+    chunk_size: int = CAUSAL_CHUNK_SIZE,
+    document_ids: torch.Tensor | FavorDocuments | None = None,
 ) -> torch.Tensor:
     """``out[..., i] = max(x[..., :i + 1])`` along the last dimension, with operations every exporter knows.
 
@@ -260,14 +370,14 @@ def running_max(
 
     Args:
         x: ``(..., n)``, may hold ``-inf``; ``(batch, heads, n)`` when ``document_ids`` is given.
-        document_ids: ``(batch, n)`` long, or None. Given, the max restarts at every document's first token (over
-            ``j <= i`` in ``i``'s document only).
+        document_ids: ``(batch, n)`` long, or their causal :class:`FavorDocuments` (whose chunk size then counts), or
+            None. Given, the max restarts at every document's first token (over ``j <= i`` in ``i``'s document only).
 
     Returns:
         ``(..., n)``.
     """
     if document_ids is not None:
-        return _running_document_max(x, chunk_size, document_ids)
+        return _running_document_max(x, _as_documents(document_ids, True, chunk_size))
     length = x.shape[-1]
     chunks = ceil_div(length, chunk_size)
     x = torch.nn.functional.pad(x, (0, chunks * chunk_size - length), value=float("-inf"))
@@ -281,21 +391,17 @@ def running_max(
     return unblock(out, length, dim=out.dim() - 2)
 
 
-def _running_document_max(x: torch.Tensor, chunk_size: int, document_ids: torch.Tensor) -> torch.Tensor:
-    """:func:`running_max` restarting at every document: ``x`` ``(batch, heads, n)``, ``document_ids``
-    ``(batch, n)``. Across chunks only the maxima of chunks whose last token lies in the document running into
-    chunk ``c`` count, and only for that document's positions."""
-    length = x.shape[-1]
-    chunks = ceil_div(length, chunk_size)
+def _running_document_max(x: torch.Tensor, documents: FavorDocuments) -> torch.Tensor:
+    """:func:`running_max` restarting at every document: ``x`` ``(batch, heads, n)``. Across chunks only the maxima
+    of chunks whose last token lies in the document running into chunk ``c`` count, and only for that document's
+    positions."""
+    length, chunk_size = x.shape[-1], documents.chunk_size
+    chunks = documents.documents.shape[2]
     x = torch.nn.functional.pad(x, (0, chunks * chunk_size - length), value=float("-inf"))
     x = x.view(*x.shape[:-1], chunks, chunk_size)
-    documents = _chunked_documents(document_ids, chunks, chunk_size)  # (b, 1, C, c)
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
-    visible = causal & (documents.unsqueeze(-1) == documents.unsqueeze(-2))  # (b, 1, C, c, c)
-    within = x.unsqueeze(-2).masked_fill(~visible, float("-inf")).amax(-1)  # (b, h, C, c)
-    before = within[..., -1].unsqueeze(-2).masked_fill(~_earlier_links(documents), float("-inf")).amax(-1)
-    continued = documents == documents[..., :1]  # positions in the document that runs in from earlier chunks
-    out = torch.maximum(within, before.unsqueeze(-1).masked_fill(~continued, float("-inf")))
+    within = x.unsqueeze(-2).masked_fill(~documents.visible, float("-inf")).amax(-1)  # (b, h, C, c)
+    before = within[..., -1].unsqueeze(-2).masked_fill(~documents.links, float("-inf")).amax(-1)
+    out = torch.maximum(within, before.unsqueeze(-1).masked_fill(~documents.continued, float("-inf")))
     return unblock(out, length, dim=out.dim() - 2)
 
 
@@ -305,14 +411,16 @@ def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
 
 
 def causal_softmax_key_features(
-    key_logits: torch.Tensor, chunk_size: int = CAUSAL_CHUNK_SIZE, document_ids: torch.Tensor | None = None
+    key_logits: torch.Tensor,
+    chunk_size: int = CAUSAL_CHUNK_SIZE,
+    document_ids: torch.Tensor | FavorDocuments | None = None,
 ):
     """Causally stabilised key features: ``exp(l_j - s_j)`` with ``s_j`` the max of ``key_logits`` over keys
     ``j' <= j`` and all features (per batch element and head; in a packed batch over ``j'`` in ``j``'s document).
 
     Args:
         key_logits: ``(batch, heads, seq, m)`` from :func:`softmax_key_logits`.
-        document_ids: ``(batch, seq)`` long, or None.
+        document_ids: ``(batch, seq)`` long, or their causal :class:`FavorDocuments`, or None.
 
     Returns:
         ``(features, stabiliser)``: ``(batch, heads, seq, m)`` and ``(batch, heads, seq)`` (0 where no real key has
@@ -368,6 +476,24 @@ def linear_attention(
     return _normalise(out)
 
 
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward hands on a contiguous gradient.
+
+    Both chunked products read the key features transposed (``phi(K_c)^T V_c`` and ``phi(Q_c) phi(K_c)^T``), so their
+    gradient comes back transposed, ``(..., chunks, c, m)`` with the ``c`` positions innermost. Merging chunks and
+    positions back into the sequence (the backward of the chunking view) is then a view for one chunk and a copy for
+    several: the operations of a step would depend on the length. Made contiguous here, it is one copy every time.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 def _pad_to_chunks(chunks: int, chunk_size: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """``(batch, heads, seq, x)`` tensors -> ``(batch, heads, chunks, chunk_size, x)``, padded with zeros (padded
     positions then add nothing to any sum)."""
@@ -382,7 +508,7 @@ def packed_linear_attention(
     query_features: torch.Tensor,
     key_features: torch.Tensor,
     value: torch.Tensor,
-    document_ids: torch.Tensor,
+    document_ids: torch.Tensor | FavorDocuments,
     chunk_size: int = CAUSAL_CHUNK_SIZE,
     query_eps: float = 0.0,
 ) -> torch.Tensor:
@@ -390,63 +516,52 @@ def packed_linear_attention(
 
     Documents are contiguous runs, so against chunks of ``c`` positions each one is either inside a single chunk or
     crosses a chunk boundary. A document inside a chunk is read from a ``(c, c)`` product under a same-document mask.
-    A crossing document's state ``sum_j phi(k_j) [v_j, 1]`` is assembled from its part in each chunk it touches:
-    chunk ``c``'s keys of the document through its last token (its "tail") and, where the document running in from
-    chunk ``c - 1`` ends inside chunk ``c``, that document's keys there (its "head"). Tails of consecutive chunks
-    whose last tokens share a document, plus the head after them, are summed into one slot per document
-    (``index_add``, at most one slot per chunk), and the queries of a crossing document read that slot. The cost is
-    that of two key-value states and two reads of them, with no state per token and nothing documents x length.
+    A crossing document's state ``sum_j phi(k_j) [v_j, 1]`` is a segmented sum of its parts in the chunks it touches:
+    chunk ``c``'s keys of its last document (its "tail") and, where the document running in from chunk ``c - 1``
+    ends inside chunk ``c``, that document's keys there (its "head"), both from one product per chunk. Tails of
+    consecutive chunks whose last tokens share a document, plus the head after them, are summed into one slot per such
+    run (``scatter_add`` over the chunks of each row, at most one slot per chunk), and the queries of a crossing
+    document read their slot back (``gather``). No state per token, nothing documents x length, and the same
+    operations whatever the number of documents. The sums are plain sums of one document's terms (no prefix-sum
+    differences that would cancel).
 
     Args:
         query_features, key_features: ``(batch, heads, seq, m)``; key features need one constant per document (the
             document's stabiliser), which then cancels.
         value: ``(batch, heads, seq, e)``.
-        document_ids: ``(batch, seq)`` long, the document of every token (:mod:`~hf_xformers.ops.packing`).
+        document_ids: ``(batch, seq)`` long, the document of every token (:mod:`~hf_xformers.ops.packing`), or their
+            bidirectional :class:`FavorDocuments` (whose chunk size then counts).
         chunk_size: ``c``.
         query_eps: added to every query feature.
 
     Returns:
         ``(batch, heads, seq, e)``.
     """
+    documents = _as_documents(document_ids, False, chunk_size)
     batch, heads, length, _ = query_features.shape
-    chunks = ceil_div(length, chunk_size)
+    chunks, chunk_size = documents.documents.shape[2], documents.chunk_size
     q, k, v = _pad_to_chunks(chunks, chunk_size, query_features, key_features, _with_ones(value))
-    documents = _chunked_documents(document_ids, chunks, chunk_size)  # (b, 1, C, c)
-    first, last = documents[..., 0], documents[..., -1]  # (b, 1, C)
-    joined = first[..., 1:] == last[..., :-1]  # chunk c + 1's first token continues chunk c's last document
-    no = torch.zeros_like(first[..., :1], dtype=torch.bool)
-    runs_in, runs_on = torch.cat([no, joined], dim=-1), torch.cat([joined, no], dim=-1)  # (b, 1, C)
-    in_first = documents == first.unsqueeze(-1)  # (b, 1, C, c)
-    in_last = documents == last.unsqueeze(-1)
-    reads_in = in_first & runs_in.unsqueeze(-1)  # queries of the document running in from earlier chunks
-    reads_on = in_last & runs_on.unsqueeze(-1) & ~reads_in  # ... and of the one running on (if not the same)
-    # One slot per run of chunks whose last tokens share a document: the run's first chunk, numbered across rows.
-    index = torch.arange(chunks, device=q.device)
-    run_start = torch.where(torch.cat([~no, last[..., 1:] != last[..., :-1]], dim=-1), index, 0).cummax(-1).values
-    slot = (run_start + chunks * torch.arange(batch, device=q.device)[:, None, None]).reshape(-1)  # (b * C,)
-    previous_slot = torch.cat([slot[:1], slot[:-1]])  # chunk 0 of each row reads nothing from it (runs_in False)
-    tails = torch.matmul((k * in_last.unsqueeze(-1)).transpose(-1, -2), v)  # (b, h, C, m, e + 1)
-    ends = in_first & (runs_in & (first != last)).unsqueeze(-1)  # the document running in ends in this chunk
-    head_parts = torch.matmul((k * ends.unsqueeze(-1)).transpose(-1, -2), v)
-
-    def by_chunk(t: torch.Tensor) -> torch.Tensor:  # (b, h, C, m, e + 1) -> (b * C, h, m, e + 1)
-        return t.transpose(1, 2).flatten(0, 1)
-
-    states = torch.zeros_like(by_chunk(tails)).index_add(0, slot, by_chunk(tails))
-    states = states.index_add(0, previous_slot, by_chunk(head_parts))
-
-    def read(slots: torch.Tensor) -> torch.Tensor:  # each chunk's queries against the states in ``slots``
-        state = states.index_select(0, slots).view(batch, chunks, *states.shape[1:]).transpose(1, 2)
-        out = torch.matmul(q, state)
-        return out + query_eps * state.sum(-2, keepdim=True) if query_eps else out
-
-    across = read(previous_slot) * reads_in.unsqueeze(-1) + read(slot) * reads_on.unsqueeze(-1)
+    k = _ContiguousGradient.apply(k)
+    dim = v.shape[-1]
+    # Tails and heads of every chunk from one product: (b, h, C, m, 2, e + 1).
+    parts = torch.matmul(k.transpose(-1, -2), (v.unsqueeze(-2) * documents.pieces).flatten(-2))
+    parts = parts.unflatten(-1, (2, dim))
+    tail_slots, head_slots = (
+        slots.expand(batch, heads, chunks, parts.shape[3], dim)
+        for slots in (documents.tail_slots, documents.head_slots)
+    )
+    states = torch.zeros_like(parts[..., 0, :]).scatter_add(2, tail_slots, parts[..., 0, :])
+    states = states.scatter_add(2, head_slots, parts[..., 1, :])  # (b, h, C, m, e + 1), one per slot
+    read = torch.stack([states.gather(2, tail_slots), states.gather(2, head_slots)], dim=-2).flatten(-2)
+    across = torch.matmul(q, read)  # (b, h, C, c, 2 (e + 1))
+    if query_eps:
+        across = across + query_eps * read.sum(-2, keepdim=True)
+    across = (across.unflatten(-1, (2, dim)) * documents.reads).sum(-2)
     # Documents inside one chunk: the keys of the query's own document, for queries that read no slot.
-    visible = (documents.unsqueeze(-1) == documents.unsqueeze(-2)) & ~(reads_in | reads_on).unsqueeze(-1)
     scores = torch.matmul(q, k.transpose(-1, -2))  # (b, h, C, c, c)
     if query_eps:
         scores = scores + query_eps * k.sum(-1).unsqueeze(-2)
-    within = torch.matmul(scores.masked_fill(~visible, 0.0), v)
+    within = torch.matmul(scores.masked_fill(~documents.visible, 0.0), v)
     return _normalise(unblock(within + across, length, dim=2))
 
 
@@ -510,7 +625,7 @@ def causal_linear_attention(
     chunk_size: int = CAUSAL_CHUNK_SIZE,
     query_eps: float = 0.0,
     key_stabiliser: torch.Tensor | None = None,
-    document_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | FavorDocuments | None = None,
 ) -> torch.Tensor:
     """Causal ``out_i = q_i . S_i / q_i . z_i`` with ``q_i = phi(q_i) + eps``, ``S_i = sum_{j<=i} phi(k_j) v_j^T`` and
     ``z_i = sum_{j<=i} phi(k_j)``, by chunked prefix sums.
@@ -534,16 +649,18 @@ def causal_linear_attention(
         query_eps: added to every query feature.
         key_stabiliser: ``(batch, heads, seq)`` non-decreasing along ``seq``, or None (features used as they are).
             With ``document_ids``, non-decreasing within each document (it restarts at each one).
-        document_ids: ``(batch, seq)`` long, the document of every token of a packed batch, or None: the sums then
-            run over ``j <= i`` in ``i``'s document only (they restart at every document's first token).
+        document_ids: ``(batch, seq)`` long, the document of every token of a packed batch, or their causal
+            :class:`FavorDocuments` (whose chunk size then counts), or None: the sums then run over ``j <= i`` in
+            ``i``'s document only (they restart at every document's first token).
 
     Returns:
         ``(batch, heads, seq, e)``.
     """
     if document_ids is not None:
         return _packed_causal_linear_attention(
-            query_features, key_features, value, document_ids, chunk_size, query_eps, key_stabiliser
-        )
+            query_features, key_features, value, _as_documents(document_ids, True, chunk_size), query_eps,
+            key_stabiliser,
+        )  # fmt: skip
     batch, heads, length, num_features = query_features.shape
     value = _with_ones(value)
     dim = value.shape[-1]
@@ -594,8 +711,7 @@ def _packed_causal_linear_attention(
     query_features: torch.Tensor,
     key_features: torch.Tensor,
     value: torch.Tensor,
-    document_ids: torch.Tensor,
-    chunk_size: int,
+    documents: FavorDocuments,
     query_eps: float,
     key_stabiliser: torch.Tensor | None,
 ) -> torch.Tensor:
@@ -604,47 +720,45 @@ def _packed_causal_linear_attention(
     Inside a chunk the causal mask is also a same-document mask. Each chunk's state holds only the keys of the
     document through its last token (the only ones a later chunk can see), and chunk ``c`` sums the states of the
     earlier chunks whose last token lies in the document of its own first token (the mixing matrix keeps those only),
-    read by that document's queries. With stabilisers the factors are those of the unpacked form (all ``<= 1``
-    between keys and queries of one document; pairs of different documents are masked out).
+    read by that document's queries: the prefix sum of each document restarts at its first token without subtracting
+    anything (no cancellation however long the row). With stabilisers the factors are those of the unpacked form (all
+    ``<= 1`` between keys and queries of one document; pairs of different documents are masked out).
     """
     length = query_features.shape[2]
-    chunks = ceil_div(length, chunk_size)
+    chunks, chunk_size = documents.documents.shape[2], documents.chunk_size
     q, k, v = _pad_to_chunks(chunks, chunk_size, query_features, key_features, _with_ones(value))
-    documents = _chunked_documents(document_ids, chunks, chunk_size)  # (b, 1, C, c)
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    visible = causal & (documents.unsqueeze(-1) == documents.unsqueeze(-2))
+    k = _ContiguousGradient.apply(k)
     scores = torch.matmul(q, k.transpose(-1, -2))  # (b, h, C, c, c)
     if query_eps:
         scores = scores + query_eps * k.sum(-1).unsqueeze(-2)
-    # Keys of the document through each chunk's last token (what later chunks see) and the queries of the document
-    # through its first token (what sees earlier chunks).
-    carried = (documents == documents[..., -1:]).to(k.dtype)  # (b, 1, C, c)
-    continued = (documents == documents[..., :1]).to(q.dtype)
-    links = _earlier_links(documents)  # (b, 1, C, C)
+    carried = documents.carried.to(k.dtype)  # (b, 1, C, c)
     if key_stabiliser is None:
-        within = torch.matmul(scores.masked_fill(~visible, 0.0), v)
+        within = torch.matmul(scores.masked_fill(~documents.visible, 0.0), v)
         own = torch.matmul((k * carried.unsqueeze(-1)).transpose(-1, -2), v)  # (b, h, C, m, e + 1)
-        mixing = links.to(own.dtype)
+        mixing = documents.links.to(own.dtype)
         reference = None
     else:
-        pad = chunks * chunk_size - length
-        s = torch.nn.functional.pad(key_stabiliser, (0, pad), mode="replicate") if pad else key_stabiliser
+        # Always padded (by 0 at a multiple of the chunk), so that the operations do not depend on the length;
+        # replicating the last stabiliser keeps the padded positions' factors finite (their features are 0).
+        s = torch.nn.functional.pad(key_stabiliser, (0, chunks * chunk_size - length), mode="replicate")
         s = s.view(*s.shape[:2], chunks, chunk_size)
-        within = torch.matmul((scores * _rescale(s.unsqueeze(-2), s.unsqueeze(-1))).masked_fill(~visible, 0.0), v)
+        within = torch.matmul(
+            (scores * _rescale(s.unsqueeze(-2), s.unsqueeze(-1))).masked_fill(~documents.visible, 0.0), v
+        )
         last = s[..., -1]  # (b, h, C): the stabiliser of the document through each chunk's end, at that end
-        weights = _rescale(s, last.unsqueeze(-1)) * carried
-        own = torch.matmul((k * weights.unsqueeze(-1)).transpose(-1, -2), v)
-        # Chunk c reads earlier states against the stabiliser at the end of chunk c - 1; it belongs to the same
-        # document wherever a link exists (documents are contiguous), so every factor is <= 1.
-        reference = torch.cat([last[..., :1], last[..., :-1]], dim=-1)
-        mixing = _rescale(last.unsqueeze(-2), reference.unsqueeze(-1)).masked_fill(~links, 0.0)  # (b, h, C, C)
+        own = torch.matmul((k * (_rescale(s, last.unsqueeze(-1)) * carried).unsqueeze(-1)).transpose(-1, -2), v)
+        # Chunk c reads earlier states against the stabiliser at the end of chunk c - 1 (chunk 0, which reads none:
+        # any finite value); it belongs to the same document wherever a link exists (documents are contiguous), so
+        # every factor is <= 1.
+        reference = _previous_chunk(last, dim=-1)
+        mixing = _rescale(last.unsqueeze(-2), reference.unsqueeze(-1)).masked_fill(~documents.links, 0.0)  # (b,h,C,C)
     before = torch.matmul(mixing, own.flatten(-2)).view(own.shape)
     across = torch.matmul(q, before)
     if query_eps:
         across = across + query_eps * before.sum(-2, keepdim=True)
     if reference is not None:
         across = across * _rescale(reference.unsqueeze(-1), s).unsqueeze(-1)
-    return _normalise(unblock(within + across * continued.unsqueeze(-1), length, dim=2))
+    return _normalise(unblock(within + across * documents.continued.unsqueeze(-1), length, dim=2))
 
 
 def dense_kernel_attention(
@@ -654,11 +768,12 @@ def dense_kernel_attention(
     causal: bool = False,
     query_eps: float = 0.0,
     key_stabiliser: torch.Tensor | None = None,
-    document_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | FavorDocuments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The quadratic oracle of :func:`linear_attention` / :func:`causal_linear_attention` /
     :func:`packed_linear_attention`: the same features, with the ``(seq, seq)`` attention matrix formed explicitly
-    (and lower-triangular when ``causal``; zero between documents when ``document_ids`` ``(batch, seq)`` is given).
+    (and lower-triangular when ``causal``; zero between documents when ``document_ids`` ``(batch, seq)``, or their
+    :class:`FavorDocuments`, are given).
 
     ``key_stabiliser`` ``(batch, heads, seq)``: per-position key stabilisers (causal only), as in
     :func:`causal_linear_attention`.
@@ -669,6 +784,8 @@ def dense_kernel_attention(
     scores = torch.matmul(query_features + query_eps, key_features.transpose(-1, -2))
     if key_stabiliser is not None:
         scores = scores * _rescale(key_stabiliser.unsqueeze(-2), key_stabiliser.unsqueeze(-1))
+    if isinstance(document_ids, FavorDocuments):
+        document_ids = document_ids.document_ids
     if document_ids is not None:
         scores = scores.masked_fill(~same_document(document_ids, document_ids).unsqueeze(1), 0.0)
     if causal:
@@ -688,7 +805,7 @@ def favor_attention(
     kernel: str = "softmax",
     output_attentions: bool = False,
     chunk_size: int = CAUSAL_CHUNK_SIZE,
-    document_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | FavorDocuments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FAVOR+ attention of split heads.
 
@@ -705,8 +822,10 @@ def favor_attention(
         output_attentions: also return the implied ``(batch, heads, seq, seq)`` attention matrix (quadratic).
         chunk_size: chunk of the causal prefix sums (and of the packed forms).
         document_ids: ``(batch, seq)`` long, the document of every token of a packed batch
-            (:mod:`~hf_xformers.ops.packing`), or None: every query then attends within its own document only, with
-            that document's own stabilisers (module docstring), as that document's own forward would.
+            (:mod:`~hf_xformers.ops.packing`), or their :class:`FavorDocuments` for this ``causal`` (worked out once
+            per forward by the model; their chunk size then counts), or None: every query then attends within its own
+            document only, with that document's own stabilisers (module docstring), as that document's own forward
+            would.
 
     Returns:
         ``(context, probs)``: context ``(batch, heads, seq, d)`` in ``value``'s dtype; probs (same dtype) or None.
@@ -732,13 +851,16 @@ def _favor_attention_float32(
     kernel: str,
     output_attentions: bool,
     chunk_size: int,
-    document_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | FavorDocuments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`favor_attention` on float32 inputs, in their dtype (the caller has turned autocast off)."""
     # The block loop's trip count depends on the length, so traced graphs (torch.compile / torch.export) take the
     # one-shot form below: the same result to rounding, with every key feature in memory at once.
     if kernel == "softmax" and not causal and not output_attentions and document_ids is None and not is_tracing():
         return blocked_softmax_attention(query, key, value, projection, attention_mask), None
+    if document_ids is not None and not output_attentions:
+        document_ids = _as_documents(document_ids, causal, chunk_size)  # once for the stabilisers and the sums
+    ids = document_ids.document_ids if isinstance(document_ids, FavorDocuments) else document_ids
     stabiliser = None
     if kernel == "softmax":
         query_features = softmax_kernel_features(query, projection, is_query=True)
@@ -747,7 +869,7 @@ def _favor_attention_float32(
             key_features, stabiliser = causal_softmax_key_features(logits, chunk_size, document_ids)
         else:
             key_features = softmax_kernel_features(
-                key, projection, is_query=False, key_mask=attention_mask, document_ids=document_ids
+                key, projection, is_query=False, key_mask=attention_mask, document_ids=ids
             )
         eps = QUERY_EPS
     else:
@@ -928,17 +1050,16 @@ class HfxFavorSelfAttention(QKVProjection):
         output_attentions: bool = False,
         cache=None,
         document_ids: torch.Tensor | None = None,
-        document_spans: tuple[tuple[int, int], ...] | None = None,
+        favor_documents: FavorDocuments | None = None,
     ) -> AttentionOutput:
         """``hidden_states`` ``(batch, seq, hidden)``; ``cache``: a decoding cache (causal only, the model's
         ``HfxPerformerCache``: ``states[layer_idx]`` is this layer's :data:`FavorState`, read and replaced here), or
         None. With a cache, ``seq`` is the new tokens and ``attention_mask`` their mask. ``document_ids``
         ``(batch, seq)`` long: the documents of a packed batch (:mod:`~hf_xformers.ops.packing`), each attended
-        within as on its own; None for an ordinary batch. ``document_spans``: the ``(start, end)`` spans of one
-        unpadded packed row, which the model works out once per forward: each document then runs the unpacked
-        FAVOR+ of its own forward (the cost of the documents alone; the vectorised packed form costs about 2.6x the
-        feature products)."""
-        if cache is not None and document_ids is not None:
+        within as on its own; None for an ordinary batch. ``favor_documents``: their layout against the chunks
+        (:func:`favor_documents`), which the model works out once per forward for every layer; None: worked out
+        here from ``document_ids``."""
+        if cache is not None and (document_ids is not None or favor_documents is not None):
             raise ValueError(
                 "A decoding cache holds one running state per row, so it cannot follow the documents of a packed "
                 "batch: decode each document in its own row (or pass use_cache=False)."
@@ -951,15 +1072,8 @@ class HfxFavorSelfAttention(QKVProjection):
             )
             cache.set_state(self.layer_idx, state)
             return AttentionOutput(merge_heads(context), None)
-        if document_spans is not None and not output_attentions:
-            parts = [
-                favor_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], self.projection_matrix, None, self.causal,
-                                self.kernel)[0]
-                for a, b in document_spans
-            ]  # fmt: skip
-            return AttentionOutput(merge_heads(torch.cat(parts, dim=2)), None)
         context, probs = favor_attention(
             q, k, v, self.projection_matrix, attention_mask, self.causal, self.kernel, output_attentions,
-            document_ids=document_ids,
+            document_ids=favor_documents if favor_documents is not None else document_ids,
         )  # fmt: skip
         return AttentionOutput(merge_heads(context), probs)

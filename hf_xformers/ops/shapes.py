@@ -42,12 +42,18 @@ def unblock(x: torch.Tensor, length, dim: int = 1) -> torch.Tensor:
     with the block size asks the tracer to decide ``ceil(L / b) % (ceil(L / b) * b)``, which it cannot, and slicing
     back to ``L`` to prove ``L <= ceil(L / b) * b``; ``torch.export`` then rejects a dynamic length. The same numbers
     either way.
+
+    The block of position ``t`` is counted by a cumulative sum of block starts, not computed as ``t // block``:
+    inductor (torch 2.13, CPU, dynamic length) writes ``arange(L) // block`` with a loop of ``floor(L / block)``
+    blocks of ``block`` positions, so at a length that is not a multiple of ``block`` the tail of that index tensor
+    (all of it when ``L < block``) is left unwritten, and the backward's ``index_put`` reads garbage indices (an
+    out-of-bounds check inside an OpenMP region: "Fatal Python error: Aborted").
     """
     block = x.shape[dim + 1]
     if not torch.compiler.is_compiling():
         return x.flatten(dim, dim + 1).narrow(dim, 0, length)
-    position = torch.arange(length, device=x.device)
-    return x[(slice(None),) * dim + (position // block, position % block)]
+    within = torch.arange(length, device=x.device) % block
+    return x[(slice(None),) * dim + ((within == 0).long().cumsum(0) - 1, within)]
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:

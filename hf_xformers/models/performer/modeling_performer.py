@@ -14,7 +14,7 @@ from torch import nn
 from transformers import GenerationMixin
 from transformers import initialization as init
 
-from ...attention.favor import FavorState, HfxFavorSelfAttention
+from ...attention.favor import FavorState, HfxFavorSelfAttention, favor_documents
 from ...layers.encoder import HfxModelOutput
 from ...layers.generation import HfxCache
 from ...layers.heads import (
@@ -28,8 +28,8 @@ from ...layers.heads import (
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
 from ...ops.compat import CACHE_NAME, cache_field, resolve_cache_argument
-from ...ops.input_checks import is_tracing, unpadded_to_none
-from ...ops.packing import PackedBatch, document_spans
+from ...ops.input_checks import unpadded_to_none
+from ...ops.packing import PackedBatch
 from .configuration_performer import HfxPerformerConfig
 
 
@@ -129,13 +129,15 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
     attention_class = HfxFavorSelfAttention
 
     def prepare_attention_inputs(self, attention_mask, global_attention_mask, length, packed=None):
-        """As :meth:`HfxTextModel.prepare_attention_inputs`, plus, for one unpadded packed row, its documents' spans
-        (``document_spans``, one host read for all layers): each layer then runs every document's own FAVOR+."""
+        """As :meth:`HfxTextModel.prepare_attention_inputs`, plus, for a packed batch, where its documents lie
+        against FAVOR+'s chunks (``favor_documents``, :func:`~hf_xformers.attention.favor.favor_documents`): worked
+        out once here for every layer, with a fixed number of tensor operations whatever the number of documents and
+        no host read, so that each layer runs one vectorised FAVOR+ over the whole batch."""
         attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
             attention_mask, global_attention_mask, length, packed
         )
-        if packed is not None and attention_mask is None and packed.document_ids.shape[0] == 1 and not is_tracing():
-            kwargs["document_spans"] = document_spans(packed.document_ids)
+        if packed is not None:
+            kwargs["favor_documents"] = favor_documents(packed.document_ids, bool(self.config.is_decoder))
         return attention_mask, global_attention_mask, kwargs
 
     def __init__(self, config, add_pooling_layer: bool = True) -> None:
