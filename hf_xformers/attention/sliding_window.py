@@ -381,7 +381,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         to as if alone; None: one document per row. ``packed_globals``: :func:`packed_globals_of` for a packed batch
         with global tokens, which the model computes once for all layers (None: computed here).
         """
-        implementation = attention_implementation(self.config)
+        implementation = attention_implementation(self.config, hidden_states.device)
         batch, length, hidden = hidden_states.shape
         # Up to five projections read the input (local and global query, key, value): cast it once under autocast.
         hidden_states = autocast_input(hidden_states)

@@ -23,7 +23,7 @@ from ...layers.heads import (
 )
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
-from ...ops.attention_switch import FLEX, attention_implementation
+from ...ops.attention_switch import attention_implementation, flex_applies
 from ...ops.packing import document_starts
 from .configuration_longformer import HfxLongformerConfig
 
@@ -126,10 +126,12 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
             if packed is not None:
                 blocks = {layer.attention.self.query_block for layer in self.encoder.layer}
                 kwargs["packed_globals"] = packed_globals_of(packed.document_ids, kwargs["global_slots"], blocks)
-        if attention_implementation(self.config) == FLEX:
+        weight = self.embeddings.word_embeddings.weight
+        implementation = attention_implementation(self.config, weight.device)
+        if flex_applies(implementation, weight, self.training, self.config.attention_probs_dropout_prob):
             # One block mask per window size for all layers (the band, global columns, padding and documents are per
-            # example).
-            device = self.embeddings.word_embeddings.weight.device
+            # example), only where the layers will run FlexAttention (not in training with attention dropout).
+            device = weight.device
             windows = {layer.attention.self.one_sided_window for layer in self.encoder.layer}
             kwargs["flex_masks"] = {
                 w: band_block_mask(
