@@ -560,3 +560,25 @@ def test_the_unset_mark_is_not_saved(arch, tmp_path):
     assert getattr(reloaded.config, switch.UNSET_ATTRIBUTE)
     assert not getattr(transformers.AutoModel.from_pretrained(tmp_path, attn_implementation="sdpa").config,
                        switch.UNSET_ATTRIBUTE, False)  # fmt: skip
+
+
+def test_gpu_flex_compiles_with_symbolic_lengths(monkeypatch):
+    """Off the CPU (where FlexAttention may be the default and training lengths vary) the compiled kernel takes
+    dynamo's automatic dynamic shapes, not a kernel per length up to the recompile limit and then the eager form;
+    the CPU keeps static shapes (its symbolic-length codegen fails)."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(kwargs) or fn)
+    switch._compiled_flex.cache_clear()
+    try:
+        switch._compiled_flex(True)
+        switch._compiled_flex(False)
+    finally:
+        switch._compiled_flex.cache_clear()
+    assert compiled == [{"dynamic": None}, {"dynamic": False}]
+
+
+def test_device_defaults_follow_the_device_and_can_be_turned_off(monkeypatch):
+    assert switch.device_defaults(torch.device("cuda")) == switch.CUDA_DEFAULTS
+    assert switch.device_defaults("cpu") == {}
+    monkeypatch.setattr(switch, "DEVICE_DEFAULTS_ENABLED", False)  # HFX_DEVICE_DEFAULTS=0
+    assert switch.device_defaults(torch.device("cuda")) == {}

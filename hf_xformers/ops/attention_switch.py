@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -61,10 +62,16 @@ def mark_implementation_unset(config, unset: bool) -> None:
     setattr(config, UNSET_ATTRIBUTE, unset)
 
 
+# HFX_DEVICE_DEFAULTS=0 in the environment keeps "sdpa" as the unset choice on every device (read once, at import):
+# what `make gpu-check` runs the conformance suites under, whose time on the GPU fits the sdpa paths (they test the
+# CUDA default of every architecture being "sdpa" there; its other steps run FlexAttention).
+DEVICE_DEFAULTS_ENABLED: bool = os.environ.get("HFX_DEVICE_DEFAULTS", "1") != "0"
+
+
 def device_defaults(device: torch.device | str) -> dict[str, str]:
     """The per-architecture defaults for ``device`` (:data:`CUDA_DEFAULTS` on CUDA, none elsewhere): the one place
     that decides which device has which defaults (tests patch it to check a CUDA decision on the CPU)."""
-    return CUDA_DEFAULTS if torch.device(device).type == "cuda" else {}
+    return CUDA_DEFAULTS if DEVICE_DEFAULTS_ENABLED and torch.device(device).type == "cuda" else {}
 
 
 def attention_implementation(config, device: torch.device | str | None = None) -> str:
@@ -382,15 +389,18 @@ def kernel_options_for(query: torch.Tensor, value: torch.Tensor, block_mask) -> 
 
 
 @functools.cache
-def _compiled_flex() -> Callable:
-    # One compiled kernel for the process, static shapes: a kernel per (length, pattern kind). Symbolic lengths
-    # (dynamic=None after a second shape) hit an inductor C++ codegen error on the CPU for score_mod kernels (torch
-    # 2.13: "'cur_kvSplitSize2' was not declared in this scope"), so every length compiles its own kernel, under a
-    # recompile limit raised from dynamo's 8 (flex_attention below): past the limit dynamo would fall back to the eager
-    # form, which materialises every score (measured: BigBird at 8,192 tokens after eight other shapes).
+def _compiled_flex(symbolic_lengths: bool) -> Callable:
+    # One compiled FlexAttention for the process per kind of device. On the CPU, static shapes: a kernel per (length,
+    # pattern kind). Symbolic lengths (dynamic=None after a second shape) hit an inductor C++ codegen error on the CPU
+    # for score_mod kernels (torch 2.13: "'cur_kvSplitSize2' was not declared in this scope"), so every length compiles
+    # its own kernel, under a recompile limit raised from dynamo's 8 (flex_attention below): past the limit dynamo
+    # would fall back to the eager form, which materialises every score (measured: BigBird at 8,192 tokens after eight
+    # other shapes). On GPUs, where FlexAttention may be the default (CUDA_DEFAULTS) and training batches come in
+    # many lengths, dynamo's automatic dynamic shapes (as transformers compiles flex_attention): the second length
+    # recompiles once with symbolic lengths, which every later length reuses.
     from torch.nn.attention.flex_attention import flex_attention as flex
 
-    return torch.compile(flex, dynamic=False)
+    return torch.compile(flex, dynamic=None if symbolic_lengths else False)
 
 
 def flex_attention(
@@ -426,7 +436,8 @@ def flex_attention(
     if torch.compiler.is_compiling() or not FLEX_COMPILE:
         return flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, **extra)
     with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
-        return _compiled_flex()(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, **extra)
+        compiled = _compiled_flex(query.device.type != "cpu")
+        return compiled(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, **extra)
 
 
 __all__ = [
