@@ -1200,10 +1200,14 @@ def learning_worker(device: str, out: Path, budget_s: float | None = None) -> in
                 losses.append(loss.detach())
             model.eval()
             ids, labels = learning_batch(s["eval"], length, torch.Generator().manual_seed(1))
-            ids, labels = ids.to(device), labels.to(device)
-            with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-                predicted = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.argmax(-1)
-            accuracy = (predicted == labels).float().mean().item()
+            correct = 0
+            # In training-sized batches: the shapes FlexAttention was compiled for (no recompilation for a new batch).
+            for rows, row_labels in zip(ids.split(s["batch"]), labels.split(s["batch"])):
+                rows = rows.to(device)
+                with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                    logits = model(input_ids=rows, attention_mask=torch.ones_like(rows)).logits
+                correct += int((logits.argmax(-1).cpu() == row_labels).sum())
+            accuracy = correct / len(labels)
             cell.update(
                 accuracy=accuracy, steps=s["steps"], seconds=time.perf_counter() - start,
                 first_loss=losses[0].item(), final_loss=losses[-1].item(),

@@ -582,3 +582,19 @@ def test_device_defaults_follow_the_device_and_can_be_turned_off(monkeypatch):
     assert switch.device_defaults("cpu") == {}
     monkeypatch.setattr(switch, "DEVICE_DEFAULTS_ENABLED", False)  # HFX_DEVICE_DEFAULTS=0
     assert switch.device_defaults(torch.device("cuda")) == {}
+
+
+@pytest.mark.parametrize("model_type", sorted(switch.CUDA_DEFAULTS))
+def test_every_cuda_default_is_what_the_model_runs_there(model_type, as_if_on_cuda, eager_flex, flex_calls):
+    """An architecture listed in CUDA_DEFAULTS passes its input's device to the switch wherever it dispatches, so
+    that the default is what runs (with the outputs of the explicit "sdpa" choice)."""
+    arch = model_type.removeprefix("hfx-").replace("-", "_")
+    model = build(arch)
+    ids, mask = text_inputs(LENGTH)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    ran_flex = bool(flex_calls)
+    assert ran_flex == (switch.CUDA_DEFAULTS[model_type] == "flex_attention"), model_type
+    with torch.no_grad():
+        reference, real = run(model, arch, "sdpa")
+    assert max_difference(out, reference.last_hidden_state, real) < ATOL
