@@ -16,6 +16,12 @@ float32 weights with the forward under ``torch.autocast(--dtype)``, as ``Trainer
 (:mod:`benchmarks.precision`). On ``--device cuda`` each cell also records its peak memory
 (``torch.cuda.max_memory_allocated`` above what the model and inputs hold, reset per cell). Results go to
 ``attention_switch_<device>_<dtype>[_autocast].{json,md,png}``.
+
+Utilisation: every cell also reports its model TFLOP/s and MFU, the ratio to a ``--dtype`` matrix product measured at
+the start of the run on the same device (:mod:`benchmarks.utilisation`, where the formula is: ``6 N T`` for the
+parameters plus ``3 x 4 T K W`` per layer for attention, ``K`` the keys per query of the pattern: Longformer's
+window + 1, BigBird's blocks). ``--budget-s`` stops starting cells once that many seconds have passed; the cells left
+are listed as skipped (``make gpu-check`` runs the benchmark under its step's time limit).
 """
 
 from __future__ import annotations
@@ -35,9 +41,25 @@ import transformers  # noqa: E402
 
 import hf_xformers  # noqa: E402
 from benchmarks.precision import AUTOCAST_HELP, DEVICE_HELP, DEVICES, DTYPE_HELP, DTYPES, DeviceMemory, Precision  # noqa: E402
+from benchmarks.utilisation import (  # noqa: E402
+    MATMUL_SIZE,
+    format_mfu,
+    format_tflops,
+    global_projection_parameters,
+    keys_bigbird,
+    keys_longformer,
+    matmul_parameters,
+    matmul_tflops,
+    step_flops,
+    tflops,
+    utilisation,
+)
 
 HIDDEN, HEADS, LAYERS, INTERMEDIATE, VOCAB = 768, 12, 2, 3072, 1000
+WINDOW, BLOCK, RANDOM_BLOCKS = 512, 64, 3
 IMPLEMENTATIONS = ("sdpa", "flex_attention", "transformers")
+SKIPPED = "skipped (budget)"
+MATMUL_SIZE_TEXT = {device: f"{n} x {n} x {n}" for device, n in MATMUL_SIZE.items()}
 
 
 def build(arch: str, implementation: str, max_length: int, seed: int = 0) -> torch.nn.Module:
@@ -50,12 +72,12 @@ def build(arch: str, implementation: str, max_length: int, seed: int = 0) -> tor
     )  # fmt: skip
     if arch == "longformer":
         if implementation == "transformers":
-            config = transformers.LongformerConfig(**common, attention_window=512, max_position_embeddings=max_length + 2)
+            config = transformers.LongformerConfig(**common, attention_window=WINDOW, max_position_embeddings=max_length + 2)
             return transformers.LongformerModel(config, add_pooling_layer=False)
-        config = hf_xformers.HfxLongformerConfig(**common, attention_window=512, max_position_embeddings=max_length + 2)
+        config = hf_xformers.HfxLongformerConfig(**common, attention_window=WINDOW, max_position_embeddings=max_length + 2)
         model = hf_xformers.HfxLongformerModel(config, add_pooling_layer=False)
     elif arch == "bigbird":
-        extra = dict(block_size=64, num_random_blocks=3, max_position_embeddings=max_length)
+        extra = dict(block_size=BLOCK, num_random_blocks=RANDOM_BLOCKS, max_position_embeddings=max_length)
         if implementation == "transformers":
             config = transformers.BigBirdConfig(**common, attention_type="block_sparse", **extra)
             return transformers.BigBirdModel(config, add_pooling_layer=False)
@@ -85,13 +107,29 @@ def time_calls(step, repeats: int, warmup: int, device: str) -> float:
     return statistics.median(times)
 
 
-def measure(arch: str, implementation: str, length: int, mode: str, args) -> tuple[float | str, float | None]:
-    """Median seconds of the cell (or why it did not run) and, on a GPU, its peak memory growth in MiB."""
-    if mode == "train" and implementation == "flex_attention" and args.device == "cpu":
-        return "n/a (no CPU backward)", None
+def keys_per_query(arch: str, length: int) -> float:
+    """The keys each query attends to under ``arch``'s pattern at ``length`` (:mod:`benchmarks.utilisation`)."""
+    if arch == "longformer":
+        return keys_longformer(WINDOW, length)
+    return keys_bigbird(BLOCK, RANDOM_BLOCKS, length)
+
+
+def model_flops(model: torch.nn.Module, arch: str, length: int, batch: int, training: bool) -> float:
+    """Model FLOPs of one call of the cell (a training step, or a forward)."""
+    # Longformer's global projections do nothing without global tokens (none here): not in N.
+    parameters = matmul_parameters(model) - (global_projection_parameters(model) if arch == "longformer" else 0)
+    return step_flops(parameters, batch * length, LAYERS, keys_per_query(arch, length), HIDDEN, training)
+
+
+def measure(arch: str, implementation: str, length: int, mode: str, args) -> tuple[float | str, float | None, float]:
+    """Median seconds of the cell (or why it did not run), on a GPU its peak memory growth in MiB, and its model
+    FLOPs per call."""
     precision = Precision.from_args(args)
     training = mode == "train"
+    if training and implementation == "flex_attention" and args.device == "cpu":
+        return "n/a (no CPU backward)", None, 0.0
     model = precision.prepare(build(arch, implementation, args.max_length), training)
+    flops = model_flops(model, arch, length, args.batch, training)
     ids = torch.randint(5, VOCAB, (args.batch, length), device=args.device)
     mask = torch.ones_like(ids)
     if not training:
@@ -114,8 +152,8 @@ def measure(arch: str, implementation: str, length: int, mode: str, args) -> tup
     try:
         seconds = time_calls(step, args.repeats, args.warmup, args.device)
     except (RuntimeError, torch.OutOfMemoryError) as error:  # out of memory at long lengths
-        return f"failed: {type(error).__name__}", None
-    return seconds, memory.peak_mib() if memory else None
+        return f"failed: {type(error).__name__}", None, flops
+    return seconds, memory.peak_mib() if memory else None, flops
 
 
 def machine(args) -> dict:
@@ -149,7 +187,9 @@ def _ratio(cell: dict, name: str) -> str:
     return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"
 
 
-def table(results: list[dict]) -> str:
+def table(results: list[dict], peak_tflops: float | None = None) -> str:
+    """One table per (mode, arch): times, ratios, MFU of each implementation (against ``peak_tflops``, the product
+    rate of the run) and, on a GPU, peak memory."""
     lines = []
     with_memory = any(r.get("peak_mib") is not None for r in results)
     for mode in sorted({r["mode"] for r in results}):
@@ -161,18 +201,23 @@ def table(results: list[dict]) -> str:
             lines += [
                 f"### {arch}, {mode}",
                 "",
-                "| tokens | ours, sdpa path | ours, flex_attention | transformers | flex / sdpa | transformers / sdpa |"
-                + memory_head,
-                "|---|---|---|---|---|---|" + ("---|" * 3 if with_memory else ""),
+                "| tokens | ours, sdpa path | ours, flex_attention | transformers | flex / sdpa | transformers / sdpa "
+                "| model TFLOP/s (sdpa / flex / transformers) | MFU sdpa | MFU flex | MFU transformers |" + memory_head,
+                "|---|---|---|---|---|---|---|---|---|---|" + ("---|" * 3 if with_memory else ""),
             ]
             for length in sorted({r["length"] for r in rows}):
-                cell = {r["implementation"]: r["seconds"] for r in rows if r["length"] == length}
-                peak = {r["implementation"]: r.get("peak_mib") for r in rows if r["length"] == length}
+                here = [r for r in rows if r["length"] == length]
+                cell = {r["implementation"]: r["seconds"] for r in here}
+                peak = {r["implementation"]: r.get("peak_mib") for r in here}
+                rate = {r["implementation"]: tflops(r.get("flops"), r["seconds"] if isinstance(r["seconds"], float) else None) for r in here}  # fmt: skip
+                mfu = {k: (v / peak_tflops if v is not None and peak_tflops else None) for k, v in rate.items()}
                 memory = (f" {_mib(peak.get('sdpa'))} | {_mib(peak.get('flex_attention'))} | "
                           f"{_mib(peak.get('transformers'))} |" if with_memory else "")  # fmt: skip
                 lines.append(
                     f"| {length:,} | {_ms(cell.get('sdpa'))} | {_ms(cell.get('flex_attention'))} | "
-                    f"{_ms(cell.get('transformers'))} | {_ratio(cell, 'flex_attention')} | {_ratio(cell, 'transformers')} |"
+                    f"{_ms(cell.get('transformers'))} | {_ratio(cell, 'flex_attention')} | {_ratio(cell, 'transformers')} | "
+                    f"{' / '.join(format_tflops(rate.get(i)) for i in IMPLEMENTATIONS)} | "
+                    f"{' | '.join(format_mfu(mfu.get(i)) for i in IMPLEMENTATIONS)} |"
                     + memory
                 )
             lines.append("")
@@ -215,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no cell after this many seconds; the cells left are reported as skipped")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     try:
@@ -225,28 +272,43 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.max_length = max(args.lengths)
+    started = time.perf_counter()
     info = machine(args)
+    # The products of the timed steps run in --dtype (weights cast, or autocast): the rate to compare them with.
+    info["matmul_tflops"] = matmul_tflops(args.device, precision.torch_dtype())
+    info["matmul"] = f"{args.dtype} product of {MATMUL_SIZE_TEXT[args.device]}"
     print(json.dumps(info))
     results = []
     for mode in args.modes:
         for arch in args.archs:
             for length in args.lengths:
                 for implementation in args.implementations:
-                    seconds, peak_mib = measure(arch, implementation, length, mode, args)
-                    results.append(dict(arch=arch, mode=mode, length=length, implementation=implementation,
-                                        seconds=seconds, peak_mib=peak_mib))  # fmt: skip
-                    print(json.dumps(results[-1]), flush=True)
+                    row = dict(arch=arch, mode=mode, length=length, implementation=implementation)
+                    if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+                        row.update(seconds=SKIPPED, peak_mib=None, flops=None, tflops=None, mfu=None)
+                    else:
+                        seconds, peak_mib, flops = measure(arch, implementation, length, mode, args)
+                        timed = seconds if isinstance(seconds, float) else None
+                        row.update(seconds=seconds, peak_mib=peak_mib, flops=flops, tflops=tflops(flops, timed),
+                                   mfu=utilisation(flops, timed, info["matmul_tflops"]))  # fmt: skip
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+    skipped = [r for r in results if r["seconds"] == SKIPPED]
+    if skipped:
+        print(f"{len(skipped)} of {len(results)} cells skipped: past --budget-s {args.budget_s:g} s", flush=True)
     if hasattr(os, "getloadavg"):
         info["load_average_1min_after"] = os.getloadavg()[0]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"attention_switch_{args.device}_{args.dtype}{'_autocast' if args.autocast else ''}"
     stem.with_suffix(".json").write_text(json.dumps({"machine": info, "results": results}, indent=1))
-    report = table(results)
+    report = table(results, info["matmul_tflops"])
     modes = set(args.modes)
     header = precision.describe(forward="forward" in modes, training="train" in modes)
     memory = ("; memory: growth of `torch.cuda.max_memory_allocated` over warm-up + timed calls, reset per cell"
               if args.device == "cuda" else "")  # fmt: skip
-    stem.with_suffix(".md").write_text(f"Machine: `{json.dumps(info)}`\n\n{header}; device {args.device}{memory}.\n\n{report}")
+    mfu = (f" MFU = model TFLOP/s (benchmarks/utilisation.py) over the {info['matmul']}, "
+           f"{info['matmul_tflops']:.1f} TFLOP/s in this run.")  # fmt: skip
+    stem.with_suffix(".md").write_text(f"Machine: `{json.dumps(info)}`\n\n{header}; device {args.device}{memory}.{mfu}\n\n{report}")
     plot(results, stem.with_suffix(".png"))
     print(report)
 

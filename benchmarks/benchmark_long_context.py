@@ -13,6 +13,13 @@ growth of the process's peak RSS over warm-up + timed calls, above the RSS after
 Every (impl, length, mode) runs in a fresh subprocess (this file with ``--worker``), so peaks do not leak between
 cells; a run that exceeds ``--timeout`` or ``--mem-limit-gib`` (or dies) shows as ``timeout`` / ``OOM``.
 
+Utilisation (:mod:`benchmarks.utilisation`, where the formula is): every cell records its model FLOPs (``6 N T`` for
+the parameters plus ``3 x 4 T K W`` per layer for attention in a training step, ``K`` the keys per query of the
+architecture's pattern, the full length for ``sdpa``), and the run measures a ``--dtype`` matrix product on the device
+before its cells; the tables give each implementation's model TFLOP/s and MFU (TFLOP/s over that product's rate).
+``--budget-s`` starts no cell after that many seconds (and cuts the last cell's ``--timeout`` to what is left): the
+cells left show as ``skipped``.
+
 Precision and device (the same flags as every benchmark here, :mod:`benchmarks.precision`): ``--dtype`` casts every
 model's weights (ours and the references alike) for the forward mode, and for the backward mode unless
 ``--autocast``, which trains float32 weights with the forward under ``torch.autocast`` (``Trainer(bf16=True)``);
@@ -55,6 +62,7 @@ from benchmarks.long_context_models import ARCHS, IMPLS, BenchConfig  # noqa: E4
 from benchmarks.long_context_worker import run_cell, run_worker_and_report  # noqa: E402
 from benchmarks.measurement import git_describe  # noqa: E402
 from benchmarks.precision import AUTOCAST_HELP, DEVICE_HELP, DEVICES, DTYPE_HELP, DTYPES, Precision  # noqa: E402
+from benchmarks.utilisation import format_mfu, format_tflops, tflops  # noqa: E402
 
 IMPL_LABELS = {"hfx": "hfx (ours)", "ref": "transformers reference", "sdpa": "RoBERTa full attention (SDPA)"}
 MODE_LABELS = {"forward": "forward (eval, inference_mode)", "backward": "forward+backward (train)"}
@@ -87,6 +95,18 @@ def ratio(num: dict | None, den: dict | None, field: str) -> str:
         return "-"
     d = den[field]
     return f"{num[field] / d:.2f}x" if d > 0 else "-"
+
+
+def cell_tflops(r: dict | None) -> float | None:
+    """Model TFLOP/s of a cell (None: not run, failed, or saved before the benchmark recorded FLOPs)."""
+    if not r or r.get("status") != "ok":
+        return None
+    return tflops(r.get("model_flops"), r.get("time_s"))
+
+
+def cell_mfu(r: dict | None, meta: dict) -> str:
+    rate, peak = cell_tflops(r), meta.get("matmul_tflops")
+    return format_mfu(rate / peak if rate is not None and peak else None)
 
 
 def loglog_slope(results: dict, impl: str, mode: str, short: int, long: int) -> float | None:
@@ -145,6 +165,10 @@ def render_markdown(meta: dict, results: dict) -> str:
         "in its own process. forward = eval + `torch.inference_mode`; fwd+bwd = train mode, "
         "`last_hidden_state.sum().backward()`.",
         memory_text(precision),
+        "- TFLOP/s = model FLOPs per call (benchmarks/utilisation.py: 6 N T + 3 x 4 T K W per layer in training, "
+        "2 N T + 4 T K W per layer in a forward) over its time; MFU = that over a "
+        + (f"{meta['matmul']} measured in this run, {meta['matmul_tflops']:.1f} TFLOP/s."
+           if meta.get("matmul_tflops") else "matrix product of the run (not measured: MFU '-')."),
         f"- ratios > 1 mean ours is faster / leaner. Machine: {meta['machine']}; torch {meta.get('torch', '?')}, "
         f"transformers {meta.get('transformers', '?')}; hf_xformers {meta.get('git', '?')}; run {meta['date']}.",
         "",
@@ -154,18 +178,20 @@ def render_markdown(meta: dict, results: dict) -> str:
             f"## {MODE_LABELS[mode]}",
             "",
             "| length | hfx s | ref s | sdpa s | ref/hfx time | sdpa/hfx time | hfx MiB | ref MiB | sdpa MiB "
-            "| ref/hfx mem | sdpa/hfx mem | bg CPU max |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| ref/hfx mem | sdpa/hfx mem | bg CPU max | hfx TFLOP/s | hfx MFU | ref MFU | sdpa MFU |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for L in lengths:
             h, r, s = (results.get(key(i, L, mode)) for i in IMPLS)
             bg = [x for cell in (h, r, s) if cell and cell["status"] == "ok" for x in cell["background_cpu"]]
+            use = (f" {format_tflops(cell_tflops(h))} | {cell_mfu(h, meta)} | {cell_mfu(r, meta)} | "
+                   f"{cell_mfu(s, meta)} |")  # fmt: skip
             out.append(
                 f"| {L} | {fmt_time(h)} | {fmt_time(r)} | {fmt_time(s)} | {ratio(r, h, 'time_s')} | "
                 f"{ratio(s, h, 'time_s')} | {fmt_mib(h)} | {fmt_mib(r)} | {fmt_mib(s)} | {ratio(r, h, 'peak_mib')} | "
-                f"{ratio(s, h, 'peak_mib')} | {max(bg) * 100:.0f}% |" if bg else
+                f"{ratio(s, h, 'peak_mib')} | {max(bg) * 100:.0f}% |" + use if bg else
                 f"| {L} | {fmt_time(h)} | {fmt_time(r)} | {fmt_time(s)} | - | - | {fmt_mib(h)} | {fmt_mib(r)} | "
-                f"{fmt_mib(s)} | - | - | - |"
+                f"{fmt_mib(s)} | - | - | - |" + use
             )
         out += ["", slope_line(results, lengths, mode), ""] if len(lengths) > 1 else [""]
     hashes = {v.get("hfx_model_src") for k, v in results.items() if v.get("hfx_model_src")}
@@ -177,6 +203,9 @@ def render_markdown(meta: dict, results: dict) -> str:
         "of that row (calls above `--max-background` are redone when possible).",
         "",
     ]
+    skipped = sorted(k for k, v in results.items() if v["status"] == "skipped")
+    if skipped:
+        out += [f"Skipped (past `--budget-s`): {', '.join(f'`{k}`' for k in skipped)}.", ""]
     errors = [(k, v) for k, v in results.items() if v["status"] == "error"]
     if errors:
         out += ["## Errors", ""] + [f"- `{k}`: {v.get('error', '')}" for k, v in errors] + [""]
@@ -299,6 +328,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per (impl, length, mode) process")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no cell after this many seconds (the last one's --timeout is cut to what is left); "
+                   "the cells left are reported as skipped")
     p.add_argument("--mem-limit-gib", type=float, default=16.0, help="kill a run whose RSS exceeds this: 'OOM'")
     p.add_argument("--max-background", type=float, default=0.15,
                    help="redo timed calls during which other processes used more than this share of the CPU")
@@ -372,6 +404,14 @@ def main(argv=None) -> int:
             p.error(str(error))
         if precision.device == "cuda":
             meta["gpu"] = torch.cuda.get_device_name()
+        from benchmarks.utilisation import MATMUL_SIZE, matmul_tflops
+
+        # The rate the cells' model TFLOP/s are compared with: a product in the dtype their matrix products run in.
+        torch.set_num_threads(args.threads)
+        size = MATMUL_SIZE[precision.device]
+        meta["matmul_tflops"] = matmul_tflops(precision.device, precision.torch_dtype())
+        meta["matmul"] = f"{precision.dtype} {size} x {size} x {size} product"
+        started = time.perf_counter()
         impls = list(args.impls)
         if "ref" in impls and ARCHS[args.arch].build_reference is None:
             print(f"{args.arch} has no reference implementation: its 'ref' cells are left out", flush=True)
@@ -383,7 +423,7 @@ def main(argv=None) -> int:
                 for impl in impls:
                     if args.rerun_noisy:
                         old = previous.get(key(impl, L, mode))
-                        noisy = old is None or old["status"] == "error" or (
+                        noisy = old is None or old["status"] in ("error", "skipped") or (
                             old["status"] == "ok" and max(old["background_cpu"]) > args.max_background)
                         if not noisy:
                             continue
@@ -391,7 +431,13 @@ def main(argv=None) -> int:
                             "repeats": args.repeats, "threads": args.threads, "seed": args.seed,
                             "max_background": args.max_background, "quiet_wait": args.quiet_wait,
                             **precision.record()}
-                    res = run_cell(spec, args.timeout, args.mem_limit_gib)
+                    timeout = args.timeout
+                    if args.budget_s is not None:
+                        timeout = min(timeout, args.budget_s - (time.perf_counter() - started))
+                    if timeout <= 0:
+                        res = {"status": "skipped", "wall_s": 0.0}
+                    else:
+                        res = run_cell(spec, timeout, args.mem_limit_gib)
                     results[key(impl, L, mode)] = res
                     extra = (f"{res['time_s']:.3f}s {res['peak_mib']:.0f}MiB times={[f'{t:.3f}' for t in res['times_s']]} "
                              f"bg={max(res['background_cpu']) * 100:.0f}%" if res["status"] == "ok"

@@ -15,6 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from benchmarks.utilisation import (
+    global_projection_parameters,
+    keys_bigbird,
+    keys_full,
+    keys_longformer,
+    matmul_parameters,
+    step_flops,
+)
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -47,6 +56,13 @@ class Arch:
     build_hfx: Callable
     build_reference: Callable | None
     description: str = ""
+    # The keys each query attends to under the architecture's pattern at a length, (cfg, length) -> K, and the
+    # attention width (cfg) -> W, for the model FLOPs of benchmarks/utilisation.py (None: full attention over the
+    # hidden size). The same for ours and the reference: model FLOPs count the pattern's work, not an implementation's.
+    keys_per_query: Callable[[BenchConfig, int], float] | None = None
+    attention_width: Callable[[BenchConfig], int] | None = None
+    # Parameters of a built model (ours or the reference) that these inputs leave idle, not counted in N.
+    idle_parameters: Callable[[nn.Module], int] | None = None
 
 
 def _padded(length: int, multiple: int) -> int:
@@ -117,6 +133,8 @@ ARCHS: dict[str, Arch] = {
         build_reference=_ref_longformer,
         description="sliding window (attention_window = --window), no global tokens; "
         "reference = transformers.LongformerModel",
+        keys_per_query=lambda c, length: keys_longformer(c.window, length),
+        idle_parameters=global_projection_parameters,  # no global tokens here
     ),
 }
 
@@ -175,6 +193,7 @@ ARCHS["bigbird"] = Arch(
     description="block sparse (block_size = --window, 3 random blocks, ITC), hidden_act gelu; reference = "
     "transformers.BigBirdModel(attention_type='block_sparse'), which switches to full attention at or below "
     "(5 + 2 * 3) blocks",
+    keys_per_query=lambda c, length: keys_bigbird(c.window, BIGBIRD_RANDOM_BLOCKS, length),
 )
 
 
@@ -265,12 +284,16 @@ ARCHS["linformer"] = Arch(
     build_reference=_ref_linformer,
     description="projected length k = --window, headwise sharing; reference = lucidrains linformer.Linformer "
     "(same k, headwise) under token + position embeddings",
+    keys_per_query=lambda c, length: min(length, c.window),  # the k projected keys
 )
 ARCHS["performer"] = Arch(
     build_hfx=_hfx_performer,
     build_reference=_ref_performer,
     description="FAVOR+ with --window orthogonal random features per head; reference = lucidrains "
     "performer_pytorch.Performer (same number of features) under token + position embeddings",
+    # Linear attention: phi(K)^T V and phi(Q) (phi(K)^T V) are two products of m features per token, the work of
+    # attending to m keys.
+    keys_per_query=lambda c, length: float(c.window),
 )
 
 
@@ -310,6 +333,15 @@ def _reformer_kwargs(c: BenchConfig, length: int) -> dict:
     )
 
 
+def _keys_reformer(c: BenchConfig, length: int) -> float:
+    # Local and LSH attention both see their chunk and the one before (chunks of --window, one hashing round).
+    return float(min(length, 2 * c.window))
+
+
+def _width_reformer(c: BenchConfig) -> int:
+    return c.heads * REFORMER_HEAD_SIZE
+
+
 def _hfx_reformer(c: BenchConfig, length: int, reversible: bool = True, **overrides):
     import hf_xformers
 
@@ -328,12 +360,16 @@ ARCHS["reformer"] = Arch(
     build_reference=_ref_reformer,
     description="layers alternating chunked local and LSH attention, chunk length = --window, 1 hashing round, "
     "the same explicit num_buckets, axial positions (64, L/64); reference = transformers.ReformerModel (same config)",
+    keys_per_query=_keys_reformer,
+    attention_width=_width_reformer,
 )
 ARCHS["reformer_stored"] = Arch(
     build_hfx=lambda c, length: _hfx_reformer(c, length, reversible=False),
     build_reference=_ref_reformer,
     description="as `reformer`, ours with reversible=False (activations stored for backward, the same numbers); "
     "reference = transformers.ReformerModel (always reversible in training)",
+    keys_per_query=_keys_reformer,
+    attention_width=_width_reformer,
 )
 
 
@@ -385,6 +421,8 @@ ARCHS["reformer_lucidrains"] = Arch(
     description="every layer LSH attention (ours: attn_layers all 'lsh', num_buckets = L / --window, gelu), "
     "chunk = bucket_size = --window, 1 hashing round; reference = lucidrains reformer_pytorch.Reformer (ff_chunks=1, "
     "same dropouts but none after the feed-forward output) under token + axial position embeddings and a LayerNorm",
+    keys_per_query=_keys_reformer,
+    attention_width=_width_reformer,
 )
 
 
@@ -474,7 +512,21 @@ ARCHS["transfo_xl"] = Arch(
     description="none (transformers 5 has no Transformer-XL); ours reads the row in segments of --window tokens "
     "with memories of --window tokens (mem_len = --window, same_length, detached as in training), plain embeddings "
     "and no adaptive softmax",
+    # A segment's query sees the memory (--window) and the earlier half of its segment on average (causal); the
+    # relative-position scores are not counted.
+    keys_per_query=lambda c, length: float(min(length, 1.5 * c.window)),
 )
+
+
+def cell_flops(arch: str, impl: str, c: BenchConfig, length: int, model: nn.Module, training: bool) -> float:
+    """Model FLOPs of one call of a cell (:func:`benchmarks.utilisation.step_flops`): ``model``'s matrix-product
+    parameters, ``c.batch * length`` tokens, the pattern's keys per query (full attention for the ``sdpa`` baseline;
+    the Universal Transformer's steps are its layers)."""
+    entry = ARCHS[arch]
+    keys = keys_full(length) if impl == "sdpa" or entry.keys_per_query is None else entry.keys_per_query(c, length)
+    width = c.hidden if impl == "sdpa" or entry.attention_width is None else entry.attention_width(c)
+    idle = 0 if impl == "sdpa" or entry.idle_parameters is None else entry.idle_parameters(model)
+    return step_flops(matmul_parameters(model) - idle, c.batch * length, c.layers, keys, width, training)
 
 
 def build_model(arch: str, impl: str, c: BenchConfig, length: int) -> nn.Module:

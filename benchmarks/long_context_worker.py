@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.long_context_models import BenchConfig, build_model
+from benchmarks.long_context_models import BenchConfig, build_model, cell_flops
 from benchmarks.measurement import BackgroundLoad, hfx_source_hash
 from benchmarks.precision import DeviceMemory, Precision
 
@@ -42,6 +42,7 @@ def run_worker(spec: dict) -> dict:
     input_ids = precision.cast(torch.randint(5, c.vocab, (c.batch, length), generator=gen), training)
     attention_mask = precision.cast(torch.ones(c.batch, length, dtype=torch.long), training)
     params = sum(p.numel() for p in model.parameters())
+    flops = cell_flops(spec["arch"], spec["impl"], c, length, model, training)
     src = hfx_source_hash(model) if spec["impl"] == "hfx" else None
 
     if not training:
@@ -101,6 +102,7 @@ def run_worker(spec: dict) -> dict:
         "peak_mib": peak_mib,
         "baseline_mib": memory.base / 2**20,
         "params_m": params / 1e6,
+        "model_flops": flops,
         "mem_method": memory.mode,
         **precision.record(),
         "hfx_model_src": src,

@@ -13,14 +13,24 @@ Steps (:data:`STEPS`, in order):
 2. ``conformance``: ``pytest --device <device>`` on the conformance suites' mixed-precision (bf16 and fp16), packed
    batch and device tests.
 3. ``attention_implementations``: every ``attn_implementation`` of every architecture, forward and backward under
-   bfloat16 autocast, against the float32 ``"eager"`` outputs and gradients of the same weights (this file's
-   worker).
+   bfloat16 autocast, against the float32 ``"eager"`` outputs and gradients of the same weights; then FlexAttention
+   in float32 and at head dim 128 (this file's worker).
 4. ``attention_switch``: ``benchmarks.benchmark_attention_switch``, training, 4k and 32k tokens, ours (sdpa and
-   flex_attention) against transformers.
-5. ``long_context``: ``benchmarks.benchmark_long_context``, training, 4k and 32k tokens, against transformers and
-   full-attention SDPA.
+   flex_attention) against transformers, BigBird first (its FlexAttention has no GPU figure yet), with model
+   TFLOP/s and MFU.
+5. ``long_context``: ``benchmarks.benchmark_long_context``, training at 32k tokens, Longformer against full-attention
+   SDPA and transformers, with model TFLOP/s and MFU.
 6. ``packing``: ``benchmarks.benchmark_packing``: packed (padding-free) batches against padded ones.
-7. ``lra``: a short Long Range Arena run (``benchmarks.lra.run``, ListOps, every architecture).
+7. ``learning``: every architecture trains on a small synthetic classification task and must reach
+   :data:`LEARNING_THRESHOLD` test accuracy (4 classes: chance is 25 %) in the steps it has (this file's worker).
+   It replaces the ListOps run of earlier versions, which ended at chance after 60 steps on the H200.
+
+Steps whose work is a list of cells (the sweep, the two benchmarks, the learning check) get their step's time limit
+as a budget, less a margin for the cell in flight: they start no cell past it and list the cells left as skipped,
+so that a step ends by itself, ``ok``, inside the global cap. A step that ends early leaves its unused seconds to
+the steps after it. Limits from the H200 run of wave 6 (torch 2.11): environment 24 s, conformance 90 s, sweep 98 s,
+attention_switch needed more than 80 s (3 of 4 length groups), long_context more than 60 s (2 of 6 cells: each
+cell is a fresh process, about 30 s), packing 46 s.
 
 Nothing is installed. The script runs on the interpreter that starts it (on the GPU machines, their own ``python3``
 with its CUDA torch) and gives every step a ``PYTHONPATH`` of the repository root (no ``pip install -e``) and of the
@@ -189,6 +199,19 @@ class Context:
     device: str
     run_dir: Path
     python: str
+    limit_s: float = 0.0  # the time limit of the step being run (its argv passes a budget from it)
+
+
+# Seconds a step keeps, inside its limit, for the cell in flight when its budget runs out (the longest cell of the
+# H200 run took about 30 s: a long-context cell starting a process); at least a third of the limit stays a budget.
+CELL_MARGIN_S = {"cuda": 25.0, "cpu": 5.0}
+# The status of a cell a step did not start, its budget spent (the benchmarks write the same).
+SKIPPED = "skipped (budget)"
+
+
+def cell_budget(ctx: Context) -> float:
+    """The budget (seconds) a step with cells gets: its limit less :data:`CELL_MARGIN_S`."""
+    return max(ctx.limit_s / 3, ctx.limit_s - CELL_MARGIN_S[ctx.device])
 
 
 @dataclass
@@ -204,6 +227,8 @@ class Step:
     figures: Callable[[Path, str], list[str]]
     module: str | None = None
     flags: tuple[str, ...] = ()
+    # The step's utilisation for the summary's MFU column (steps that time training steps), from what it wrote.
+    mfu: Callable[[Path, str], str] | None = None
 
 
 def worker_argv(ctx: Context, step_dir: Path, worker: str) -> list[str]:
@@ -216,6 +241,8 @@ def worker_argv(ctx: Context, step_dir: Path, worker: str) -> list[str]:
         ctx.device,
         "--out",
         str(step_dir),
+        "--budget-s",
+        f"{cell_budget(ctx):.0f}",
     ]
 
 
@@ -235,8 +262,11 @@ CONFORMANCE_K = {
 
 def conformance_argv(ctx: Context, step_dir: Path) -> list[str]:
     files = SUITE_FILES if ctx.device != "cpu" else ["tests/test_longformer.py"]
+    # The suites' many shapes under Longformer's CUDA default (FlexAttention: a compilation per new pattern and dtype)
+    # would not fit the step's time: they run the sdpa paths, as in the H200 run (HFX_DEVICE_DEFAULTS=0); the learning
+    # step trains Longformer under its CUDA default, and the sweep checks FlexAttention's numbers.
     return [
-        ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "--device", ctx.device,
+        "env", "HFX_DEVICE_DEFAULTS=0", ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "--device", ctx.device,
         "-k", CONFORMANCE_K[ctx.device], "--junitxml", str(step_dir / "junit.xml"), "--continue-on-collection-errors",
     ]  # fmt: skip
 
@@ -247,21 +277,23 @@ def attention_switch_argv(ctx: Context, step_dir: Path) -> list[str]:
         if ctx.device != "cpu"
         else ["--lengths", "128", "--repeats", "1", "--warmup", "0", "--threads", "2"]
     )
-    # The dry run: Longformer only (the benchmark's models are 768 wide, costly on the CPU).
-    archs = ["longformer", "bigbird"] if ctx.device != "cpu" else ["longformer"]
+    # BigBird first: its FlexAttention (which the 64-token BlockMask kept from compiling on the H200) has no figure
+    # yet, Longformer's has (flex 1.25x our sdpa path at 32k). The dry run: Longformer only (768 wide, costly here).
+    archs = ["bigbird", "longformer"] if ctx.device != "cpu" else ["longformer"]
     return [
         ctx.python, "-m", "benchmarks.benchmark_attention_switch", "--device", ctx.device, "--dtype", "bfloat16",
-        "--autocast", "--modes", "train", "--archs", *archs, *sizes, "--out", str(step_dir),
+        "--autocast", "--modes", "train", "--archs", *archs, *sizes, "--budget-s", f"{cell_budget(ctx):.0f}",
+        "--out", str(step_dir),
     ]  # fmt: skip
 
 
 def long_context_argv(ctx: Context, step_dir: Path) -> list[str]:
-    # Every cell runs in a fresh process (imports and CUDA start: several seconds each), so the GPU run measures the
-    # ends of the range only, ours against transformers' Longformer and full-attention SDPA RoBERTa; the dry run
-    # measures ours (one cell).
+    # Every cell runs in a fresh process (imports and CUDA start: about 30 s a cell on the H200, which ran 2 of 6
+    # cells in 60 s), so the GPU run measures 32k tokens only (the 4k figures come from attention_switch): ours, then
+    # full-attention SDPA RoBERTa, then transformers' Longformer; the dry run measures ours (one cell).
     sizes = (
-        ["--lengths", "4096", "32768", "--impls", "hfx", "ref", "sdpa", "--hidden", "256", "--layers", "4",
-         "--window", "512", "--timeout", "60"]
+        ["--lengths", "32768", "--impls", "hfx", "sdpa", "ref", "--hidden", "256", "--layers", "4",
+         "--window", "512", "--timeout", "45"]
         if ctx.device != "cpu"
         else ["--lengths", "128", "--impls", "hfx", "--hidden", "32", "--layers", "1", "--heads", "2", "--window", "32",
               "--timeout", "60", "--threads", "2"]
@@ -269,7 +301,7 @@ def long_context_argv(ctx: Context, step_dir: Path) -> list[str]:
     return [
         ctx.python, "-m", "benchmarks.benchmark_long_context", "--arch", "longformer", "--device", ctx.device,
         "--dtype", "bfloat16", "--autocast", "--modes", "backward", "--repeats", "2", "--max-background", "1",
-        "--quiet-wait", "0", *sizes, "--out", str(step_dir),
+        "--quiet-wait", "0", *sizes, "--budget-s", f"{cell_budget(ctx):.0f}", "--out", str(step_dir),
     ]  # fmt: skip
 
 
@@ -286,17 +318,6 @@ def packing_argv(ctx: Context, step_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def lra_argv(ctx: Context, step_dir: Path) -> list[str]:
-    sizes = (
-        ["--arch", "all", "--steps", "60", "--batch_size", "32", "--num_train", "1000", "--num_eval", "200"]
-        if ctx.device != "cpu"
-        else ["--arch", "hfx-longformer", "--steps", "2", "--batch_size", "4", "--num_train", "8",
-              "--num_eval", "4", "--max_length", "48", "--option", "listops.min_length=16", "--threads", "2"]
-    )  # fmt: skip
-    return [
-        ctx.python, "-m", "benchmarks.lra.run", "--task", "listops", *sizes, "--device", ctx.device,
-        "--dtype", "bfloat16", "--autocast", "--in_process", "--no_progress", "--overwrite", "--out", str(step_dir),
-    ]  # fmt: skip
 
 
 # ----- key figures for the summary (each reads what its step wrote; a step stopped early has written less) -----
@@ -350,52 +371,129 @@ def sweep_figures(step_dir: Path, log: str) -> list[str]:
     lines = [
         f"{data['settings']}",
         "",
-        "| architecture | attn_implementation | status | first call s | step ms | peak MiB | mean rel. error | "
-        "max dev. | grad cosine |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| architecture | attn_implementation | precision | head dim | status | first call s | step ms | peak MiB | "
+        "mean rel. error | max dev. | grad cosine |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for c in data["cells"]:
+        what = f"| {c['arch']} | {c['implementation']} | {c.get('precision', 'bf16')} | {c.get('head_dim', '-')} |"
         if c["status"] == "ok" or "step_ms" in c:
             lines.append(
-                f"| {c['arch']} | {c['implementation']} | {c['status']} | {c['first_call_s']:.1f} | "
+                f"{what} {c['status']} | {c['first_call_s']:.1f} | "
                 f"{c['step_ms']:.1f} | {c['peak_mib'] or '-'} | {c['mean_rel_error']:.2e} | {c['max_deviation']:.2e} | "
                 f"{c['grad_cosine']:.4f} |"
             )
         else:
-            lines.append(f"| {c['arch']} | {c['implementation']} | {c['status']}: {c.get('error', '')} | | | | | | |")
+            lines.append(f"{what} {c['status']}: {c.get('error', '')} | | | | | | |")
+    skipped = [c for c in data["cells"] if c["status"] == SKIPPED]
+    if skipped:
+        lines += ["", f"{len(skipped)} of {len(data['cells'])} cells skipped (past the step's budget)."]
     return lines
 
 
-def attention_switch_figures(step_dir: Path, log: str) -> list[str]:
-    # The benchmark prints one JSON line per cell as it goes (its JSON file is written at the end only).
-    cells = {}
+def _percent(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.1f} %" if value >= 0.01 else f"{100 * value:.2g} %"
+
+
+def _switch_rows(log: str) -> tuple[dict, list[dict]]:
+    """The attention-switch benchmark's machine line and cell rows, from its log (it prints one JSON line per cell as
+    it goes; its JSON file is written at the end only)."""
+    machine, rows = {}, []
     for line in log.splitlines():
         if line.startswith('{"arch"'):
-            row = json.loads(line)
-            cells.setdefault((row["arch"], row["mode"], row["length"]), {})[row["implementation"]] = row["seconds"]
-    lines = ["| arch | mode | tokens | sdpa | flex_attention | transformers | transformers / sdpa |", "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+            rows.append(json.loads(line))
+        elif line.startswith('{"device"'):
+            machine = json.loads(line)
+    return machine, rows
+
+
+def attention_switch_figures(step_dir: Path, log: str) -> list[str]:
+    machine, rows = _switch_rows(log)
+    cells = {}
+    for row in rows:
+        cells.setdefault((row["arch"], row["mode"], row["length"]), {})[row["implementation"]] = row
+    lines = []
+    if machine.get("matmul_tflops"):
+        lines += [f"MFU: model TFLOP/s (benchmarks/utilisation.py) over a {machine.get('matmul', 'matrix product')} "
+                  f"measured in the run: {machine['matmul_tflops']:.3g} TFLOP/s.", ""]  # fmt: skip
+    lines += [
+        "| arch | mode | tokens | sdpa | flex_attention | transformers | flex / sdpa | transformers / sdpa | "
+        "MFU sdpa | MFU flex | MFU transformers |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for (arch, mode, length), row in cells.items():
-        ms = {k: f"{v * 1000:.0f} ms" if isinstance(v, float) else str(v) for k, v in row.items()}
-        a, b = row.get("transformers"), row.get("sdpa")
-        ratio = f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"
+        seconds = {k: r["seconds"] for k, r in row.items()}
+        ms = {k: f"{v * 1000:.0f} ms" if isinstance(v, float) else str(v) for k, v in seconds.items()}
+
+        def ratio(name: str, seconds: dict = seconds) -> str:
+            a, b = seconds.get(name), seconds.get("sdpa")
+            return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"
+
+        mfu = {k: _percent(r.get("mfu")) for k, r in row.items()}
         lines.append(
             f"| {arch} | {mode} | {length:,} | {ms.get('sdpa', '-')} | {ms.get('flex_attention', '-')} | "
-            f"{ms.get('transformers', '-')} | {ratio} |"
+            f"{ms.get('transformers', '-')} | {ratio('flex_attention')} | {ratio('transformers')} | "
+            f"{mfu.get('sdpa', '-')} | {mfu.get('flex_attention', '-')} | {mfu.get('transformers', '-')} |"
         )
+    skipped = [r for r in rows if r["seconds"] == "skipped (budget)"]
+    if skipped:
+        lines += ["", "Skipped (past the step's budget): "
+                  + ", ".join(f"{r['arch']} {r['implementation']} {r['length']:,}" for r in skipped)]  # fmt: skip
     return lines if cells else []
+
+
+def _tokens(length: int) -> str:
+    return f"{length // 1024}k" if length % 1024 == 0 else f"{length:,}"
+
+
+def attention_switch_mfu(step_dir: Path, log: str) -> str:
+    return _best_mfu([(r.get("mfu"), f"{r['arch']} {r['implementation']} {_tokens(r['length'])}") for r in _switch_rows(log)[1]])  # fmt: skip
+
+
+def _best_mfu(candidates: list[tuple[float | None, str]]) -> str:
+    """The summary's MFU cell: the best measured utilisation of the step and its cell."""
+    measured = [(value, name) for value, name in candidates if value]
+    if not measured:
+        return "-"
+    value, name = max(measured)
+    return f"{_percent(value)} ({name})"
+
+
+def _long_context_cells(step_dir: Path) -> list[tuple[str, dict, dict]]:
+    cells = []
+    for path in sorted(step_dir.glob("*.json")):
+        data = json.loads(path.read_text())
+        cells += [(name, r, data.get("meta", {})) for name, r in data.get("results", {}).items()]
+    return cells
+
+
+def _long_context_mfu(r: dict, meta: dict) -> float | None:
+    if r.get("status") != "ok" or not r.get("model_flops") or not meta.get("matmul_tflops"):
+        return None
+    return r["model_flops"] / r["time_s"] / 1e12 / meta["matmul_tflops"]
 
 
 def long_context_figures(step_dir: Path, log: str) -> list[str]:
     lines = []
     for path in sorted(step_dir.glob("*.json")):
         data = json.loads(path.read_text())
-        results = data.get("results", {})
-        lines += [f"`{path.name}`:", "", "| cell | status | seconds | peak MiB |", "|---|---|---:|---:|"]
+        results, meta = data.get("results", {}), data.get("meta", {})
+        rate = f"; matrix product {meta['matmul_tflops']:.3g} TFLOP/s" if meta.get("matmul_tflops") else ""
+        lines += [f"`{path.name}`{rate}:", "", "| cell | status | seconds | peak MiB | model TFLOP/s | MFU |",
+                  "|---|---|---:|---:|---:|---:|"]  # fmt: skip
         for cell, r in results.items():
-            seconds = f"{r['time_s']:.3f}" if r.get("status") == "ok" else "-"
-            peak = f"{r['peak_mib']:.0f}" if r.get("status") == "ok" and "peak_mib" in r else "-"
-            lines.append(f"| {cell} | {r.get('status')} | {seconds} | {peak} |")
+            ok = r.get("status") == "ok"
+            seconds = f"{r['time_s']:.3f}" if ok else "-"
+            peak = f"{r['peak_mib']:.0f}" if ok and "peak_mib" in r else "-"
+            rate = f"{r['model_flops'] / r['time_s'] / 1e12:.3g}" if ok and r.get("model_flops") else "-"
+            lines.append(f"| {cell} | {r.get('status')} | {seconds} | {peak} | {rate} | {_percent(_long_context_mfu(r, meta))} |")  # fmt: skip
     return lines
+
+
+def long_context_mfu(step_dir: Path, log: str) -> str:
+    return _best_mfu([(_long_context_mfu(r, meta), name) for name, r, meta in _long_context_cells(step_dir)])
 
 
 def packing_figures(step_dir: Path, log: str) -> list[str]:
@@ -412,38 +510,53 @@ def packing_figures(step_dir: Path, log: str) -> list[str]:
     return lines
 
 
-def lra_figures(step_dir: Path, log: str) -> list[str]:
-    cells = [json.loads(p.read_text()) for p in sorted((step_dir / "cells").glob("*.json"))]
-    lines = ["| task | architecture | test accuracy | steps/s | final loss |", "|---|---|---:|---:|---:|"]
-    for c in cells:
-        if "skipped" in c:
-            lines.append(f"| {c['task']} | {c['arch']} | skipped: {c['skipped']} | | |")
-        else:
+def learning_figures(step_dir: Path, log: str) -> list[str]:
+    data = _read_json(step_dir / "learning.json")
+    if not data:
+        return []
+    lines = [
+        data["settings"],
+        "",
+        "| architecture | test accuracy | threshold | learned | steps | seconds | first loss | final loss |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for c in data["cells"]:
+        if c["status"] in ("ok", "below threshold"):
             lines.append(
-                f"| {c['task']} | {c['arch']} | {100 * c['test_accuracy']:.1f} % | {c['steps_per_second']:.2f} | "
-                f"{c['final_train_loss']:.3f} |"
+                f"| {c['arch']} | {100 * c['accuracy']:.1f} % | {100 * data['threshold']:.0f} % | "
+                f"{'yes' if c['status'] == 'ok' else 'NO'} | {c['steps']} | {c['seconds']:.1f} | {c['first_loss']:.3f} | "
+                f"{c['final_loss']:.3f} |"
             )
-    return lines if cells else []
+        else:
+            lines.append(f"| {c['arch']} | {c['status']}: {c.get('error', '')} | | | | | | |")
+    return lines
 
 
+# Limits on CUDA (seconds, summing to the 480 s cap) from the H200 run of wave 6: environment 24 s, conformance 90 s,
+# the sweep 98 s (now with float32 and head-dim-128 FlexAttention cells, which its budget may skip), packing 46 s;
+# attention_switch and long_context needed more than they had (80 s, 60 s) and now run within budgets of their
+# limits; the learning check is about 5 s a tiny model plus one FlexAttention compilation (Longformer's default).
 STEPS = [
-    Step("environment", "Versions, device, floors, one forward", {"cuda": 45, "cpu": 20},
+    Step("environment", "Versions, device, floors, one forward", {"cuda": 30, "cpu": 20},
          lambda ctx, d: worker_argv(ctx, d, "environment"), environment_figures),
     Step("conformance", "pytest --device: conformance suites in bf16 and fp16, packed batches",
-         {"cuda": 110, "cpu": 25}, conformance_argv, conformance_figures),
-    Step("attention_implementations", "Every attn_implementation of every architecture, forward + backward, bf16",
-         {"cuda": 110, "cpu": 25}, lambda ctx, d: worker_argv(ctx, d, "attention_implementations"), sweep_figures),
-    Step("attention_switch", "Attention-switch benchmark: training, ours against transformers",
-         {"cuda": 80, "cpu": 20}, attention_switch_argv, attention_switch_figures,
-         module="benchmarks/benchmark_attention_switch.py", flags=("--device", "--dtype", "--autocast")),
-    Step("long_context", "Long-context benchmark: training, Longformer against transformers and full SDPA",
+         {"cuda": 100, "cpu": 25}, conformance_argv, conformance_figures),
+    Step("attention_implementations",
+         "Every attn_implementation of every architecture, forward + backward, bf16; FlexAttention in fp32 and head dim 128",
+         {"cuda": 120, "cpu": 30}, lambda ctx, d: worker_argv(ctx, d, "attention_implementations"), sweep_figures),
+    Step("attention_switch", "Attention-switch benchmark: training, ours against transformers, MFU",
+         {"cuda": 90, "cpu": 25}, attention_switch_argv, attention_switch_figures,
+         module="benchmarks/benchmark_attention_switch.py", flags=("--device", "--dtype", "--autocast", "--budget-s"),
+         mfu=attention_switch_mfu),
+    Step("long_context", "Long-context benchmark: training, Longformer against full SDPA and transformers, MFU",
          {"cuda": 60, "cpu": 25}, long_context_argv, long_context_figures,
-         module="benchmarks/benchmark_long_context.py", flags=("--device", "--dtype", "--autocast")),
+         module="benchmarks/benchmark_long_context.py", flags=("--device", "--dtype", "--autocast", "--budget-s"),
+         mfu=long_context_mfu),
     Step("packing", "Packed (padding-free) batches against padded ones, training throughput",
-         {"cuda": 50, "cpu": 20}, packing_argv, packing_figures,
+         {"cuda": 40, "cpu": 20}, packing_argv, packing_figures,
          module="benchmarks/benchmark_packing.py", flags=("--device", "--dtype")),
-    Step("lra", "A short Long Range Arena run (ListOps)", {"cuda": 60, "cpu": 25}, lra_argv, lra_figures,
-         module="benchmarks/lra/run.py", flags=("--device", "--dtype", "--autocast")),
+    Step("learning", "Every architecture learns a small synthetic task (accuracy threshold)", {"cuda": 40, "cpu": 30},
+         lambda ctx, d: worker_argv(ctx, d, "learning"), learning_figures),
 ]  # fmt: skip
 
 
@@ -463,6 +576,7 @@ class StepResult:
     returncode: int | None = None
     command: str = ""
     note: str = ""
+    mfu: str = "-"  # the best model FLOPs utilisation the step measured (steps that time training), and where
     figures: list[str] = field(default_factory=list)
     log_tail: list[str] = field(default_factory=list)
 
@@ -488,6 +602,7 @@ def run_step(step: Step, ctx: Context, limit_s: float, env: dict[str, str]) -> S
         )
         log_path.write_text(result.note + "\n")
         return result
+    ctx = Context(ctx.device, ctx.run_dir, ctx.python, limit_s)
     argv = step.argv(ctx, step_dir)
     result.command = " ".join(argv)
     print(f"[{time.strftime('%H:%M:%S')}] {step.name}: up to {limit_s:.0f} s: {result.command}", flush=True)
@@ -510,6 +625,8 @@ def run_step(step: Step, ctx: Context, limit_s: float, env: dict[str, str]) -> S
         result.log_tail = text.splitlines()[-LOG_TAIL_LINES:]
     try:
         result.figures = step.figures(step_dir, text)
+        if step.mfu is not None:
+            result.mfu = step.mfu(step_dir, text)
     except Exception as error:  # noqa: BLE001 - a figure that cannot be read must not lose the step's status
         result.figures = [f"(figures unreadable: {type(error).__name__}: {error})"]
     print(f"[{time.strftime('%H:%M:%S')}] {step.name}: {result.status} in {result.seconds:.0f} s", flush=True)
@@ -543,11 +660,13 @@ def write_summary(run_dir: Path, header: dict, results: list[StepResult]) -> str
         f"- wheels left out: {', '.join(header['wheels_left_out']) or 'none'}",
         f"- total {header['total_s']:.0f} s of a {header['cap_s']:.0f} s cap; {header['git']}",
         "",
-        "| step | status | seconds | CPU s | limit s | note |",
-        "|---|---|---:|---:|---:|---|",
+        "| step | status | seconds | CPU s | limit s | MFU (best cell) | note |",
+        "|---|---|---:|---:|---:|---|---|",
     ]
     for r in results:
-        lines.append(f"| {r.name} | {r.status} | {r.seconds:.0f} | {r.cpu_s:.0f} | {r.limit_s:.0f} | {r.note} |")
+        lines.append(
+            f"| {r.name} | {r.status} | {r.seconds:.0f} | {r.cpu_s:.0f} | {r.limit_s:.0f} | {r.mfu} | {r.note} |"
+        )
     for r in results:
         lines += [
             "",
@@ -593,10 +712,13 @@ def main_run(args: argparse.Namespace) -> int:
     for c in choices:
         print(f"  wheel {c.path.name}: {'on the path' if c.used else 'left out'} ({c.reason})", flush=True)
     results = []
+    planned = 0.0  # the sum of the limits so far: a step also gets what the steps before it left unused
     for i, step in enumerate(steps):
-        left = cap - (time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        left = cap - elapsed
         reserve = MIN_STEP_S[args.device] * (len(steps) - i - 1)
-        limit = min(step.limit_s[args.device] * args.limit_scale, left - reserve)
+        planned += step.limit_s[args.device] * args.limit_scale
+        limit = min(max(planned - elapsed, step.limit_s[args.device] * args.limit_scale), left - reserve)
         if limit < MIN_STEP_S[args.device] / 2:
             results.append(StepResult(step.name, step.title, "not run", note="global time cap reached"))
             continue
@@ -844,24 +966,50 @@ def sweep_models(s: dict) -> dict:
     }
 
 
-def attention_implementations_worker(device: str, out: Path) -> int:
+# Besides the bf16 cells of every implementation, FlexAttention's GPU kernels in the cases that exhausted shared
+# memory or that their tile choice (ops/attention_switch.flex_kernel_options) changes: float32 inputs for every
+# architecture that offers it, and head dim 128 (half the heads of the same width) in bf16 and float32 for the two
+# table-built BlockMasks (Longformer's band; BigBird's blocks coarsened to 128). In this order: a run stopped at its
+# budget keeps the earlier ones.
+FLEX_ARCHS = ("longformer", "bigbird", "reformer", "universal", "swin")
+WIDE_HEAD_ARCHS = ("longformer", "bigbird")
+
+
+def sweep_cells(models_supporting: dict[str, tuple[bool, bool]]) -> list[tuple[str, str, str, int]]:
+    """The sweep's cells in order, ``(arch, implementation, precision, heads_factor)`` from ``{arch: (supports sdpa,
+    supports flex)}``: ``precision`` "bf16" (autocast) or "fp32"; ``heads_factor`` 1 (the sizes' heads) or 2 (half
+    as many heads, twice the head dim)."""
+    cells = [(arch, "eager", "bf16", 1) for arch in models_supporting]
+    cells += [(arch, "sdpa", "bf16", 1) for arch, (sdpa, _) in models_supporting.items() if sdpa]
+    flex = [arch for arch, (_, supports) in models_supporting.items() if supports]
+    cells += [(arch, "flex_attention", "bf16", 1) for arch in flex]
+    cells += [(arch, "flex_attention", "fp32", 1) for arch in flex if arch in FLEX_ARCHS]
+    cells += [(arch, "flex_attention", p, 2) for arch in WIDE_HEAD_ARCHS if arch in flex for p in ("bf16", "fp32")]
+    return cells
+
+
+def attention_implementations_worker(device: str, out: Path, budget_s: float | None = None) -> int:
     """Every architecture's base model under each ``attn_implementation`` it accepts: forward and backward of a fixed
     projection of ``last_hidden_state`` under bfloat16 autocast (eval mode: no dropout, fixed random patterns), on a
-    batch whose second row is a quarter padding, against the float32 ``"eager"`` run of the same weights. Cells in
-    order eager, sdpa, flex_attention (FlexAttention compiles a kernel per shape: its cells come last, so that a run
-    stopped at its limit has the others); ``attention_implementations.json`` is rewritten after every cell."""
+    batch whose second row is a quarter padding, against the float32 ``"eager"`` run of the same weights; then
+    FlexAttention on float32 inputs and at twice the head dim (:func:`sweep_cells`). Cells in order eager, sdpa,
+    flex_attention (FlexAttention compiles a kernel per shape: its cells come last, so that a run stopped at its limit
+    has the others); past ``budget_s`` seconds the cells left are recorded as skipped. ``attention_implementations.json``
+    is rewritten after every cell."""
     import torch
 
+    started = time.perf_counter()
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference is float32
         torch.backends.cudnn.allow_tf32 = False
     s = SWEEP_SIZES[device]
-    builders = sweep_models(s)
     settings = (
         f"batch {s['batch']} x {s['length']} tokens (second row 1/4 padding; Swin {s['image']} px images), hidden "
-        f"{s['hidden']}, {s['layers']} layers, {s['heads']} heads; bf16 autocast against float32 eager; eval mode; "
-        f"step = forward + backward, median of {s['timed']} after the first call (which compiles FlexAttention); ok: "
-        f"mean relative error <= {SWEEP_MEAN_TOLERANCE}, gradient cosine >= {SWEEP_MIN_COSINE}, all finite"
+        f"{s['hidden']}, {s['layers']} layers, {s['heads']} heads (head dim {s['hidden'] // s['heads']}; 'head dim' "
+        f"{2 * s['hidden'] // s['heads']}: half the heads); bf16: autocast, fp32: float32 inputs, both against float32 "
+        f"eager; eval mode; step = forward + backward, median of {s['timed']} after the first call (which compiles "
+        f"FlexAttention); ok: mean relative error <= {SWEEP_MEAN_TOLERANCE}, gradient cosine >= {SWEEP_MIN_COSINE}, all "
+        "finite"
     )
     if device == "cpu":
         settings += "; on the CPU FlexAttention has no backward, so flex_attention cells run the sdpa path"
@@ -873,25 +1021,29 @@ def attention_implementations_worker(device: str, out: Path) -> int:
     mask[1, -s["length"] // 4 :] = 0
     ids[1, -s["length"] // 4 :] = 1
     pixels = torch.randn(s["batch"], 3, s["image"], s["image"], generator=generator)
-    models, references = {}, {}
-    for arch, build in builders.items():
-        torch.manual_seed(0)
-        try:
-            model = build().eval()
+    models, references, failed = {}, {}, {}
+
+    def model_for(arch: str, factor: int):
+        """The model of ``arch`` with ``s['heads'] // factor`` heads (built once, perturbed from a fixed seed)."""
+        if (arch, factor) not in models:
+            sizes = dict(s, heads=s["heads"] // factor)
+            torch.manual_seed(0)
+            model = sweep_models(sizes)[arch]().eval()
+            weights = torch.Generator().manual_seed(factor)
             with torch.no_grad():  # as the tests do: no bias left at 0, no LayerNorm at 1, every tensor matters
                 for p in model.parameters():
-                    p.add_(0.05 * torch.randn(p.shape, generator=generator))
-            model = model.to(device)
+                    p.add_(0.05 * torch.randn(p.shape, generator=weights))
+            models[(arch, factor)] = model.to(device)
+        return models[(arch, factor)]
+
+    supporting = {}
+    for arch in sweep_models(s):
+        try:
+            model = model_for(arch, 1)
+            supporting[arch] = (model._supports_sdpa, model._supports_flex_attn)
         except Exception as error:  # noqa: BLE001 - a model that cannot be built is a finding; the others go on
-            result["cells"].append({"arch": arch, "implementation": "-", "status": "error", "error": _short(error)})
-            continue
-        models[arch] = model
-    cells = [
-        (arch, impl)
-        for impl in ("eager", "sdpa", "flex_attention")
-        for arch, model in models.items()
-        if impl == "eager" or (impl == "sdpa" and model._supports_sdpa) or (impl == "flex_attention" and model._supports_flex_attn)
-    ]  # fmt: skip
+            failed[arch] = _short(error)
+            result["cells"].append({"arch": arch, "implementation": "-", "status": "error", "error": failed[arch]})
 
     def inputs(arch: str) -> dict:
         if arch == "swin":
@@ -904,9 +1056,8 @@ def attention_implementations_worker(device: str, out: Path) -> int:
             return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
         return mask.to(device).bool()
 
-    def step(arch: str, autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(model, arch: str, autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward + backward; ``last_hidden_state`` (float32) and the flattened gradients."""
-        model = models[arch]
         model.zero_grad(set_to_none=True)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             hidden = model(**inputs(arch)).last_hidden_state
@@ -920,25 +1071,31 @@ def attention_implementations_worker(device: str, out: Path) -> int:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    for arch, impl in cells:
-        cell = {"arch": arch, "implementation": impl}
+    for arch, impl, precision, factor in sweep_cells(supporting):
+        cell = {"arch": arch, "implementation": impl, "precision": precision,
+                "head_dim": factor * s["hidden"] // s["heads"]}  # fmt: skip
+        if budget_s is not None and time.perf_counter() - started > budget_s:
+            cell["status"] = SKIPPED
+            result["cells"].append(cell)
+            continue
         try:
-            model = models[arch]
-            if arch not in references:
+            model = model_for(arch, factor)
+            if (arch, factor) not in references:
                 model.set_attn_implementation("eager")
-                references[arch] = step(arch, autocast=False)
-            ref_hidden, ref_grads = references[arch]
+                references[(arch, factor)] = step(model, arch, autocast=False)
+            ref_hidden, ref_grads = references[(arch, factor)]
             model.set_attn_implementation(impl)
+            autocast = precision == "bf16"
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            hidden, grads = step(arch, autocast=True)
+            hidden, grads = step(model, arch, autocast)
             synchronize()
             cell["first_call_s"] = time.perf_counter() - start
             times = []
             for _ in range(s["timed"]):
                 start = time.perf_counter()
-                step(arch, autocast=True)
+                step(model, arch, autocast)
                 synchronize()
                 times.append(time.perf_counter() - start)
             cell["step_ms"] = 1000 * (sorted(times)[len(times) // 2] if times else cell["first_call_s"])
@@ -957,7 +1114,112 @@ def attention_implementations_worker(device: str, out: Path) -> int:
         path.write_text(json.dumps(result, indent=1))
         print(json.dumps(cell), flush=True)
     path.write_text(json.dumps(result, indent=1))
-    return 0 if all(c["status"] == "ok" for c in result["cells"]) else 1
+    return 0 if all(c["status"] in ("ok", SKIPPED) for c in result["cells"]) else 1
+
+
+# ----- the learning check: every architecture fits a small synthetic task ------------------------------------------
+
+# 4 classes (chance 25 %, the task's labels are balanced); a model has learned the task at this test accuracy.
+LEARNING_CLASSES = 4
+LEARNING_THRESHOLD = 0.9
+# Sizes of the learning check: CUDA trains every architecture of the Long Range Arena's small setting (2 layers,
+# hidden 64) at 1,024 tokens (Swin: 32 x 32 one-channel images); the dry run Longformer alone at 64 tokens.
+LEARNING_SIZES = {
+    "cuda": dict(length=1024, image=32, steps=120, batch=32, eval=512, lr=3e-3, archs="all"),
+    "cpu": dict(length=64, image=16, steps=30, batch=16, eval=128, lr=3e-3, archs=("hfx-longformer",)),
+}
+# The LRA models' ordering puts Longformer first: on CUDA it trains under its FlexAttention default (no dropout).
+LEARNING_ORDER = ("hfx-longformer", "hfx-bigbird", "hfx-reformer", "hfx-performer", "hfx-linformer", "hfx-universal",
+                  "hfx-transfo-xl", "hfx-swin")  # fmt: skip
+
+
+def learning_batch(n: int, length: int, generator) -> tuple:
+    """``n`` sequences of ``length`` ids with their labels: noise ids 1-64, and a quarter of the positions (drawn per
+    sequence) holding the marker of the sequence's class (ids 100, 150, 200, 250). The model must find the markers
+    among the noise: mean pooling over attention outputs reads them. As images (Swin: ids are pixel values 1-256),
+    the class is the brightness of the marked pixels."""
+    import torch
+
+    ids = torch.randint(1, 65, (n, length), generator=generator)
+    labels = torch.randint(0, LEARNING_CLASSES, (n,), generator=generator)
+    marked = torch.rand(n, length, generator=generator) < 0.25
+    ids = torch.where(marked, (100 + 50 * labels)[:, None].expand(-1, length), ids)
+    return ids, labels
+
+
+def learning_worker(device: str, out: Path, budget_s: float | None = None) -> int:
+    """Trains each architecture (the Long Range Arena's small models, mean pooling, no dropout) on
+    :func:`learning_batch` data for a fixed number of AdamW steps under bf16 autocast on CUDA (float32 on the CPU),
+    then measures the accuracy on held-out sequences; ``learning.json``. Exit 1 when an architecture stays below
+    :data:`LEARNING_THRESHOLD`; past ``budget_s`` seconds the architectures left are recorded as skipped."""
+    import torch
+
+    from benchmarks.lra.models import ARCHS, VISION_ARCHS, build_model
+
+    started = time.perf_counter()
+    s = LEARNING_SIZES[device]
+    archs = [a for a in LEARNING_ORDER if a in ARCHS] if s["archs"] == "all" else list(s["archs"])
+    autocast = device == "cuda"
+    result = {
+        "settings": (
+            f"{LEARNING_CLASSES} balanced classes (chance 25 %): a quarter of the positions hold the class's marker "
+            f"among noise ids; {s['steps']} AdamW steps (lr {s['lr']}) of batch {s['batch']} x {s['length']} tokens "
+            f"(Swin: {s['image']} x {s['image']} images of the same ids), "
+            f"{'bf16 autocast' if autocast else 'float32'}, no dropout; LRA small models (2 layers, hidden 64, mean "
+            f"pooling); test accuracy on {s['eval']} held-out sequences; learned: accuracy >= {LEARNING_THRESHOLD:.0%}"
+        ),
+        "threshold": LEARNING_THRESHOLD,
+        "cells": [],
+    }
+    path = out / "learning.json"
+    for arch in archs:
+        cell = {"arch": arch}
+        if budget_s is not None and time.perf_counter() - started > budget_s:
+            result["cells"].append({**cell, "status": SKIPPED})
+            continue
+        try:
+            vision = arch in VISION_ARCHS
+            length = s["image"] ** 2 if vision else s["length"]
+            model, _ = build_model(
+                arch, "listops", vocab_size=257, length=length, num_labels=LEARNING_CLASSES,
+                image_shape=(s["image"], s["image"]) if vision else None, dropout=0.0, seed=0,
+            )  # fmt: skip
+            model = model.to(device).train()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=s["lr"])
+            generator = torch.Generator().manual_seed(0)
+            start = time.perf_counter()
+            losses = []
+            for _ in range(s["steps"]):
+                ids, labels = learning_batch(s["batch"], length, generator)
+                ids, labels = ids.to(device), labels.to(device)
+                with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                    loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss.detach())
+            model.eval()
+            ids, labels = learning_batch(s["eval"], length, torch.Generator().manual_seed(1))
+            correct = 0
+            # In training-sized batches: the shapes FlexAttention was compiled for (no recompilation for a new batch).
+            for rows, row_labels in zip(ids.split(s["batch"]), labels.split(s["batch"])):
+                rows = rows.to(device)
+                with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                    logits = model(input_ids=rows, attention_mask=torch.ones_like(rows)).logits
+                correct += int((logits.argmax(-1).cpu() == row_labels).sum())
+            accuracy = correct / len(labels)
+            cell.update(
+                accuracy=accuracy, steps=s["steps"], seconds=time.perf_counter() - start,
+                first_loss=losses[0].item(), final_loss=losses[-1].item(),
+                status="ok" if accuracy >= LEARNING_THRESHOLD else "below threshold",
+            )  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - one failing architecture must not end the check
+            cell.update(status="error", error=_short(error))
+        result["cells"].append(cell)
+        path.write_text(json.dumps(result, indent=1))
+        print(json.dumps(cell), flush=True)
+    path.write_text(json.dumps(result, indent=1))
+    return 0 if all(c["status"] in ("ok", SKIPPED) for c in result["cells"]) else 1
 
 
 def _short(error: BaseException) -> str:
@@ -965,7 +1227,11 @@ def _short(error: BaseException) -> str:
     return text if len(text) < 400 else text[:400] + " ..."
 
 
-WORKERS = {"environment": environment_worker, "attention_implementations": attention_implementations_worker}
+WORKERS = {
+    "environment": lambda device, out, budget_s=None: environment_worker(device, out),
+    "attention_implementations": attention_implementations_worker,
+    "learning": learning_worker,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -975,7 +1241,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out", type=Path, default=REPO_ROOT / "gpu_check_results", help="results go to OUT/<date>-<device>/"
     )
     p.add_argument("--steps", nargs="+", default=None, help=f"run only these steps: {', '.join(s.name for s in STEPS)}")
-    p.add_argument("--budget-s", type=float, default=None, help="global cap in seconds (default: 480 cuda, 115 cpu)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="global cap in seconds (default: 480 cuda, 115 cpu); a worker's own budget")  # fmt: skip
     p.add_argument("--limit-scale", type=float, default=1.0, help="multiply every step's own time limit by this")
     p.add_argument("--wheels", type=Path, default=WHEEL_DIR, help="folder of wheels to put on the path where needed")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
@@ -986,7 +1253,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         args.out.mkdir(parents=True, exist_ok=True)
-        return WORKERS[args.worker](args.device, args.out)
+        return WORKERS[args.worker](args.device, args.out, args.budget_s)
     return main_run(args)
 
 

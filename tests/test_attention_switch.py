@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -300,3 +301,297 @@ def test_generation_under_flex_attention_gives_the_sdpa_tokens(flex_calls):
     model.set_attn_implementation("flex_attention")
     assert torch.equal(model.generate(prompt, **kwargs), reference)
     assert not flex_calls
+
+
+# ----- FlexAttention on GPUs: block sizes the Triton kernels accept, tiles within the shared memory -----------------
+
+# What a GPU run gets, checked here on the CPU: H100 / H200 shared memory per block (Triton: "Hardware limit: 232448"),
+# less the reserve the tile choice keeps.
+HOPPER_BUDGET = 232448 - switch.SHARED_MEMORY_RESERVE
+FLEX_ARCHS = ("longformer", "bigbird", "reformer", "universal", "swin")
+
+
+def _token_table(table: torch.Tensor, block: int, length: int) -> torch.Tensor:
+    """Block table ``(..., n, n)`` -> the token table ``(..., length, length)`` it covers (places past the table:
+    False)."""
+    tokens = table.repeat_interleave(block, -1).repeat_interleave(block, -2)
+    size = tokens.shape[-1]
+    if size < length:
+        tokens = F.pad(tokens, (0, length - size, 0, length - size))
+    return tokens[..., :length, :length]
+
+
+@pytest.mark.parametrize(("block", "length"), [(4, 37), (16, 300), (48, 400), (64, 520), (64, 256), (256, 600)])
+def test_coarsened_tables_keep_the_pattern(block, length):
+    """BigBird's tables at its own block size, coarsened to the GPU kernels' 128: no allowed pair is skipped, no
+    partly masked block is marked full, and no block is visited that holds no visited pair of the fine tables."""
+    nb = -(-length // block)
+    g = torch.Generator().manual_seed(block + length)
+    visited = torch.rand(2, 3, nb, nb, generator=g) < 0.3
+    full = visited & (torch.rand(2, 3, nb, nb, generator=g) < 0.5)
+    partial = visited & ~full
+    coarse_partial, coarse_full = switch.coarsen_block_tables(partial, full, block, length)
+    nc = -(-length // switch.FLEX_BLOCK_SIZE)
+    assert coarse_partial.shape == coarse_full.shape == (2, 3, nc, nc)
+    assert not (coarse_partial & coarse_full).any()
+    fine_visit, fine_full = _token_table(visited, block, length), _token_table(full, block, length)
+    coarse_visit = _token_table(coarse_partial | coarse_full, switch.FLEX_BLOCK_SIZE, length)
+    coarse_whole = _token_table(coarse_full, switch.FLEX_BLOCK_SIZE, length)
+    assert not (fine_visit & ~coarse_visit).any(), "a visited pair falls in a skipped 128-block"
+    assert not (coarse_whole & ~fine_full).any(), "a 128-block marked full holds a pair that needs its mask"
+    # Minimal: every visited 128-block holds a visited pair.
+    held = F.pad(fine_visit, (0, nc * 128 - length, 0, nc * 128 - length)).view(2, 3, nc, 128, nc, 128)
+    assert torch.equal(held.any(-1).any(-2), coarse_partial | coarse_full)
+
+
+def test_a_block_mask_for_a_gpu_refuses_a_block_size_the_tiles_do_not_divide(monkeypatch):
+    monkeypatch.setattr(switch, "gpu_kernels", lambda device: True)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        switch.make_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256, torch.device("cpu"), block_size=64)
+
+
+@pytest.fixture
+def as_if_on_a_gpu(monkeypatch) -> list:
+    """The CPU run builds what a GPU run would (``gpu_kernels`` is True): every FlexAttention call is recorded with
+    its BlockMask's block size and the ``kernel_options`` an H100 / H200 would get for it, then runs here (eager)."""
+    monkeypatch.setattr(switch, "FLEX_COMPILE", False)
+    monkeypatch.setattr(switch, "gpu_kernels", lambda device: True)
+    calls = []
+    for module in FLEX_MODULES:
+        if hasattr(module, "flex_attention"):
+
+            def recorded(q, k, v, *args, _kernel=switch.flex_attention, **kwargs):
+                block_mask = kwargs.get("block_mask")
+                block = (128, 128) if block_mask is None else tuple(block_mask.BLOCK_SIZE)
+                options = switch.flex_kernel_options(q.shape[-1], v.shape[-1], q.dtype, block, HOPPER_BUDGET)
+                calls.append((block, options))
+                return _kernel(q, k, v, *args, **kwargs)
+
+            monkeypatch.setattr(module, "flex_attention", recorded)
+    return calls
+
+
+def _tiles_divide(block: tuple[int, int], options: dict) -> bool:
+    q_block, kv_block = block
+    plain = {k.removeprefix("fwd_").removeprefix("bwd_"): v for k, v in options.items()}
+    m = [plain[k] for k in ("BLOCK_M", "BLOCK_M1", "BLOCK_M2") if k in plain]
+    n = [plain[k] for k in ("BLOCK_N", "BLOCK_N1", "BLOCK_N2") if k in plain]
+    return len(m) == len(n) == 3 and all(q_block % t == 0 for t in m) and all(kv_block % t == 0 for t in n)
+
+
+@pytest.mark.parametrize("arch", FLEX_ARCHS)
+def test_every_block_mask_for_a_gpu_suits_the_kernels(arch, as_if_on_a_gpu):
+    """Every BlockMask an architecture builds for a GPU has a block size of a multiple of 128 (BigBird's tiny config
+    has blocks of 4), the tiles passed with it divide that size, and the outputs stay those of the "sdpa" path."""
+    model = build(arch)
+    with torch.no_grad():
+        reference, real = run(model, arch, "sdpa")
+        out, _ = run(model, arch, "flex_attention")
+    assert as_if_on_a_gpu, f"{arch}: no FlexAttention call"
+    for block, options in as_if_on_a_gpu:
+        assert all(size % switch.FLEX_BLOCK_SIZE == 0 for size in block), (arch, block)
+        assert _tiles_divide(block, options), (arch, block, options)
+    assert max_difference(out.last_hidden_state, reference.last_hidden_state, real) < ATOL
+
+
+def test_compiled_bigbird_kernel_over_coarsened_blocks(monkeypatch, flex_calls):
+    """The compiled kernel walks the coarsened tables (it skips what they skip and leaves the mask out of full
+    blocks): BigBird with 48-token blocks over several 128-token blocks, padded, gives the "sdpa" context."""
+    monkeypatch.setattr(switch, "gpu_kernels", lambda device: True)
+    config = hf_xformers.HfxBigBirdConfig(
+        vocab_size=50, hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64,
+        block_size=48, num_random_blocks=1, max_position_embeddings=1024,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = hf_xformers.HfxBigBirdModel(config).eval()
+    ids = torch.randint(5, 50, (2, 720))
+    mask = torch.ones_like(ids)
+    mask[1, 500:] = 0
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        model.set_attn_implementation("flex_attention")
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert flex_calls
+    assert max_difference(out, reference, mask.bool()) < ATOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [16, 32, 48, 64, 96, 128])
+def test_kernel_options_fit_the_shared_memory_of_an_h100(head_dim, dtype):
+    """The tiles passed on CUDA fit an H100 / H200's 227 KiB (estimated) for head dims up to 128 in float32 and 16
+    bits, divide the 128-token blocks, keep the kernels' own constraints, and for bf16 at head_dim 64 are torch's sm_90
+    defaults (the configuration the H200 measured)."""
+    options = switch.flex_kernel_options(head_dim, head_dim, dtype, (128, 128), HOPPER_BUDGET)
+    plain = {k.removeprefix("fwd_").removeprefix("bwd_"): v for k, v in options.items()}
+    element = torch.empty((), dtype=dtype).element_size()
+    forward = (plain["BLOCK_M"], plain["BLOCK_N"], options.get("fwd_num_stages", plain["num_stages"]), 4)
+    backward = (plain["BLOCK_M1"], plain["BLOCK_N1"], plain["BLOCK_M2"], plain["BLOCK_N2"],
+                options.get("bwd_num_stages", plain["num_stages"]), 4)  # fmt: skip
+    for tiles in (forward, backward):
+        assert switch.flex_shared_memory(tiles, head_dim, head_dim, element) <= 227 * 1024, (tiles, dtype, head_dim)
+    assert _tiles_divide((128, 128), options)
+    assert plain["BLOCK_N1"] % plain["BLOCK_M1"] == 0 and plain["BLOCK_M2"] % plain["BLOCK_N2"] == 0
+    if dtype != torch.float32 and head_dim == 64:
+        assert forward[:3] == (128, 128, 3) and backward[:5] == (64, 128, 128, 64, 3)
+    # Float32 inputs, or head_dim 128, do not get the 16-bit head_dim-64 tiles, whose estimate exceeds the card.
+    big = switch.flex_shared_memory(switch.FLEX_FORWARD_TILES[0], head_dim, head_dim, element)
+    assert (big <= HOPPER_BUDGET) == (forward[:2] == (128, 128))
+
+
+def test_shared_memory_estimate_grows_with_tiles_stages_and_precision():
+    estimate = switch.flex_shared_memory
+    assert estimate((128, 128, 3, 4), 64, 64, 4) == 2 * estimate((128, 128, 3, 4), 64, 64, 2) - 4 * 128 * 128
+    deeper, shallower, smaller = ((128, 128, 3, 4), (128, 128, 2, 4), (64, 64, 2, 4))
+    assert estimate(deeper, 64, 64, 2) > estimate(shallower, 64, 64, 2) > estimate(smaller, 64, 64, 2)
+    assert estimate((64, 128, 128, 64, 3, 8), 128, 128, 2) > estimate((64, 128, 128, 64, 3, 8), 64, 64, 2)
+    # Head dims round up to a power of two, as the kernels pad them.
+    assert estimate((64, 64, 2, 4), 48, 48, 2) == estimate((64, 64, 2, 4), 64, 64, 2)
+    with pytest.raises(ValueError, match="smaller attention heads"):
+        switch.flex_kernel_options(4096, 4096, torch.float32, (128, 128), HOPPER_BUDGET)
+
+
+def test_flex_inputs_take_the_autocast_dtype(monkeypatch):
+    """Under autocast the three inputs reach FlexAttention in the autocast dtype (a float32 key beside bfloat16
+    queries, as LSH's normalised keys are on CUDA, would double the kernel's shared memory)."""
+    seen = []
+    import torch.nn.attention.flex_attention as flex_module
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return q
+
+    monkeypatch.setattr(switch, "FLEX_COMPILE", False)
+    monkeypatch.setattr(flex_module, "flex_attention", spy)
+    q, v = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16), torch.randn(1, 2, 8, 4, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        switch.flex_attention(q, torch.randn(1, 2, 8, 4), v)
+    switch.flex_attention(q.float(), torch.randn(1, 2, 8, 4), v.float())
+    assert seen == [(torch.bfloat16,) * 3, (torch.float32,) * 3]
+
+
+def test_kernel_options_only_for_the_cuda_kernels():
+    """The CPU kernel gets no tile options (none of its own); nor do short queries (the decoding kernel)."""
+    q = torch.randn(1, 2, 256, 64)
+    assert switch.kernel_options_for(q, q, None) is None
+
+
+# ----- the default per device: the fastest correct kernel where the user chose none ---------------------------------
+
+
+@pytest.fixture
+def as_if_on_cuda(monkeypatch):
+    """The per-device decision as CUDA makes it, for inputs on the CPU."""
+    monkeypatch.setattr(switch, "device_defaults", lambda device: switch.CUDA_DEFAULTS)
+
+
+@pytest.mark.parametrize("arch", list(SUPPORTED))
+def test_unset_choice_takes_the_device_default(arch, monkeypatch):
+    """Where the user chose nothing: ``"sdpa"`` on the CPU, the architecture's measured CUDA default on CUDA (flex for
+    Longformer, sdpa for the rest); an explicit choice, ``"sdpa"`` included, is kept on every device."""
+    model = build(arch)
+    config, cpu = model.config, torch.device("cpu")
+    assert config._attn_implementation == "sdpa"
+    # Transformer-XL has one kernel for every choice (attention/relative_memory.py) and no device default to mark.
+    assert getattr(config, switch.UNSET_ATTRIBUTE, False) == (arch != "transfo_xl")
+    assert switch.attention_implementation(config, cpu) == "sdpa"
+    monkeypatch.setattr(switch, "device_defaults", lambda device: switch.CUDA_DEFAULTS)
+    expected = "flex_attention" if arch == "longformer" else "sdpa"
+    assert switch.attention_implementation(config, cpu) == expected
+    assert switch.attention_implementation(config) == "sdpa"  # no device: the recorded choice
+    model.set_attn_implementation("sdpa")
+    assert switch.attention_implementation(config, cpu) == "sdpa"
+    explicit = type(model)(type(config)(**{**config.to_dict(), "attn_implementation": "sdpa"}))
+    assert not getattr(explicit.config, switch.UNSET_ATTRIBUTE, False)
+    assert switch.attention_implementation(explicit.config, cpu) == "sdpa"
+
+
+def test_cuda_defaults_run_what_they_name():
+    """Every CUDA default is an implementation its architecture accepts."""
+    from hf_xformers.registration import REGISTRY
+
+    for model_type, implementation in switch.CUDA_DEFAULTS.items():
+        model_class = REGISTRY[model_type][1]["AutoModel"]
+        assert implementation in switch.IMPLEMENTATIONS
+        assert implementation != "flex_attention" or model_class._supports_flex_attn, model_type
+
+
+def test_longformer_runs_flex_by_default_on_cuda(as_if_on_cuda, eager_flex, flex_calls, monkeypatch):
+    """Longformer with no choice made, as on CUDA: inference runs FlexAttention (the block masks built once per
+    forward) with the "sdpa" path's outputs."""
+    from hf_xformers.models.longformer import modeling_longformer
+
+    built = []
+    original = modeling_longformer.band_block_mask
+    monkeypatch.setattr(modeling_longformer, "band_block_mask", lambda *a, **k: built.append(1) or original(*a, **k))
+    model = build("longformer")
+    ids, mask = text_inputs(LENGTH)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert flex_calls and built == [1]
+    explicit = build("longformer")
+    explicit.set_attn_implementation("sdpa")
+    flex_calls.clear()
+    with torch.no_grad():
+        reference = explicit(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert not flex_calls
+    assert max_difference(out, reference, mask.bool()) < ATOL
+    # Where the layers will not run FlexAttention (here CPU training; on CUDA training with attention dropout), the
+    # model builds no block mask for them either.
+    built.clear()
+    trained = build("longformer").train()
+    trained.set_attn_implementation("flex_attention")
+    trained(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()
+    assert not flex_calls and not built
+
+
+@pytest.mark.parametrize("arch", ["longformer", "reformer", "swin", "universal"])
+def test_the_unset_mark_is_not_saved(arch, tmp_path):
+    """The run-time mark stays out of config.json and ``to_dict`` (every config base: the text config, the
+    transformers-checkpoint mixin); a reloaded model with no choice is unset again."""
+    model = build(arch)
+    assert getattr(model.config, switch.UNSET_ATTRIBUTE)
+    assert not any(k.startswith("_hfx_") for k in model.config.to_dict())
+    model.save_pretrained(tmp_path)
+    assert "_hfx_" not in (tmp_path / "config.json").read_text()
+    reloaded = transformers.AutoModel.from_pretrained(tmp_path)
+    assert getattr(reloaded.config, switch.UNSET_ATTRIBUTE)
+    assert not getattr(transformers.AutoModel.from_pretrained(tmp_path, attn_implementation="sdpa").config,
+                       switch.UNSET_ATTRIBUTE, False)  # fmt: skip
+
+
+def test_gpu_flex_compiles_with_symbolic_lengths(monkeypatch):
+    """Off the CPU (where FlexAttention may be the default and training lengths vary) the compiled kernel takes
+    dynamo's automatic dynamic shapes, not a kernel per length up to the recompile limit and then the eager form;
+    the CPU keeps static shapes (its symbolic-length codegen fails)."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(kwargs) or fn)
+    switch._compiled_flex.cache_clear()
+    try:
+        switch._compiled_flex(True)
+        switch._compiled_flex(False)
+    finally:
+        switch._compiled_flex.cache_clear()
+    assert compiled == [{"dynamic": None}, {"dynamic": False}]
+
+
+def test_device_defaults_follow_the_device_and_can_be_turned_off(monkeypatch):
+    assert switch.device_defaults(torch.device("cuda")) == switch.CUDA_DEFAULTS
+    assert switch.device_defaults("cpu") == {}
+    monkeypatch.setattr(switch, "DEVICE_DEFAULTS_ENABLED", False)  # HFX_DEVICE_DEFAULTS=0
+    assert switch.device_defaults(torch.device("cuda")) == {}
+
+
+@pytest.mark.parametrize("model_type", sorted(switch.CUDA_DEFAULTS))
+def test_every_cuda_default_is_what_the_model_runs_there(model_type, as_if_on_cuda, eager_flex, flex_calls):
+    """An architecture listed in CUDA_DEFAULTS passes its input's device to the switch wherever it dispatches, so
+    that the default is what runs (with the outputs of the explicit "sdpa" choice)."""
+    arch = model_type.removeprefix("hfx-").replace("-", "_")
+    model = build(arch)
+    ids, mask = text_inputs(LENGTH)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    ran_flex = bool(flex_calls)
+    assert ran_flex == (switch.CUDA_DEFAULTS[model_type] == "flex_attention"), model_type
+    with torch.no_grad():
+        reference, real = run(model, arch, "sdpa")
+    assert max_difference(out, reference.last_hidden_state, real) < ATOL

@@ -284,3 +284,78 @@ def test_attention_switch_benchmark_autocast_training_and_file_name(tmp_path, mo
     assert "dtype: bfloat16 weights (forward); autocast bfloat16, fp32 weights (training); device cpu." in text
     with pytest.raises(SystemExit):
         switch.main(["--autocast"])
+
+
+# ----- utilisation: model FLOPs, the product rate of the run, MFU -------------------------------------------------
+
+
+def test_model_flops_formula_and_parameters():
+    import torch
+
+    from benchmarks import utilisation
+
+    # 6 N T + 3 * L * 4 T K W for a training step, 2 N T + L * 4 T K W for a forward.
+    assert utilisation.step_flops(1000, 10, 2, 5, 8) == 6 * 1000 * 10 + 3 * 2 * 4 * 10 * 5 * 8
+    assert utilisation.step_flops(1000, 10, 2, 5, 8, training=False) == 2 * 1000 * 10 + 2 * 4 * 10 * 5 * 8
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 4))
+    assert utilisation.matmul_parameters(model) == 8 * 4 + 4  # the table is a lookup, not a product
+    assert utilisation.keys_longformer(512, 4096) == 513 and utilisation.keys_longformer(512, 100) == 100
+    # BigBird: 2 global query blocks see all; the rest 3 + 2 + r blocks; short inputs are full attention.
+    assert utilisation.keys_bigbird(64, 3, 4096) == (2 * 64 * 4096 + (4096 - 128) * 8 * 64) / 4096
+    assert utilisation.keys_bigbird(64, 3, 11 * 64) == 11 * 64
+    assert utilisation.utilisation(2e12, 1.0, 4.0) == 0.5 and utilisation.utilisation(None, 1.0, 4.0) is None
+
+
+def test_matmul_rate_is_measured_on_the_device():
+    import torch
+
+    from benchmarks import utilisation
+
+    rate = utilisation.matmul_tflops("cpu", torch.float32, size=128, repeats=3, warmup=1)
+    assert 0 < rate < 1000
+
+
+def test_attention_switch_benchmark_reports_mfu_and_skips_past_its_budget(tmp_path, monkeypatch):
+    import json
+
+    from benchmarks import benchmark_attention_switch as switch
+
+    for name, value in (("HIDDEN", 32), ("HEADS", 2), ("INTERMEDIATE", 64), ("VOCAB", 50)):
+        monkeypatch.setattr(switch, name, value)
+    monkeypatch.setattr(switch, "MATMUL_SIZE", {"cpu": 128, "cuda": 8192})
+    argv = ["--archs", "longformer", "bigbird", "--lengths", "64", "--implementations", "sdpa", "--modes", "train",
+            "--repeats", "1", "--warmup", "0", "--threads", "1", "--out", str(tmp_path)]  # fmt: skip
+    switch.main(argv)
+    saved = json.loads((tmp_path / "attention_switch_cpu_float32.json").read_text())
+    assert saved["machine"]["matmul_tflops"] > 0
+    for row in saved["results"]:
+        assert row["flops"] > 0 and row["tflops"] > 0 and 0 < row["mfu"], row
+    text = (tmp_path / "attention_switch_cpu_float32.md").read_text()
+    assert "MFU sdpa" in text and " %" in text and "TFLOP/s in this run" in text
+    switch.main([*argv, "--budget-s", "0"])
+    saved = json.loads((tmp_path / "attention_switch_cpu_float32.json").read_text())
+    assert {row["seconds"] for row in saved["results"]} == {switch.SKIPPED}
+
+
+def test_long_context_benchmark_reports_mfu_and_skips_past_its_budget(tmp_path, monkeypatch):
+    import json
+
+    from benchmarks import utilisation
+
+    monkeypatch.setattr(long_context, "run_cell", _in_process)
+    monkeypatch.setattr(utilisation, "MATMUL_SIZE", {"cpu": 128, "cuda": 8192})
+    argv = ["--arch", "longformer", "--lengths", "64", "--modes", "backward", "--impls", "hfx", "sdpa",
+            "--out", str(tmp_path), *TINY]  # fmt: skip
+    assert long_context.main(argv) == 0
+    saved = json.loads((tmp_path / "longformer_w16_h32_l1_b1.json").read_text())
+    assert saved["meta"]["matmul_tflops"] > 0
+    cells = saved["results"]
+    assert cells["hfx|64|backward"]["model_flops"] > 0
+    # Full attention does more model FLOPs than the band at the same size (window 16 < 64 tokens).
+    assert cells["sdpa|64|backward"]["model_flops"] > cells["hfx|64|backward"]["model_flops"]
+    text = (tmp_path / "longformer_w16_h32_l1_b1.md").read_text()
+    assert "hfx MFU" in text and " %" in text.split("hfx MFU")[1]
+    assert long_context.main([*argv, "--budget-s", "0"]) == 0
+    saved = json.loads((tmp_path / "longformer_w16_h32_l1_b1.json").read_text())
+    assert {r["status"] for r in saved["results"].values()} == {"skipped"}
+    assert "Skipped (past `--budget-s`)" in (tmp_path / "longformer_w16_h32_l1_b1.md").read_text()

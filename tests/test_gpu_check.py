@@ -79,11 +79,25 @@ def test_dry_run_figures_come_from_each_step(dry_run):
     archs = {"longformer", "bigbird", "linformer", "performer", "reformer", "transfo_xl", "universal", "swin"}
     assert {a for a, i in cells if i == "eager"} == archs
     assert {a for a, i in cells if i == "sdpa"} == archs
-    assert {a for a, i in cells if i == "flex_attention"} == {"longformer", "bigbird", "reformer", "universal", "swin"}
-    assert "| longformer | train | 128 |" in figures["attention_switch"]
-    assert "| hfx|128|backward | ok |" in figures["long_context"]
+    flex = {"longformer", "bigbird", "reformer", "universal", "swin"}
+    assert {a for a, i in cells if i == "flex_attention"} == flex
+    # FlexAttention also on float32 inputs and at twice the head dim (the GPU kernels' shared-memory cases).
+    ok = {(c["arch"], c["implementation"], c["precision"], c["head_dim"]) for c in sweep["cells"] if c["status"] == "ok"}  # fmt: skip
+    head_dim = 32 // 4
+    assert {(a, "flex_attention", "fp32", head_dim) for a in flex} <= ok
+    assert {(a, "flex_attention", p, 2 * head_dim) for a in ("longformer", "bigbird") for p in ("bf16", "fp32")} <= ok
+    assert "| longformer | train | 128 |" in figures["attention_switch"] and "MFU sdpa" in figures["attention_switch"]
+    assert "| hfx|128|backward | ok |" in figures["long_context"] and "| MFU |" in figures["long_context"]
     assert "| packed | ok |" in figures["packing"] and "| padded | ok |" in figures["packing"]
-    assert "| listops | hfx-longformer |" in figures["lra"]
+    assert "| hfx-longformer |" in figures["learning"] and "| yes |" in figures["learning"]
+    learning = json.loads((run_dir / "learning" / "learning.json").read_text())
+    assert learning["threshold"] == gpu_check.LEARNING_THRESHOLD
+    assert all(c["accuracy"] >= learning["threshold"] for c in learning["cells"])
+    # The summary's MFU column: the best cell of each step that times training steps.
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert steps["attention_switch"]["mfu"].endswith("(longformer sdpa 128)"), steps["attention_switch"]["mfu"]
+    assert steps["long_context"]["mfu"].endswith("(hfx|128|backward)") and steps["packing"]["mfu"] == "-"
+    assert "| MFU (best cell) |" in (run_dir / "summary.md").read_text()
 
 
 # ----- the machinery around the steps ------------------------------------------------------------------------------
@@ -203,3 +217,65 @@ def test_the_global_cap_leaves_later_steps_their_share(tmp_path, monkeypatch):
         s["name"]: (s["status"], s["note"]) for s in json.loads((run_dir / "summary.json").read_text())["steps"]
     }
     assert statuses["s0"] == ("not run", "global time cap reached"), statuses
+
+
+def test_a_step_that_ends_early_leaves_its_time_to_the_next(tmp_path, monkeypatch):
+    """Each step's command sees its own limit (the budget of its cells); seconds a step leaves unused go to the next."""
+
+    def step(name: str, limit: float):
+        code = lambda ctx, d: [ctx.python, "-c", f"print('figure: limit {ctx.limit_s:.0f}')"]  # noqa: E731
+        return gpu_check.Step(name, name, {"cpu": limit, "cuda": limit}, code,
+                              lambda d, log: [x for x in log.splitlines() if x.startswith("figure")])  # fmt: skip
+
+    monkeypatch.setattr(gpu_check, "STEPS", [step("quick", 60), step("next", 20)])
+    monkeypatch.setitem(gpu_check.MIN_STEP_S, "cpu", 1.0)
+    assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--budget-s", "200"]) == 0
+    (run_dir,) = tmp_path.glob("*-cpu")
+    steps = {s["name"]: s for s in json.loads((run_dir / "summary.json").read_text())["steps"]}
+    assert steps["quick"]["figures"] == ["figure: limit 60"]
+    assert steps["next"]["limit_s"] > 20 + 60 - steps["quick"]["seconds"] - 5, steps
+    assert steps["next"]["figures"] == [f"figure: limit {steps['next']['limit_s']:.0f}"]
+
+
+def test_gpu_steps_fit_the_cap_and_pass_budgets_to_their_cells():
+    """On CUDA the steps' own limits fit the global cap, and every step that runs a list of cells gets a budget
+    inside its limit (it then skips and reports the cells it cannot start, rather than being killed)."""
+    assert sum(step.limit_s["cuda"] for step in gpu_check.STEPS) <= gpu_check.GLOBAL_CAP_S["cuda"]
+    ctx = gpu_check.Context("cuda", Path("/nonexistent"), sys.executable, 90.0)
+    budgets = {}
+    for step in gpu_check.STEPS:
+        argv = step.argv(ctx, Path("/nonexistent/step"))
+        if "--budget-s" in argv:
+            budgets[step.name] = float(argv[argv.index("--budget-s") + 1])
+    assert {"attention_implementations", "attention_switch", "long_context", "learning"} <= set(budgets)
+    assert all(90 / 3 <= b <= 90 - gpu_check.CELL_MARGIN_S["cuda"] for b in budgets.values()), budgets
+    argv = gpu_check.long_context_argv(ctx, Path("x"))
+    assert argv[argv.index("--lengths") + 1 : argv.index("--lengths") + 3] == ["32768", "--impls"]  # 32k only
+
+
+def test_sweep_cells_put_the_new_flex_cases_last():
+    supporting = {"longformer": (True, True), "linformer": (True, False), "swin": (True, True)}
+    cells = gpu_check.sweep_cells(supporting)
+    assert cells[:3] == [(a, "eager", "bf16", 1) for a in supporting]
+    assert cells[-4:] == [
+        ("longformer", "flex_attention", "fp32", 1), ("swin", "flex_attention", "fp32", 1),
+        ("longformer", "flex_attention", "bf16", 2), ("longformer", "flex_attention", "fp32", 2),
+    ]  # fmt: skip
+    assert not any(a == "linformer" and i == "flex_attention" for a, i, _, _ in cells)
+
+
+def test_learning_check_fails_below_its_threshold(tmp_path, monkeypatch):
+    """The threshold is asserted: a model that cannot learn (learning rate 0) stays near chance and fails the step."""
+    ids, labels = gpu_check.learning_batch(400, 64, torch.Generator().manual_seed(0))
+    assert ids.shape == (400, 64) and set(labels.tolist()) == set(range(gpu_check.LEARNING_CLASSES))
+    marked = ids >= 100
+    assert 0.2 < marked.float().mean() < 0.3 and torch.equal(ids.max(1).values, 100 + 50 * labels)
+    sizes = dict(gpu_check.LEARNING_SIZES["cpu"], steps=2, lr=0.0, eval=64)
+    monkeypatch.setitem(gpu_check.LEARNING_SIZES, "cpu", sizes)
+    assert gpu_check.learning_worker("cpu", tmp_path) == 1
+    (cell,) = json.loads((tmp_path / "learning.json").read_text())["cells"]
+    assert cell["status"] == "below threshold" and cell["accuracy"] < gpu_check.LEARNING_THRESHOLD
+    (tmp_path / "none").mkdir()
+    assert gpu_check.learning_worker("cpu", tmp_path / "none", budget_s=-1) == 0  # nothing started: nothing failed
+    (skipped,) = json.loads((tmp_path / "none" / "learning.json").read_text())["cells"]
+    assert skipped["status"] == gpu_check.SKIPPED

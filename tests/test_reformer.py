@@ -125,12 +125,6 @@ class TestReformerConformance(TextModelConformance):
         assert model.get_output_embeddings().weight.shape == (VOCAB, 2 * model.config.hidden_size)
         assert not model.config.tie_word_embeddings
 
-    def test_gradient_checkpointing_same_gradients(self):
-        # Reversible layers take the place of checkpointing; the reversible-gradient tests below cover them.
-        model = self.make_model("AutoModel")
-        with pytest.raises(ValueError, match="activation checkpointing|gradient checkpointing"):
-            model.gradient_checkpointing_enable()
-
     def test_invalid_config_values_raise(self):
         for overrides, pattern in self.bad_configs:
             with pytest.raises(ValueError, match=pattern):

@@ -534,7 +534,7 @@ class HfxSlidingWindowSelfAttention(QKVProjection):
         the varlen boundaries); the layer then reads the global tokens from it and ignores
         ``global_attention_mask``. None (the module called on its own): worked out here for this layer.
         """
-        implementation = attention_implementation(self.config)
+        implementation = attention_implementation(self.config, hidden_states.device)
         batch, length, hidden = hidden_states.shape
         if layout is None:  # called on its own, not through the model
             is_global = global_attention_mask

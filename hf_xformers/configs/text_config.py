@@ -8,7 +8,23 @@ differ (BigBird's vocabulary and positions, say) and validates its own fields in
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import PreTrainedConfig
+
+# Attributes whose names start with this are run-time state the models keep on their config (whether the user chose
+# an attn_implementation, ops/attention_switch.py): never written to config.json, as transformers keeps its own
+# `_attn_implementation_internal` out of it.
+RUNTIME_ONLY_PREFIX = "_hfx_"
+
+
+def drop_runtime_keys(d: dict[str, Any]) -> None:
+    """Remove the :data:`RUNTIME_ONLY_PREFIX` keys from a config's dict (in place, nested configs too)."""
+    for key in [k for k in d if isinstance(k, str) and k.startswith(RUNTIME_ONLY_PREFIX)]:
+        del d[key]
+    for value in d.values():
+        if isinstance(value, dict):
+            drop_runtime_keys(value)
 
 
 class HfxTextConfig(PreTrainedConfig):
@@ -54,6 +70,10 @@ class HfxTextConfig(PreTrainedConfig):
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads})."
             )
+
+    def _remove_keys_not_serialized(self, d: dict[str, Any]) -> None:
+        super()._remove_keys_not_serialized(d)
+        drop_runtime_keys(d)
 
     def check_roberta_positions(self) -> None:
         """Raise unless the position table leaves room for RoBERTa's offset (positions start at pad_token_id + 1)."""

@@ -18,6 +18,9 @@ An architecture whose config derives from :class:`TransformersCheckpointConfig` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from .text_config import drop_runtime_keys
 
 # The module that imports a transformers checkpoint once and saves it in our format (errors name it).
 IMPORTER = "conversion.convert_from_transformers"
@@ -75,6 +78,12 @@ class TransformersCheckpointConfig:
     # Unannotated: class settings, not config fields (PreTrainedConfig subclasses are dataclasses).
     transformers_model_type = None
     transformers_architectures = {}
+
+    def _remove_keys_not_serialized(self, d: dict[str, Any]) -> None:
+        # Run-time state on the config (text_config.RUNTIME_ONLY_PREFIX) stays out of config.json; this mixin is
+        # the common base of the configs that are not HfxTextConfigs (Reformer, Transformer-XL, Swin).
+        super()._remove_keys_not_serialized(d)
+        drop_runtime_keys(d)
 
     @classmethod
     def is_transformers_config(cls, config_dict: dict) -> bool:

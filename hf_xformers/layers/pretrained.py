@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from transformers.utils import CONFIG_NAME, cached_file
 
 from ..configs.transformers_checkpoints import IMPORTER, WeightRenames
+from ..ops.attention_switch import mark_implementation_unset
 from .heads import HfxLMHead
 
 logger = logging.getLogger(__name__)
@@ -247,6 +248,20 @@ class HfxPreTrainedModel(TransformersCheckpointMixin, PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, HfxLMHead):
             nn.init.zeros_(module.decoder.bias)
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        # transformers calls this at construction with the requested choice, None when the user chose none (it then
+        # records "sdpa"): remembered on the config, so that each device may run its measured default
+        # (ops/attention_switch.attention_implementation). A base model built inside a head sees the head's "sdpa"
+        # and leaves the mark as it is.
+        if attn_implementation is None:
+            mark_implementation_unset(self.config, True)
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        """As transformers' method; the choice is then the user's on every device ("sdpa" included)."""
+        super().set_attn_implementation(attn_implementation, *args, **kwargs)
+        mark_implementation_unset(self.config, False)
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:

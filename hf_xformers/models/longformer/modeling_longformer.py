@@ -23,7 +23,7 @@ from ...layers.heads import (
 )
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
-from ...ops.attention_switch import FLEX, attention_implementation
+from ...ops.attention_switch import attention_implementation, flex_applies
 from ...ops.input_checks import is_tracing, reads_values
 from ...ops.packing import PackedBatch, document_starts
 from .configuration_longformer import HfxLongformerConfig
@@ -146,8 +146,12 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
         attention_mask, _, kwargs = super().prepare_attention_inputs(attention_mask, None, length, packed)
         layers = [layer.attention.self for layer in self.encoder.layer]
         blocks = {layer.query_block for layer in layers}
-        windows = {layer.one_sided_window for layer in layers} if attention_implementation(self.config) == FLEX else ()
-        device = self.embeddings.word_embeddings.weight.device
+        weight = self.embeddings.word_embeddings.weight
+        device = weight.device
+        # FlexAttention's block masks only where the layers will run it (not in training with attention dropout).
+        implementation = attention_implementation(self.config, device)
+        flex = flex_applies(implementation, weight, self.training, self.config.attention_probs_dropout_prob)
+        windows = {layer.one_sided_window for layer in layers} if flex else ()
         sizes = varlen = None
         if first_tokens:
             longest = packed.longest
