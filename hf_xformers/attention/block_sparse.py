@@ -224,9 +224,10 @@ def plan_documents(
     max_count = ceil_div(longest, b)
     # Chunk starts: a long document (at least s blocks, so at most nb // s of them, and none unless max_count >= s)
     # of c blocks has ceil(c / s) <= c / s + 1 of them, and at most ceil(max_count / s); the sum over documents is at
-    # most nb // s + (number of long documents). One more, so that the chunk rows are never empty.
+    # most nb // s + (number of long documents). Two more, so that the chunk rows are never empty and never one (a
+    # traced graph would specialise on a size of 1: batches without long documents would compile a graph of their own).
     long_docs = torch.sym_min(count, num_blocks // s) * torch.sym_min(1, max_count // s)
-    num_starts = torch.sym_min(num_blocks // s + long_docs, long_docs * ceil_div(max_count, s)) + 1
+    num_starts = torch.sym_min(num_blocks // s + long_docs, long_docs * ceil_div(max_count, s)) + 2
 
     end_count = torch.where(is_end, blocks_of, 0)  # each document's block count, once
     first = torch.cumsum(end_count, 0) - end_count  # the first block of each token's document
