@@ -46,16 +46,19 @@ Each one is laid out on whole blocks of its own (:func:`plan_documents`): a docu
 real one) takes ``ceil(n / b)`` blocks, the rest of its last block is a masked gap, and the documents of every row are
 laid end to end in one block-aligned sequence. Its first and last blocks are its global blocks, its window blocks stay
 inside it, and its random blocks are row ``ceil(n / b)`` of the seeded table (the blocks its own forward draws),
-offset to where it starts. The fast path runs on that layout: every query block with at most ``5 + r`` key blocks
-(the middle blocks of long documents, and every block of a document of at most ``r + 4`` blocks, whose pattern is
-complete: its own forward's dense fallback) through one gathered SDPA call as above, and the global blocks of long
-documents through one SDPA call per group of documents of similar block count (powers of two) over their document's
-key blocks, padded to the group's longest; cost linear in the number of blocks (the global blocks' keys at most
-doubled), nothing proportional to (documents x length). ``"flex_attention"`` uses the same layout and the block
-table of all its blocks (``nb x nb``, as a single sequence of that length). ``"eager"`` and ``output_attentions``
-apply the pattern as a ``(seq, seq)`` mask over the packed row (quadratic, as for a single sequence), which is also
-the path a traced graph takes for packed input (the layout's sizes are read from the tensors). ``original_full``
-masks the keys of other documents. Training draws fresh random blocks per document, so only with
+offset to where it starts. The layout's sizes are bounds computed from host ints only (the number of documents, the
+longest one, the row's length and ``b``; the collator's ``cu_seq_lens`` + ``max_length`` carry them), never read from
+the tensors: no host read, the same operators whatever the documents, and one traced graph for every batch. The fast
+path runs on that layout: every query block through one gathered SDPA call over its ``5 + r`` key blocks as above
+(the blocks of a document of at most ``r + 4`` blocks take their whole document: its own forward's dense fallback),
+and the global blocks of long documents over their whole document in chunks of ``5 + r`` key blocks, the chunks merged
+by their softmax normalisers; cost linear in the number of blocks, nothing proportional to (documents x length).
+``"flex_attention"`` uses the same layout, one call per layer over all of it, with the block table of its blocks
+(``nb x nb``, as a single sequence of that length): the part every layer shares built once per forward by the model,
+each layer adding its random blocks. ``"eager"`` and ``output_attentions`` apply the pattern as a ``(seq, seq)`` mask
+over the packed row (quadratic, as for a single sequence), which is also the path a traced graph takes for packed
+input that does not carry the number of documents and the longest one (``seq_idx`` or ``position_ids`` only).
+``original_full`` masks the keys of other documents. Training draws fresh random blocks per document, so only with
 ``fixed_random_blocks`` (or documents of at most ``r + 4`` blocks) does a training forward equal the document's own.
 """
 
