@@ -9,13 +9,16 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
+import hf_xformers.models.bigbird.modeling_bigbird as modeling_bigbird
 import hf_xformers.ops.attention_switch as switch
 from hf_xformers import HfxBigBirdConfig, HfxBigBirdModel
 from hf_xformers.attention import block_sparse
-from hf_xformers.attention.block_sparse import plan_documents
+from hf_xformers.attention.block_sparse import HfxBlockSparseSelfAttention, plan_documents
+from hf_xformers.ops.input_checks import as_if_on_accelerator
 from hf_xformers.ops.packing import document_ids_from_inputs
 
 from .device_checks import HostReadCounter
+from .host_reads import HostReadCounter as OperatorCounter
 
 TINY = dict(
     vocab_size=100,
@@ -271,7 +274,8 @@ def test_attention_alone_plans_its_documents():
 
 
 def test_packed_host_reads_do_not_grow_with_depth():
-    """The block layout is read back once per forward (its sizes), not once per layer."""
+    """On the CPU (where reading costs no wait) the layout's sizes are checked against the batch once per forward,
+    not once per layer."""
     counts = {}
     docs = documents()
     for depth in (1, 3):
@@ -293,3 +297,87 @@ def test_packed_batch_traces_through_the_dense_pattern():
     with torch.no_grad():
         compiled = torch.compile(model, fullgraph=True, dynamic=False)(**batch).last_hidden_state
         assert_documents_match(compiled, model, docs)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["seeded", "drawn"])
+def test_packed_training_step_reads_nothing(fixed):
+    """A training step (forward and backward) on documents long enough for the block-sparse layout, its chunked global
+    rows and its random blocks, whose batch carries the count and the longest document (``cu_seq_lens`` +
+    ``max_length``): no device-to-host read, as on a GPU, and the same operators for 7 documents as for 4 others."""
+    model = build(fixed_random_blocks=fixed).train()
+    ops = {}
+    for lengths in (LENGTHS, (40, 9, 100, 2)):
+        batch = pack(documents(lengths), "cu_seq_lens")
+        model(**batch).last_hidden_state.sum().backward()  # warm-up: lazily built state
+        with as_if_on_accelerator(), OperatorCounter() as counter:
+            model(**batch).last_hidden_state.sum().backward()
+        assert counter.total_reads == 0, f"{lengths}: host reads {dict(counter.reads)}"
+        ops[lengths] = counter.ops
+    assert len(set(ops.values())) == 1, ops
+
+
+def test_packed_batch_whose_longest_is_too_short_raises():
+    """The layout is sized by ``max_length_q``; one shorter than a document is refused where the check is free."""
+    model = build()
+    batch = pack(documents(), "cu_seq_lens")
+    batch["max_length_q"] = batch["max_length_k"] = 50  # the longest document has 70 tokens
+    with torch.no_grad(), pytest.raises(ValueError, match="max_length"):
+        model(**batch)
+
+
+def test_compiled_packed_training_takes_the_block_layout(monkeypatch):
+    """``torch.compile(fullgraph=True, dynamic=True)`` trains packed rows (``cu_seq_lens`` form) on the block layout,
+    not the quadratic dense mask: outputs and gradients equal eager mode's, each document's rows its own forward's,
+    and a second batch with other counts and lengths runs in the same graph."""
+
+    def quadratic(*args, **kwargs):
+        raise AssertionError("the packed (seq, seq) mask was traced")
+
+    torch._dynamo.reset()
+    model = build(num_hidden_layers=1, fixed_random_blocks=True).train()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    graphs = []
+    for lengths in ((13, 45, 70, 6), (30, 9, 66, 27, 33)):
+        docs = documents(lengths)
+        batch = pack(docs, "cu_seq_lens")
+        weights = torch.randn(sum(lengths), TINY["hidden_size"], generator=torch.Generator().manual_seed(2))
+        results = []
+        for run in (model, compiled):
+            model.zero_grad()
+            with monkeypatch.context() as patch:
+                if run is compiled:
+                    patch.setattr(HfxBlockSparseSelfAttention, "_packed_dense", quadratic)
+                out = run(**batch).last_hidden_state
+            (out[0] * weights).sum().backward()
+            results.append((out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+        (eager, eager_grads), (traced, traced_grads) = results
+        torch.testing.assert_close(traced, eager, atol=ATOL, rtol=0)
+        for a, b in zip(traced_grads, eager_grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        with torch.no_grad():
+            assert_documents_match(traced, model, docs)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0], f"the second packed batch recompiled: {graphs}"
+
+
+def test_flex_block_table_is_built_once_per_forward(flex_calls, monkeypatch):
+    """``"flex_attention"`` on a packed row: the part of the block pattern that every layer shares is built once per
+    forward by the model (each layer adds its own random blocks), one FlexAttention call per layer over the whole row,
+    and the result equals the ``"sdpa"`` packed path (FlexAttention's eager form, quick at these sizes)."""
+    monkeypatch.setattr(switch, "FLEX_COMPILE", False)
+    built = []
+
+    def counted(layout):
+        built.append(layout.num_blocks)
+        return block_sparse.document_block_table(layout)
+
+    monkeypatch.setattr(modeling_bigbird, "document_block_table", counted)
+    model = build(num_hidden_layers=3)
+    batch = pack(documents(), "cu_seq_lens")
+    with torch.no_grad():
+        model.set_attn_implementation("flex_attention")
+        flex = model(**batch).last_hidden_state
+        assert len(built) == 1 and len(flex_calls) == 3, (built, flex_calls)
+        model.set_attn_implementation("sdpa")
+        torch.testing.assert_close(flex, model(**batch).last_hidden_state, atol=ATOL, rtol=0)
+    assert len(flex_calls) == 3  # the sdpa path makes no FlexAttention call

@@ -46,16 +46,19 @@ Each one is laid out on whole blocks of its own (:func:`plan_documents`): a docu
 real one) takes ``ceil(n / b)`` blocks, the rest of its last block is a masked gap, and the documents of every row are
 laid end to end in one block-aligned sequence. Its first and last blocks are its global blocks, its window blocks stay
 inside it, and its random blocks are row ``ceil(n / b)`` of the seeded table (the blocks its own forward draws),
-offset to where it starts. The fast path runs on that layout: every query block with at most ``5 + r`` key blocks
-(the middle blocks of long documents, and every block of a document of at most ``r + 4`` blocks, whose pattern is
-complete: its own forward's dense fallback) through one gathered SDPA call as above, and the global blocks of long
-documents through one SDPA call per group of documents of similar block count (powers of two) over their document's
-key blocks, padded to the group's longest; cost linear in the number of blocks (the global blocks' keys at most
-doubled), nothing proportional to (documents x length). ``"flex_attention"`` uses the same layout and the block
-table of all its blocks (``nb x nb``, as a single sequence of that length). ``"eager"`` and ``output_attentions``
-apply the pattern as a ``(seq, seq)`` mask over the packed row (quadratic, as for a single sequence), which is also
-the path a traced graph takes for packed input (the layout's sizes are read from the tensors). ``original_full``
-masks the keys of other documents. Training draws fresh random blocks per document, so only with
+offset to where it starts. The layout's sizes are bounds computed from host ints only (the number of documents, the
+longest one, the row's length and ``b``; the collator's ``cu_seq_lens`` + ``max_length`` carry them), never read from
+the tensors: no host read, the same operators whatever the documents, and one traced graph for every batch. The fast
+path runs on that layout: every query block through one gathered SDPA call over its ``5 + r`` key blocks as above
+(the blocks of a document of at most ``r + 4`` blocks take their whole document: its own forward's dense fallback),
+and the global blocks of long documents over their whole document in chunks of ``5 + r`` key blocks, the chunks merged
+by their softmax normalisers; cost linear in the number of blocks, nothing proportional to (documents x length).
+``"flex_attention"`` uses the same layout, one call per layer over all of it, with the block table of its blocks
+(``nb x nb``, as a single sequence of that length): the part every layer shares built once per forward by the model,
+each layer adding its random blocks. ``"eager"`` and ``output_attentions`` apply the pattern as a ``(seq, seq)`` mask
+over the packed row (quadratic, as for a single sequence), which is also the path a traced graph takes for packed
+input that does not carry the number of documents and the longest one (``seq_idx`` or ``position_ids`` only).
+``original_full`` masks the keys of other documents. Training draws fresh random blocks per document, so only with
 ``fixed_random_blocks`` (or documents of at most ``r + 4`` blocks) does a training forward equal the document's own.
 """
 
@@ -74,7 +77,7 @@ from ..ops.attention_switch import (
     flex_applies,
     flex_attention,
 )
-from ..ops.input_checks import is_tracing
+from ..ops.input_checks import is_tracing, reads_values
 from ..ops.kernels import attention
 from ..ops.packing import flat_document_index, positions_in_documents, same_document
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
@@ -95,29 +98,19 @@ class BlockPlan(NamedTuple):
     """``(batch, num_blocks, r)`` bool: which random slots hold a block."""
 
 
-# Long documents' global rows are grouped by the power of two above their block count, so that padding each group to
-# its longest document at most doubles their key blocks (a bounded number of SDPA calls, none per document).
-_GROUPS = 17
-
-
-class GlobalRows(NamedTuple):
-    """The global query blocks of the long documents (more than ``r + 4`` blocks) whose block count lies in one
-    power-of-two range, each attending to every block of its document."""
-
-    rows: torch.Tensor
-    """``(g,)`` long: the query blocks (in the aligned layout)."""
-    keys: torch.Tensor
-    """``(g, k)`` long: their documents' blocks, padded to the group's longest document ``k`` (clamped)."""
-    key_ok: torch.Tensor
-    """``(g, k * b)`` bool: keys that may be attended to (inside the document and real)."""
-
-
 class DocumentBlocks(NamedTuple):
     """Where the documents of a packed batch meet the blocks; built once per forward by :func:`plan_documents`.
 
     A document's extent is its tokens up to its last real (non-padding) one, its own forward's length; padding after
-    it lies in no block. The token fields always exist; the block-aligned layout (``num_blocks`` and after) only in
-    eager mode (its sizes are read from the tensors), None while tracing.
+    it lies in no block. The token fields always exist; the block-aligned layout (``num_blocks`` and after) exists
+    when the number of documents and the longest one are known as host ints (the batch carries them: ``cu_seq_lens``
+    + ``max_length``; in eager mode they are read once otherwise), None in a traced graph that lacks them.
+
+    Every size of the layout is a function of those host ints alone, never of the tensors' values: ``nb`` is the most
+    blocks ``count`` documents can take in ``batch * seq_len`` tokens (``ceil(n / b)`` each, so at most ``(batch *
+    seq_len + count * (b - 1)) // b``); blocks past the ones the documents take are *spare*: each one attends to its
+    own block only and its results are dropped. So the layout costs no host read, and a traced graph with symbolic
+    lengths and counts keeps one graph for every batch.
     """
 
     document: torch.Tensor
@@ -129,47 +122,73 @@ class DocumentBlocks(NamedTuple):
     inside: torch.Tensor
     """``(batch, seq_len)`` bool: the token lies within its document's extent."""
     num_blocks: int | None = None
-    """``nb``: blocks of the aligned layout, every document of every row end to end."""
+    """``nb``: blocks of the aligned layout, every document of every row end to end, then the spare blocks."""
+    max_count: int | None = None
+    """``ceil(longest / b)``: the most blocks of any document (a bound: the batch's ``max_length``)."""
     token_slot: torch.Tensor | None = None
     """``(batch * seq_len,)`` long: each token's place in the aligned layout; ``nb * b`` (no place) outside extents."""
     slot_token: torch.Tensor | None = None
-    """``(nb * b,)`` long: the token at each place of the layout (0 in the gaps, which are masked)."""
-    slot_real: torch.Tensor | None = None
-    """``(nb * b,)`` bool: places that hold a real token (the keys that may be attended to)."""
+    """``(nb * b,)`` long: the token at each place of the layout (0 in the gaps and spare blocks, which are masked
+    or dropped)."""
+    slot_key: torch.Tensor | None = None
+    """``(nb * b,)`` bool: places that may be attended to: real tokens, and every place of a spare block (so that no
+    query row is left without a key; only spare blocks see spare blocks)."""
     block_doc: torch.Tensor | None = None
-    """``(nb,)`` long: the document of each block."""
+    """``(nb,)`` long: the document of each block (spare blocks: ``-1 - block``, a document of their own)."""
     block_first: torch.Tensor | None = None
-    """``(nb,)`` long: the first block of each block's document."""
+    """``(nb,)`` long: the first block of each block's document (spare blocks: themselves)."""
     block_count: torch.Tensor | None = None
-    """``(nb,)`` long: the number of blocks of each block's document."""
-    sparse: torch.Tensor | None = None
-    """``(m,)`` long: query blocks with at most ``s = 5 + r`` key blocks: the middle blocks of long documents, and
-    every block of a document of at most ``r + 4`` blocks (whose pattern is complete: its whole document)."""
+    """``(nb,)`` long: the number of blocks of each block's document (spare blocks: 1)."""
     sparse_slots: torch.Tensor | None = None
-    """``(m, s)`` long: their key blocks, ``[first, last, i - 1, i, i + 1, (random)]`` for middle blocks (the random
-    slots are filled per layer), the document's blocks in order for short documents."""
+    """``(nb, s)`` long, ``s = 5 + r``: each query block's key blocks, ``[first, last, i - 1, i, i + 1, (random)]``
+    for the blocks of long documents (more than ``r + 4`` blocks; the random slots are filled per layer), the
+    document's blocks in order for short ones (whose pattern is complete: their whole document)."""
     sparse_ok: torch.Tensor | None = None
-    """``(m, s)`` bool: which of those slots count (each block once)."""
+    """``(nb, s)`` bool: which of those slots count (each block once)."""
     sparse_random: torch.Tensor | None = None
-    """``(m,)`` bool: rows whose last ``r`` slots take random blocks (middle blocks of long documents)."""
-    global_rows: tuple[GlobalRows, ...] | None = None
-    """The global query blocks of the long documents, by group."""
-    order: torch.Tensor | None = None
-    """``(nb,)`` long: where each block's result lies in ``[sparse results, group results...]``."""
-    max_count: int | None = None
-    """The most blocks of any document."""
+    """``(nb,)`` bool: rows whose last ``r`` slots take random blocks (middle blocks of long documents)."""
+    is_global: torch.Tensor | None = None
+    """``(nb,)`` bool: the global query blocks of long documents (first and last), which attend to their whole
+    document: their rows come from the chunks below, not from ``sparse_slots``."""
+    chunk_query: torch.Tensor | None = None
+    """``(p,)`` long: the global query block of each chunk row. A long document of ``c`` blocks has ``ceil(c / s)``
+    chunks of ``s`` key blocks, each attended by both its global blocks (``2 ceil(c / s)`` rows); the rows of all
+    documents lie end to end, ``p`` a bound from the host ints (``<= 4 nb / s + 2``)."""
+    chunk_keys: torch.Tensor | None = None
+    """``(p, s)`` long: the key blocks of each chunk row (clamped to the layout)."""
+    chunk_key_ok: torch.Tensor | None = None
+    """``(p, s * b)`` bool: keys of each chunk row that may be attended to (inside the document and real)."""
+    chunk_target: torch.Tensor | None = None
+    """``(p,)`` long: where each chunk row's result goes: its global query block, ``nb`` (dropped) for unused rows."""
+    block_table: torch.Tensor | None = None
+    """``(nb, nb)`` bool: the pattern's blocks that every layer shares (same document, and global or window), for
+    FlexAttention; built once per forward by the model (:func:`document_block_table`), each layer adds its random
+    blocks."""
 
 
 def plan_documents(
-    document_ids: torch.Tensor, attention_mask: torch.Tensor | None, block_size: int, num_random_blocks: int
+    document_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    block_size: int,
+    num_random_blocks: int,
+    count: int | None = None,
+    longest: int | None = None,
 ) -> DocumentBlocks:
-    """The block layout of a packed batch (see :class:`DocumentBlocks`): in eager mode one host read; scans and
-    gathers over the tokens, no atomics (a scatter-reduce by document would serialise on long documents).
+    """The block layout of a packed batch (see :class:`DocumentBlocks`): scans, scatters and gathers over the tokens
+    and blocks, no atomics on the tokens (a scatter-reduce by document would serialise on long documents), a number of
+    operators independent of the number of documents, and no host read when ``count`` and ``longest`` are given.
 
     Args:
         document_ids: ``(batch, seq_len)`` long, documents numbered from 0 in each row (``ops/packing.py``).
         attention_mask: ``(batch, seq_len)`` bool, True for real tokens, or None (nothing padded).
         block_size, num_random_blocks: the layer's ``b`` and ``r``.
+        count: the number of real documents (runs with a real token), or None: read once in eager mode (a traced
+            graph then gets the token fields only).
+        longest: the longest document's length in tokens (at least the longest extent), or None: read as ``count``.
+
+    Raises:
+        ValueError: ``count`` or ``longest`` that disagree with the documents (checked where the read is free,
+            :func:`~hf_xformers.ops.input_checks.reads_values`).
     """
     b, r = block_size, num_random_blocks
     s = 5 + r
@@ -187,80 +206,115 @@ def plan_documents(
     last_real = torch.where(real_flat, index, -1).cummax(0).values[end]
     seen = last_real.clamp(min=0)
     extent = torch.where((last_real >= 0) & (doc[seen] == doc), pos[seen] + 1, 0)
-    count = ceil_div(extent, b)
+    blocks_of = ceil_div(extent, b)
     inside = pos < extent
-    tokens = DocumentBlocks(document, position, count.view(batch, length), inside.view(batch, length))
-    if is_tracing():
+    tokens = DocumentBlocks(document, position, blocks_of.view(batch, length), inside.view(batch, length))
+    known = count is not None and longest is not None
+    if is_tracing() and not known:
         return tokens
-    end_count = torch.where(is_end, count, 0)  # each document's block count, once
+    if not known or reads_values(document_ids):
+        # Eager only: the one read when the batch did not say, else a check where reading costs no wait.
+        actual_count, actual_longest = torch.stack([(is_end & (extent > 0)).sum(), extent.max()]).tolist()
+        if known and (actual_count != count or actual_longest > longest):
+            raise ValueError(
+                f"The packed batch says {count} documents of at most {longest} tokens, but its boundaries hold "
+                f"{actual_count} of up to {actual_longest}; pass the collator's `cu_seq_lens_q/k` and `max_length_q/k` "
+                "unchanged (DataCollatorWithFlattening(return_flash_attn_kwargs=True))."
+            )
+        count = actual_count if count is None else count
+        longest = actual_longest if longest is None else longest
+    num_blocks = (n + count * (b - 1)) // b
+    max_count = ceil_div(longest, b)
+    # Chunk starts: a long document (at least s blocks, so at most nb // s of them, and none unless max_count >= s)
+    # of c blocks has ceil(c / s) <= c / s + 1 of them, and at most ceil(max_count / s); the sum over documents is at
+    # most nb // s + (number of long documents). Two more, so that the chunk rows are never empty and never one (a
+    # traced graph would specialise on a size of 1: batches without long documents would compile a graph of their own).
+    long_docs = torch.sym_min(count, num_blocks // s) * torch.sym_min(1, max_count // s)
+    num_starts = torch.sym_min(num_blocks // s + long_docs, long_docs * ceil_div(max_count, s)) + 2
+
+    end_count = torch.where(is_end, blocks_of, 0)  # each document's block count, once
     first = torch.cumsum(end_count, 0) - end_count  # the first block of each token's document
-    long_doc = is_end & (count > r + 4)
-    group = torch.log2((count - 1).clamp(min=1).float()).floor().long() + 1  # ceil(log2(count)) for count >= 2
-    group = group.clamp(max=_GROUPS - 1)
-    in_group = long_doc[:, None] & (group[:, None] == torch.arange(_GROUPS, device=device))  # (n, groups)
-    sizes = torch.cat(
-        [
-            end_count.sum()[None],
-            (2 * in_group).sum(0),
-            torch.where(in_group, count[:, None], 0).amax(0),
-            count.max()[None],
-        ]
-    )
-    sizes = sizes.tolist()  # the one host read
-    num_blocks, max_count = sizes[0], sizes[-1]
-    group_rows, group_keys = sizes[1 : _GROUPS + 1], sizes[_GROUPS + 1 : 2 * _GROUPS + 1]
     slots = num_blocks * b
     token_slot = torch.where(inside, first * b + pos, slots)
     # Tokens outside every extent all land on the extra place `slots`, which is cut off.
     slot_token = torch.zeros(slots + 1, dtype=torch.long, device=device).scatter(0, token_slot, index)[:slots]
     slot_real = torch.zeros(slots + 1, dtype=torch.bool, device=device).scatter(0, token_slot, real_flat)[:slots]
-    # Every block starts with a token of its document (a document's blocks end with its extent).
-    head = slot_token[::b]
-    block_doc, block_first, block_count = doc[head], first[head], count[head]
     blocks = torch.arange(num_blocks, device=device)
+    used = blocks < end_count.sum()  # the documents' blocks come first, the spare ones after
+    slot_key = slot_real | ~used[:, None].expand(num_blocks, b).reshape(-1)
+    # Every used block starts with a token of its document (a document's blocks end with its extent).
+    head = slot_token.view(num_blocks, b)[:, 0]
+    block_doc = torch.where(used, doc[head], -1 - blocks)
+    block_first = torch.where(used, first[head], blocks)
+    block_count = torch.where(used, blocks_of[head], 1)
     local = blocks - block_first
     last = block_first + block_count - 1
     short = block_count <= r + 4
     is_global = ~short & ((local == 0) | (blocks == last))
-    ranked = torch.argsort(torch.where(is_global, group[head], -1), stable=True)  # sparse rows, then each group
-    order = torch.empty_like(ranked).scatter_(0, ranked, blocks)
-    m = num_blocks - sum(group_rows)
-    sparse = ranked[:m]
-    first_s, local_s, count_s = block_first[sparse], local[sparse], block_count[sparse]
+
     slot = torch.arange(s, device=device)
-    window = local_s[:, None] + torch.arange(-1, 2, device=device)
+    window = local[:, None] + torch.arange(-1, 2, device=device)
     middle_slots = torch.cat(
-        [torch.stack([first_s, first_s + count_s - 1], -1), first_s[:, None] + window, first_s[:, None].expand(-1, r)],
+        [
+            torch.stack([block_first, last], -1),
+            block_first[:, None] + window,
+            block_first[:, None].expand(-1, r),
+        ],
         dim=-1,
     )
     # A slot counts once: the window only strictly between the document's global blocks.
     middle_ok = torch.cat(
         [
-            torch.ones(m, 2, dtype=torch.bool, device=device),
-            (window > 0) & (window < (count_s - 1)[:, None]),
-            torch.zeros(m, r, dtype=torch.bool, device=device),
+            torch.ones(num_blocks, 2, dtype=torch.bool, device=device),
+            (window > 0) & (window < (block_count - 1)[:, None]),
+            torch.zeros(num_blocks, r, dtype=torch.bool, device=device),
         ],
         dim=-1,
     )
-    short_s = short[sparse][:, None]
-    sparse_slots = torch.where(short_s, (first_s[:, None] + slot).clamp(max=num_blocks - 1), middle_slots)
-    sparse_ok = torch.where(short_s, slot < count_s[:, None], middle_ok)
-    global_rows, at = [], m
-    for rows_in_group, k in zip(group_rows, group_keys):
-        if rows_in_group:
-            rows = ranked[at : at + rows_in_group]
-            keys = block_first[rows][:, None] + torch.arange(k, device=device)
-            in_document = keys <= last[rows][:, None]
-            keys = keys.clamp(max=num_blocks - 1)
-            key_ok = in_document[..., None] & slot_real.view(num_blocks, b)[keys]
-            global_rows.append(GlobalRows(rows, keys, key_ok.view(rows_in_group, k * b)))
-            at += rows_in_group
+    sparse_slots = torch.where(short[:, None], block_first[:, None] + slot, middle_slots)
+    sparse_slots = torch.minimum(sparse_slots.clamp(min=0), blocks[-1:])  # the global rows' window may leave the layout
+    sparse_ok = torch.where(short[:, None], slot < block_count[:, None], middle_ok)
+
+    # Chunk rows of the global blocks: the chunk starts compacted by a prefix sum (no host read), unused rows after.
+    is_start = ~short & (local % s == 0)
+    where_to = torch.where(is_start, torch.cumsum(is_start, 0) - 1, num_starts)
+    start = torch.full((num_starts + 1,), -1, dtype=torch.long, device=device).scatter(0, where_to, blocks)
+    start = start[:num_starts]
+    valid = start >= 0
+    start = start.clamp(min=0)
+    doc_first = block_first[start]
+    doc_last = doc_first + block_count[start] - 1
+    keys = start[:, None] + slot  # (starts, s)
+    in_document = valid[:, None] & (keys <= doc_last[:, None])
+    keys = torch.minimum(keys, blocks[-1:])
+    key_ok = in_document[..., None] & slot_key.view(num_blocks, b)[keys]  # (starts, s, b)
+    # Unused rows see every key of their (clamped) blocks: finite numbers, all dropped.
+    key_ok = key_ok | ~valid[:, None, None]
+    chunk_query = torch.stack([doc_first, doc_last], -1).reshape(-1)
+    chunk_target = torch.where(valid[:, None], torch.stack([doc_first, doc_last], -1), num_blocks).reshape(-1)
+    # Stacked (a copy whatever the sizes: the same operators for every batch), each start's two rows side by side.
+    chunk_keys = torch.stack([keys, keys], 1).view(2 * num_starts, s)
+    chunk_key_ok = torch.stack([key_ok, key_ok], 1).view(2 * num_starts, s * b)
     return tokens._replace(
-        num_blocks=num_blocks, token_slot=token_slot, slot_token=slot_token, slot_real=slot_real, block_doc=block_doc,
-        block_first=block_first, block_count=block_count, sparse=sparse, sparse_slots=sparse_slots,
-        sparse_ok=sparse_ok, sparse_random=~short[sparse], global_rows=tuple(global_rows), order=order,
-        max_count=max_count,
+        num_blocks=num_blocks, max_count=max_count, token_slot=token_slot, slot_token=slot_token, slot_key=slot_key,
+        block_doc=block_doc, block_first=block_first, block_count=block_count, sparse_slots=sparse_slots,
+        sparse_ok=sparse_ok, sparse_random=~short & ~is_global, is_global=is_global, chunk_query=chunk_query,
+        chunk_keys=chunk_keys, chunk_key_ok=chunk_key_ok, chunk_target=chunk_target,
     )  # fmt: skip
+
+
+def document_block_table(layout: DocumentBlocks) -> torch.Tensor:
+    """The layer-independent part of the pattern of the aligned layout (:func:`plan_documents`): ``(nb, nb)`` bool, True
+    where query block (row) attends to key block (column) in the same document as a global block, a window block, or
+    as a row whose pattern is its whole document (global rows, and every row of a short document). Spare blocks see
+    themselves. Each layer adds its random blocks (:meth:`HfxBlockSparseSelfAttention._layout_pattern_blocks`)."""
+    i = torch.arange(layout.num_blocks, device=layout.block_doc.device)
+    first, last = layout.block_first, layout.block_first + layout.block_count - 1
+    full_row = ~layout.sparse_random
+    j = i[None, :]
+    same = layout.block_doc[:, None] == layout.block_doc[None, :]
+    near = full_row[:, None] | (j == first[:, None]) | (j == last[:, None]) | ((i[:, None] - j).abs() <= 1)
+    return same & near
 
 
 class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
@@ -607,20 +661,18 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
             context, probs = self._packed_dense(hidden_states, attention_mask, layout)
             return AttentionOutput(context, probs if output_attentions else None)
         seeded = not self.training or self.fixed_random_blocks
-        if self.num_random_blocks and seeded and layout.max_count > self.max_blocks:
+        if self.num_random_blocks and seeded and not is_tracing() and layout.max_count > self.max_blocks:
             raise ValueError(
                 f"A document of {layout.max_count} blocks of {self.block_size} tokens is longer than the seeded "
                 f"random-block table covers ({self.max_blocks} blocks, config.max_position_embeddings); split it."
             )
-        if layout.num_blocks == 0:  # nothing but padding
-            return AttentionOutput(torch.zeros_like(hidden_states))
         # Each document on whole blocks of its own: the packed tokens gathered into the aligned layout, one sequence.
         aligned = hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, layout.slot_token)[None]
         q, k, v = self._project(aligned, aligned.shape[1])  # each (1, heads, nb * b, dim)
         random, valid = self._layout_random(layout)
         if flex_applies(implementation, hidden_states, self.training):
             blocks = self._layout_pattern_blocks(layout, random, valid)[None]
-            context = self._flex_blocks(q, k, v, blocks, layout.slot_real[None], aligned.shape[1])[0]
+            context = self._flex_blocks(q, k, v, blocks, layout.slot_key[None], aligned.shape[1])[0]
         else:
             context = self._layout_block_sparse(q[0], k[0], v[0], layout, random, valid)
         # Back to the packed row: places outside every extent read an extra zero row.
@@ -632,18 +684,20 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
         )
 
     def _layout_random(self, layout: DocumentBlocks) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random key blocks of the sparse query blocks of the aligned layout: ``(heads, m, r)`` long block indices
-        (each document's seeded row, offset to its first block; in training fresh draws with the distribution of
-        :meth:`random_blocks`) and ``(m, r)`` bool validity. Only the middle blocks of long documents use them."""
-        r, heads, rows = self.num_random_blocks, self.num_heads, layout.sparse
-        first, count = layout.block_first[rows], layout.block_count[rows]
-        local = rows - first
+        """Random key blocks of every query block of the aligned layout: ``(heads, nb, r)`` long block indices (each
+        document's seeded row, offset to its first block; in training fresh draws with the distribution of
+        :meth:`random_blocks`) and ``(nb, r)`` bool validity. Only the middle blocks of long documents use them."""
+        r, heads = self.num_random_blocks, self.num_heads
+        first, count = layout.block_first, layout.block_count
         device = first.device
+        local = torch.arange(first.shape[0], device=device) - first
         valid = torch.arange(r, device=device) < self._slot_count(local, count - 1)[:, None]
         if r == 0:
             return torch.zeros(heads, local.shape[0], 0, dtype=torch.long, device=device), valid
         if not self.training or self.fixed_random_blocks:
-            random = self.random_block_table[count - 1, :, local].long().permute(1, 0, 2)
+            # Clamped for traced graphs, which cannot check the longest document against the table (eager mode does).
+            row, col = (count - 1).clamp(max=self.max_blocks - 1), local.clamp(max=self.max_blocks - 1)
+            random = self.random_block_table[row, :, col].long().permute(1, 0, 2)
         else:
             j = torch.arange(layout.max_count, device=device)
             allowed = (j >= 1) & (j <= (count - 2)[:, None]) & ((local[:, None] - j).abs() > 1)
@@ -663,59 +717,77 @@ class HfxBlockSparseSelfAttention(HfxFullSelfAttention):
     ) -> torch.Tensor:
         """The fast path on the aligned layout: ``q, k, v`` ``(heads, nb * b, dim)`` -> ``(heads, nb * b, dim)``.
 
-        Sparse query blocks: one SDPA call over their ``s = 5 + r`` gathered key blocks (first and last block of
-        their document, window, random; or a short document's blocks), as :meth:`_block_sparse`. Global blocks of
-        long documents: one SDPA call per group of documents of similar length, over their document's key blocks
-        padded to the group's longest (at most twice the blocks they need)."""
+        Every query block: one SDPA call over its ``s = 5 + r`` gathered key blocks (first and last block of its
+        document, window, random; or a short document's blocks), as :meth:`_block_sparse`. The global blocks of long
+        documents, which attend to their whole document, take their rows from :meth:`_layout_global` instead. Fixed
+        shapes (``nb`` and the chunk rows are bounds from host ints), so the number of operators does not depend on
+        the documents."""
         heads, _, dim = q.shape
         b, nb = self.block_size, layout.num_blocks
-        r = self.num_random_blocks
         qb = q.view(heads, nb, b, dim)
         k_blocks, v_blocks = (t.contiguous().view(-1, b, dim) for t in (k, v))  # (heads * nb, b, dim), per head
         head_offset = torch.arange(heads, device=q.device)[:, None, None] * nb
+        blocks, ok = layout.sparse_slots.expand(heads, nb, -1), layout.sparse_ok
+        if self.num_random_blocks:
+            use = layout.sparse_random[:, None]
+            blocks = torch.cat([blocks[..., :5], torch.where(use, random, blocks[..., 5:])], dim=-1)
+            ok = torch.cat([ok[:, :5], torch.where(use, valid, ok[:, 5:])], dim=-1)
+        key_ok = layout.slot_key.view(nb, b)[blocks] & ok[..., None]  # (heads, nb, s, b)
+        flat = (head_offset + blocks).reshape(-1)
+        k_slots = k_blocks.index_select(0, flat).view(heads, nb, -1, dim)
+        v_slots = v_blocks.index_select(0, flat).view(heads, nb, -1, dim)
         neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
-
-        def attend(rows: torch.Tensor, blocks: torch.Tensor, key_ok: torch.Tensor) -> torch.Tensor:
-            # rows (g,), blocks (heads or 1, g, t) key blocks, key_ok (heads or 1, g, t * b) -> (heads, g, b, dim).
-            g = rows.shape[0]
-            flat = (head_offset + blocks).reshape(-1)
-            k_slots = k_blocks.index_select(0, flat).view(heads, g, -1, dim)
-            v_slots = v_blocks.index_select(0, flat).view(heads, g, -1, dim)
-            bias = torch.where(key_ok, 0.0, neg_inf)[:, :, None, :]
-            return F.scaled_dot_product_attention(qb.index_select(1, rows), k_slots, v_slots, attn_mask=bias)
-
-        parts = []
-        rows = layout.sparse
-        if rows.shape[0]:
-            m = rows.shape[0]
-            blocks, ok = layout.sparse_slots.expand(heads, m, -1), layout.sparse_ok
-            if r:
-                use = layout.sparse_random[:, None]
-                blocks = torch.cat([blocks[..., :5], torch.where(use, random, blocks[..., 5:])], dim=-1)
-                ok = torch.cat([ok[:, :5], torch.where(use, valid, ok[:, 5:])], dim=-1)
-            key_ok = layout.slot_real.view(nb, b)[blocks] & ok[..., None]  # (heads, m, s, b)
-            parts.append(attend(rows, blocks, key_ok.view(heads, m, -1)))
-        for group in layout.global_rows:
-            parts.append(attend(group.rows, group.keys[None], group.key_ok[None]))
-        out = torch.cat(parts, dim=1).index_select(1, layout.order)  # (heads, nb, b, dim), blocks in layout order
+        bias = torch.where(key_ok, 0.0, neg_inf).view(heads, nb, 1, -1)
+        out = F.scaled_dot_product_attention(qb, k_slots, v_slots, attn_mask=bias)  # (heads, nb, b, dim)
+        out = torch.where(layout.is_global[:, None, None], self._layout_global(qb, k_blocks, v_blocks, layout), out)
         return out.view(heads, nb * b, dim)
+
+    def _layout_global(
+        self, qb: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, layout: DocumentBlocks
+    ) -> torch.Tensor:
+        """The global query blocks of long documents, each over every key block of its document: ``qb`` ``(heads, nb,
+        b, dim)``, ``k_blocks`` / ``v_blocks`` ``(heads * nb, b, dim)`` -> ``(heads, nb, b, dim)`` (meaningful at the
+        global blocks only).
+
+        A document's keys come in chunks of ``s`` blocks (:class:`DocumentBlocks`), so the work is linear in the
+        blocks whatever the documents' lengths: each chunk row gives its softmax-weighted values and the log of its
+        normaliser, and the chunks of one query block are merged by those normalisers (the split softmax of
+        FlashAttention), by index over the chunk rows: a fixed number of operators for any number of documents."""
+        heads, nb, b, dim = qb.shape
+        rows, keys, target = layout.chunk_query, layout.chunk_keys, layout.chunk_target
+        p = rows.shape[0]
+        head_offset = torch.arange(heads, device=qb.device)[:, None, None] * nb
+        flat = (head_offset + keys[None]).reshape(-1)
+        k_chunks = k_blocks.index_select(0, flat).view(heads, p, -1, dim)
+        v_chunks = v_blocks.index_select(0, flat).view(heads, p, -1, dim)
+        scores = torch.matmul(qb.index_select(1, rows), k_chunks.transpose(-1, -2)).float() * self.head_dim**-0.5
+        # The float32 minimum, not -inf: a row with no key left (possible only for hand-made document ids with
+        # padding inside a document) then gives finite numbers and a zero weight, not NaN.
+        scores = scores.masked_fill(~layout.chunk_key_ok[None, :, None, :], torch.finfo(torch.float32).min)
+        lse = torch.logsumexp(scores, dim=-1)  # (heads, p, b)
+        chunk_out = torch.matmul(torch.exp(scores - lse[..., None]).to(v_chunks.dtype), v_chunks)
+        # Merge: weights exp(lse - lse_total), the total over each target's chunks (their maximum subtracted first).
+        index = target[None, :, None].expand_as(lse)
+        top = lse.new_full((heads, nb + 1, b), torch.finfo(torch.float32).min)
+        top = top.scatter_reduce(1, index, lse.detach(), reduce="amax").gather(1, index)
+        weight = torch.exp(lse - top)
+        total = lse.new_zeros(heads, nb + 1, b).index_add(1, target, weight)
+        merged = lse.new_zeros(heads, nb + 1, b, dim).index_add(1, target, weight[..., None] * chunk_out.float())
+        # Blocks that are no chunk's target have a zero total: divided by one (they are not used), never by zero.
+        total = torch.where(total > 0, total, torch.ones_like(total))
+        return (merged / total[..., None])[:, :nb].to(qb.dtype)
 
     def _layout_pattern_blocks(self, layout: DocumentBlocks, random: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The pattern of the aligned layout per block: ``(heads, nb, nb)`` bool, every document's own pattern on
-        its diagonal block (for FlexAttention)."""
-        nb, r = layout.num_blocks, self.num_random_blocks
-        i = torch.arange(nb, device=layout.block_doc.device)
-        first, last = layout.block_first, layout.block_first + layout.block_count - 1
-        full_row = (i == first) | (i == last) | (layout.block_count <= r + 4)
-        j = i[None, :]
-        same = layout.block_doc[:, None] == layout.block_doc[None, :]
-        near = full_row[:, None] | (j == first[:, None]) | (j == last[:, None]) | ((i[:, None] - j).abs() <= 1)
-        blocks = (same & near).expand(self.num_heads, nb, nb).clone()
-        if layout.sparse.shape[0] and r:
-            # Short documents' rows are whole already; their table rows are inside the document all the same.
-            hits = torch.zeros(*random.shape[:2], nb, dtype=torch.long, device=blocks.device)
-            hits.scatter_add_(-1, random, valid.expand_as(random).long())
-            blocks[:, layout.sparse] |= hits > 0
+        its diagonal block (for FlexAttention): the layer's random blocks added to the per-forward
+        :func:`document_block_table`."""
+        table = layout.block_table if layout.block_table is not None else document_block_table(layout)
+        blocks = table.expand(self.num_heads, -1, -1)
+        if self.num_random_blocks:
+            # Only the middle blocks of long documents take random blocks (the others' rows are whole already).
+            hits = torch.zeros(*random.shape[:2], layout.num_blocks, dtype=torch.long, device=blocks.device)
+            hits.scatter_add_(-1, random, (valid & layout.sparse_random[:, None]).expand_as(random).long())
+            blocks = blocks | (hits > 0)
         return blocks
 
     def _token_random(self, layout: DocumentBlocks) -> tuple[torch.Tensor, torch.Tensor]:
