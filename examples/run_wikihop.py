@@ -176,6 +176,7 @@ class WikiHopModel(nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         chunk_starts: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
         cu_seq_lens_q: torch.Tensor | None = None,
         cu_seq_lens_k: torch.Tensor | None = None,
         max_length_q: int | None = None,
@@ -196,6 +197,7 @@ class WikiHopModel(nn.Module):
         else:
             inputs = {"input_ids": input_ids, "position_ids": position_ids}
             boundaries = dict(
+                seq_idx=seq_idx,
                 cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q,
                 max_length_k=max_length_k,
             )  # fmt: skip

@@ -518,11 +518,11 @@ def test_cuda_defaults_run_what_they_name():
 def test_longformer_runs_flex_by_default_on_cuda(as_if_on_cuda, eager_flex, flex_calls, monkeypatch):
     """Longformer with no choice made, as on CUDA: inference runs FlexAttention (the block masks built once per
     forward) with the "sdpa" path's outputs."""
-    from hf_xformers.models.longformer import modeling_longformer
+    from hf_xformers.attention import sliding_window
 
     built = []
-    original = modeling_longformer.band_block_mask
-    monkeypatch.setattr(modeling_longformer, "band_block_mask", lambda *a, **k: built.append(1) or original(*a, **k))
+    original = sliding_window.band_block_mask
+    monkeypatch.setattr(sliding_window, "band_block_mask", lambda *a, **k: built.append(1) or original(*a, **k))
     model = build("longformer")
     ids, mask = text_inputs(LENGTH)
     with torch.no_grad():

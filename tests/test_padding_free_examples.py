@@ -526,7 +526,7 @@ def test_wikihop_packed_chunks_equal_padded(longformer_dir):
 def test_padding_free_scripts_send_explicit_boundaries(longformer_dir, tmp_path):
     """The scripts' packed rows carry cu_seq_lens_q/k and max_length_q/k beside the restarting positions (the model
     then resolves documents by shape, without reading the positions), and WikiHop's wrapper hands them on to its
-    encoder; the logits are those of the positions alone."""
+    encoder; the logits are those of the seq_idx form."""
     import logging
 
     from examples.utils_examples import packed_collator
@@ -545,9 +545,12 @@ def test_padding_free_scripts_send_explicit_boundaries(longformer_dir, tmp_path)
     with torch.no_grad():
         explicit = model(**run_wikihop.WikiHopCollator(1, collator)(features)).logits
         assert seen["cu_seq_lens_q"].tolist() == [*STARTS, TOTAL] and seen["max_length_k"] == 7
-        positions_only = DataCollatorForPackedDocuments.for_model(model.encoder)
-        assert "cu_seq_lens_q" not in positions_only([{"input_ids": doc} for doc in DOCS])
-        torch.testing.assert_close(explicit, model(**run_wikihop.WikiHopCollator(1, positions_only)(features)).logits)
+        # The other explicit form (seq_idx, no cu_seq_lens): the same logits.
+        seq_idx_form = DataCollatorForPackedDocuments.for_model(
+            model.encoder, return_flash_attn_kwargs=False, return_seq_idx=True
+        )
+        assert "cu_seq_lens_q" not in seq_idx_form([{"input_ids": doc} for doc in DOCS])
+        torch.testing.assert_close(explicit, model(**run_wikihop.WikiHopCollator(1, seq_idx_form)(features)).logits)
 
 
 def test_run_wikihop_padding_free_equals_padded(longformer_dir, cache_dir, tmp_path):
