@@ -231,13 +231,13 @@ def plan_documents(
     # + 1 of them, and at most ceil(max_count / s); the sum over documents is at most nb // s + (number of long
     # documents) <= 2 (nb // s). Two more, so that the chunk rows are never empty and never one (a traced graph would
     # specialise on a size of 1: batches without long documents would compile a graph of their own).
-    if all(isinstance(size, int) for size in (count, num_blocks, max_count)):
+    if not is_tracing():
         # Concrete sizes (eager mode): the tighter bound, none at all when no document can be long.
         long_docs = min(count, num_blocks // s) if max_count >= s else 0
         num_starts = min(num_blocks // s + long_docs, long_docs * ceil_div(max_count, s)) + 2
     else:
-        # Symbolic sizes: plain arithmetic. A minimum of them would have the compiled graph's cache pin its branches
-        # (guards on the longest document's exact block count: a recompile for every other one).
+        # Traced graphs (symbolic sizes): plain arithmetic. A minimum of them, or a branch on them, would pin the graph
+        # to the longest document's block count (guards, also in the compiled-graph cache: a recompile for others).
         num_starts = 2 * (num_blocks // s) + 2
 
     end_count = torch.where(is_end, blocks_of, 0)  # each document's block count, once
