@@ -209,13 +209,15 @@ def plan_documents(
     blocks_of = ceil_div(extent, b)
     inside = pos < extent
     tokens = DocumentBlocks(document, position, blocks_of.view(batch, length), inside.view(batch, length))
-    known = count is not None and longest is not None
-    if is_tracing() and not known:
-        return tokens
-    if not known or reads_values(document_ids):
+    if is_tracing():
+        if count is None:
+            return tokens
+        if longest is None:
+            longest = length  # a bound: no document is longer than its row
+    elif count is None or longest is None or reads_values(document_ids):
         # Eager only: the one read when the batch did not say, else a check where reading costs no wait.
         actual_count, actual_longest = torch.stack([(is_end & (extent > 0)).sum(), extent.max()]).tolist()
-        if known and (actual_count != count or actual_longest > longest):
+        if count is not None and actual_count != count or longest is not None and actual_longest > longest:
             raise ValueError(
                 f"The packed batch says {count} documents of at most {longest} tokens, but its boundaries hold "
                 f"{actual_count} of up to {actual_longest}; pass the collator's `cu_seq_lens_q/k` and `max_length_q/k` "
@@ -225,12 +227,18 @@ def plan_documents(
         longest = actual_longest if longest is None else longest
     num_blocks = (n + count * (b - 1)) // b
     max_count = ceil_div(longest, b)
-    # Chunk starts: a long document (at least s blocks, so at most nb // s of them, and none unless max_count >= s)
-    # of c blocks has ceil(c / s) <= c / s + 1 of them, and at most ceil(max_count / s); the sum over documents is at
-    # most nb // s + (number of long documents). Two more, so that the chunk rows are never empty and never one (a
-    # traced graph would specialise on a size of 1: batches without long documents would compile a graph of their own).
-    long_docs = torch.sym_min(count, num_blocks // s) * torch.sym_min(1, max_count // s)
-    num_starts = torch.sym_min(num_blocks // s + long_docs, long_docs * ceil_div(max_count, s)) + 2
+    # Chunk starts: a long document (at least s blocks, so at most nb // s of them) of c blocks has ceil(c / s) <= c / s
+    # + 1 of them, and at most ceil(max_count / s); the sum over documents is at most nb // s + (number of long
+    # documents) <= 2 (nb // s). Two more, so that the chunk rows are never empty and never one (a traced graph would
+    # specialise on a size of 1: batches without long documents would compile a graph of their own).
+    if not is_tracing():
+        # Concrete sizes (eager mode): the tighter bound, none at all when no document can be long.
+        long_docs = min(count, num_blocks // s) if max_count >= s else 0
+        num_starts = min(num_blocks // s + long_docs, long_docs * ceil_div(max_count, s)) + 2
+    else:
+        # Traced graphs (symbolic sizes): plain arithmetic. A minimum of them, or a branch on them, would pin the graph
+        # to the longest document's block count (guards, also in the compiled-graph cache: a recompile for others).
+        num_starts = 2 * (num_blocks // s) + 2
 
     end_count = torch.where(is_end, blocks_of, 0)  # each document's block count, once
     first = torch.cumsum(end_count, 0) - end_count  # the first block of each token's document
