@@ -23,10 +23,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..ops.attention_switch import attention_implementation
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
 
 __all__ = [
     "AttentionOutput",
+    "KernelChoice",
     "QKVProjection",
     "plain_linears",
     # the reshapes every attention module uses, re-exported from ops/shapes.py
@@ -45,6 +47,21 @@ class AttentionOutput(NamedTuple):
     """Probabilities; the shape is documented by each module."""
     global_attentions: torch.Tensor | None = None
     """Probabilities of the global tokens, for modules with global attention."""
+
+
+class KernelChoice:
+    """The one way an attention module reaches its kernel: the module keeps the ``config`` it was built from
+    (``self.config``) and reads the choice at each forward with :meth:`kernel_choice`, so that
+    ``model.set_attn_implementation`` applies at the next call. Nothing passes the choice down a signature; a model
+    that prepares per-forward extras for its layers (FlexAttention block masks) asks one of its attention modules."""
+
+    config: object
+
+    def kernel_choice(self, reference: torch.Tensor) -> str:
+        """``"eager"``, ``"sdpa"`` or ``"flex_attention"`` for a forward on ``reference``'s device
+        (:func:`~hf_xformers.ops.attention_switch.attention_implementation`: the user's choice, or the device's
+        measured default where there is none)."""
+        return attention_implementation(self.config, reference.device)
 
 
 def plain_linears(*modules: nn.Module) -> bool:
