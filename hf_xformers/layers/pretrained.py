@@ -21,7 +21,7 @@ from transformers.utils import CONFIG_NAME, cached_file
 
 from ..configs.transformers_checkpoints import IMPORTER, WeightRenames
 from ..ops.attention_switch import mark_implementation_unset
-from .heads import HfxLMHead
+from .head_layers import HfxLMHead
 
 logger = logging.getLogger(__name__)
 
