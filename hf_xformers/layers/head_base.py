@@ -1,8 +1,8 @@
 """What every task head shares: building the base model, resolving a packed batch once, running the base model.
 
-Each ``Hfx*HeadMixin`` (``layers/heads.py``, ``layers/causal_lm_head.py``) holds the whole ``__init__`` / ``forward``
-of one task on top of :class:`HfxHeadMixin`; an architecture gets the head by mixing it into its ``PreTrainedModel``
-subclass and naming its base model class::
+Each ``Hfx*HeadMixin`` of ``layers/heads.py`` holds the whole ``__init__`` / ``forward`` of one task on top of
+:class:`HfxHeadMixin`; an architecture gets the head by mixing it into its ``PreTrainedModel`` subclass and naming
+its base model class::
 
     class HfxLongformerForSequenceClassification(HfxSequenceClassificationHeadMixin, HfxLongformerPreTrainedModel):
         base_model_class = HfxLongformerModel

@@ -560,13 +560,7 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
         # Memories do not count tokens (they keep the last mem_len); generate() adds one token per step.
         return 1 if cache is not None else input_ids.shape[1]
 
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs,
-    ) -> dict:
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs) -> dict:
         """The shared step inputs (:class:`~hf_xformers.layers.generation.HfxGenerationMixin`), plus, on a cached
         step that reports attentions without a mask, the all-ones mask of every token so far ``(batch, seq_len)``.
 
@@ -576,9 +570,7 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
         them all (0 for tokens that have left the memory), as transformers' per-step contract reads them. A mask
         with nothing padded changes no logits; without ``output_attentions`` none is made.
         """
-        inputs = super().prepare_inputs_for_generation(
-            input_ids, attention_mask=attention_mask, use_cache=use_cache, **kwargs
-        )
+        inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
         output_attentions = inputs.get("output_attentions")
         if output_attentions is None:
             output_attentions = self.config.output_attentions
