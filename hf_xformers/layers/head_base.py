@@ -14,6 +14,7 @@ users know from ``transformers``.
 from __future__ import annotations
 
 from torch import nn
+from transformers.utils import ModelOutput
 
 from ..ops.packing import PackedBatch, resolve_packed_batch
 from .generation import forward_parameters
@@ -48,6 +49,20 @@ class HfxHeadMixin:
             tuple(ref.shape[:2]), ref.device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
             max_length_k, attention_mask, positions_while_tracing=not cached,
         )  # fmt: skip
+
+    def _encode_batch(
+        self, input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
+        output_attentions, output_hidden_states, boundaries: tuple,
+    ) -> tuple[PackedBatch | None, ModelOutput]:  # fmt: skip
+        """``(documents, out)``: the packed batch resolved once (:meth:`_packed_batch`, ``boundaries`` its
+        ``(seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)``; None for an ordinary batch) and the
+        base model's output on it (:meth:`_encode`), what a token-sequence head's ``forward`` starts with."""
+        documents = self._packed_batch(input_ids, inputs_embeds, position_ids, attention_mask, *boundaries)
+        out = self._encode(
+            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
+            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+        )  # fmt: skip
+        return documents, out
 
     def _encode(
         self, input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states,

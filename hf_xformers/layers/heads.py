@@ -94,13 +94,9 @@ class HfxLogitsHeadMixin(HfxHeadMixin):
         max_length_k: int | None = None,
     ) -> ModelOutput | tuple:
         """Returns ``logits`` (shapes in the task's class docstring) and the loss when ``labels`` are given."""
-        documents = self._packed_batch(
-            input_ids, inputs_embeds, position_ids, attention_mask,
-            seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
-        )  # fmt: skip
-        out = self._encode(
-            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
-            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+        documents, out = self._encode_batch(
+            input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
+            output_attentions, output_hidden_states, (seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k),
         )  # fmt: skip
         logits = self.head_logits(out, attention_mask, documents)
         loss = None if labels is None else self.head_loss(logits, labels, documents)
@@ -374,13 +370,9 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
         ``(num_documents, longest_document)``, one row per document as its own forward gives them (places beyond a
         document's end hold the dtype's lowest value, so no softmax picks them), and ``start_positions`` /
         ``end_positions`` ``(num_documents,)`` count from each document's first token."""
-        documents = self._packed_batch(
-            input_ids, inputs_embeds, position_ids, attention_mask,
-            seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
-        )  # fmt: skip
-        out = self._encode(
-            input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
-            token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+        documents, out = self._encode_batch(
+            input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
+            output_attentions, output_hidden_states, (seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k),
         )  # fmt: skip
         start_logits, end_logits = self.qa_outputs(out.last_hidden_state).unbind(-1)
         if documents is not None:

@@ -31,7 +31,7 @@ from ...layers.generation import HfxGenerationMixin
 from ...layers.losses import sequence_classification_loss
 from ...layers.pooling import pool_tokens
 from ...layers.pretrained import HfxPreTrainedModel
-from ...ops.input_checks import check_not_empty, check_token_ids, is_tracing, unpadded_to_none
+from ...ops.input_checks import check_not_empty, check_token_ids, is_tracing, token_shape, unpadded_to_none
 from ...ops.packing import document_ids_from_inputs, refuse_packed
 from .adaptive_softmax import HfxAdaptiveEmbedding, HfxAdaptiveLogSoftmax
 from .configuration_transfo_xl import HfxTransfoXLConfig
@@ -224,9 +224,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         self.word_emb = value
 
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, mems) -> tuple[int, int]:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
+        shape = token_shape(input_ids, inputs_embeds)
         if len(shape) != 2:
             raise ValueError(
                 f"`input_ids` must have shape (batch, seq_len), got {shape}. Add a batch dimension with `unsqueeze(0)`."
