@@ -211,27 +211,52 @@ def build_model_card(folder: str | os.PathLike, card_data: dict | None = None) -
     template = ModelCard(template_path(model_type).read_text(encoding="utf-8"))
     base = template.data.to_dict()
     info = {**load_card_data(path), **(card_data or {})}
-
+    info["model_name"] = info.get("model_name") or path.resolve().name
     head = _head(model_type, config)
+    self_contained = "AutoConfig" in (config.get("auto_map") or {})
+    results = _read_json(path / "eval_results.json")
+    metrics = _metric_groups(results, info.get("eval_splits") or {"eval": "validation"})
+    data = _card_metadata(info, base, model_type, _pipeline_tag(info, head, base), self_contained, metrics)
+
+    architecture = (config.get("architectures") or ["?"])[0]
+    summary = f"A `{model_type}` checkpoint (`{architecture}`), made with hf_xformers {_package_version()}."
+    sections = [
+        f"# {info['model_name']}\n",
+        f"{summary} {_origin(info)}".rstrip() + "\n",
+        f"## How to load\n\n{_load_text(head or 'AutoModel', info['model_name'], self_contained)}\n",
+        _demote_headings(template.text),
+        "## Training procedure\n\n" + _hyperparameter_text(path, info),
+        "## Evaluation results\n\n" + _results_table(results, metrics),
+    ]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(sections))
+
+
+def _pipeline_tag(info: dict, head: str | None, base: dict) -> str | None:
+    """The card's ``pipeline_tag``: the caller's, else the saved head's, else features for a base model (image ones
+    for a vision model), else the template's."""
     pipeline_tag = info.get("pipeline_tag") or PIPELINE_TAGS.get(head)
-    if pipeline_tag is None and head == "AutoModel":  # a base model gives features (image ones for a vision model)
+    if pipeline_tag is None and head == "AutoModel":
         vision = str(base.get("pipeline_tag") or "").startswith("image")
         pipeline_tag = "image-feature-extraction" if vision else "feature-extraction"
-    pipeline_tag = pipeline_tag or base.get("pipeline_tag")
-    self_contained = "AutoConfig" in (config.get("auto_map") or {})
-    name = info.get("model_name") or path.resolve().name
-    base_model = info.get("base_model")
+    return pipeline_tag or base.get("pipeline_tag")
 
-    results = _read_json(path / "eval_results.json")
-    splits = info.get("eval_splits") or {"eval": "validation"}
-    metrics = _metric_groups(results, splits)
-    task_type = info.get("task_type") or pipeline_tag
-    dataset_name = info.get("dataset_name") or (info.get("datasets") or ["local data"])[0]
+
+def _card_metadata(
+    info: dict,
+    base: dict,
+    model_type: str,
+    pipeline_tag: str | None,
+    self_contained: bool,
+    metrics: list[tuple[str, str, str, float]],
+) -> ModelCardData:
+    """The card's YAML header: licence, language and tags (the template's and the caller's), the model-index of the
+    evaluation ``metrics``."""
+    datasets = info.get("datasets")
     eval_results = [
         EvalResult(
-            task_type=task_type or "other",
-            dataset_type=info.get("dataset_type") or (info.get("datasets") or ["local"])[0],
-            dataset_name=dataset_name,
+            task_type=info.get("task_type") or pipeline_tag or "other",
+            dataset_type=info.get("dataset_type") or (datasets or ["local"])[0],
+            dataset_name=info.get("dataset_name") or (datasets or ["local data"])[0],
             dataset_config=info.get("dataset_config"),
             dataset_split=split,
             metric_type=metric,
@@ -240,33 +265,33 @@ def build_model_card(folder: str | os.PathLike, card_data: dict | None = None) -
         )
         for _, split, metric, value in metrics
     ]
-    data = ModelCardData(
+    tags = ["hf-xformers", model_type, *(base.get("tags") or []), *(info.get("tags") or [])]
+    return ModelCardData(
         library_name="transformers",
         license=info.get("license") or base.get("license"),
         language=info.get("language") or base.get("language"),
-        tags=_dedupe(
-            [
-                "hf-xformers",
-                model_type,
-                *(base.get("tags") or []),
-                *(info.get("tags") or []),
-                "custom_code" if self_contained else None,
-            ]
-        ),  # fmt: skip
+        tags=_dedupe([*tags, "custom_code" if self_contained else None]),
         pipeline_tag=pipeline_tag,
-        base_model=base_model,
-        datasets=info.get("datasets"),
+        base_model=info.get("base_model"),
+        datasets=datasets,
         metrics=_dedupe(metric for _, _, metric, _ in metrics) or None,
-        model_name=name,
+        model_name=info["model_name"],
         eval_results=eval_results or None,
     )
 
-    architecture = (config.get("architectures") or ["?"])[0]
-    origin = info.get("summary") or (
-        f"Derived from [`{base_model}`](https://huggingface.co/{base_model})." if base_model else
-        f"Derived from {info['source']}." if info.get("source") else ""
-    )  # fmt: skip
-    auto_class = head or "AutoModel"
+
+def _origin(info: dict) -> str:
+    """Where the checkpoint comes from: the caller's ``summary``, its ``base_model`` or ``source``, or nothing."""
+    base_model = info.get("base_model")
+    if info.get("summary"):
+        return info["summary"]
+    if base_model:
+        return f"Derived from [`{base_model}`](https://huggingface.co/{base_model})."
+    return f"Derived from {info['source']}." if info.get("source") else ""
+
+
+def _load_text(auto_class: str, name: str, self_contained: bool) -> str:
+    """The card's loading snippets: through the package, and without it when the folder carries the model code."""
     load = f"""```python
 import hf_xformers  # registers the hfx-* model types (pip install hf-xformers)
 from transformers import {auto_class}
@@ -283,16 +308,7 @@ from transformers import {auto_class}
 
 model = {auto_class}.from_pretrained("{name}", trust_remote_code=True)
 ```"""
-    sections = [
-        f"# {name}\n",
-        f"A `{model_type}` checkpoint (`{architecture}`), made with hf_xformers {_package_version()}. {origin}".rstrip()
-        + "\n",
-        f"## How to load\n\n{load}\n",
-        _demote_headings(template.text),
-        "## Training procedure\n\n" + _hyperparameter_text(path, info),
-        "## Evaluation results\n\n" + _results_table(results, metrics),
-    ]
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(sections))
+    return load
 
 
 def _package_version() -> str:

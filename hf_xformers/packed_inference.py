@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .layers.heads import pool_tokens
+from .layers.pooling import pool_tokens
 from .ops.packing import resolve_packed_batch
 from .padding_free import pack_by_token_budget, position_ids_start_for
 

@@ -237,86 +237,112 @@ class DataCollatorForPackedDocuments:
         if not features:
             raise ValueError("DataCollatorForPackedDocuments got no features to pack.")
         multiple_choice = _is_nested(features[0]["input_ids"])
+        documents = _choice_documents(features) if multiple_choice else _plain_documents(features)
         example_labels = [_label_of(f) for f in features]
-        num_choices = None
-        if multiple_choice:
-            num_choices = len(features[0]["input_ids"])
-            documents = []
-            for i, feature in enumerate(features):
-                choices = [_as_list(c) for c in feature["input_ids"]]
-                if len(choices) != num_choices:
-                    raise ValueError(
-                        f"Multiple-choice example {i} has {len(choices)} choices and example 0 has {num_choices}; a "
-                        "packed batch groups the documents into examples of one size (pad the choice lists, or "
-                        "batch examples with equal numbers of choices)."
-                    )
-                for c, ids in enumerate(choices):
-                    document = {"input_ids": ids}
-                    for key in (*PER_TOKEN_INPUTS, "attention_mask"):
-                        if key in feature:
-                            document[key] = _as_list(feature[key][c])
-                    documents.append(document)
-        else:
-            documents = [{**f, "input_ids": _as_list(f["input_ids"])} for f in features]
-
-        for i, document in enumerate(documents):
-            if not document["input_ids"]:
-                raise ValueError(f"Document {i} of the batch has no tokens; drop empty documents before packing.")
-            mask = document.get("attention_mask")
-            if mask is not None and not all(_as_list(mask)):
-                raise ValueError(
-                    f"Document {i} of the batch carries padding (its attention_mask holds 0s); a packed batch needs "
-                    "unpadded features: tokenize with padding=False."
-                )
-
         has_labels = [label is not None for label in example_labels]
         if any(has_labels) and not all(has_labels):
             raise ValueError("Some features of the batch carry labels and others do not; give every feature one.")
         per_token = (
             not multiple_choice and all(has_labels) and self._is_per_token(example_labels[0], documents[0]["input_ids"])
         )
-        flat_features = [{"input_ids": d["input_ids"]} for d in documents]
-        if per_token:
-            for flat, label, document in zip(flat_features, example_labels, documents):
-                label = _as_list(label)
-                if len(label) != len(document["input_ids"]):
-                    raise ValueError(
-                        f"Per-token labels of length {len(label)} for a document of {len(document['input_ids'])} "
-                        "tokens; give one label per token (-100 where no loss is wanted)."
-                    )
-                flat["labels"] = label
-        batch = self._flattening()(flat_features)
-        if per_token and not self.causal_lm:
-            # Each token keeps its own label: the separator of transformers' collator would drop the first one.
-            starts = torch.tensor([0, *[len(d["input_ids"]) for d in documents[:-1]]]).cumsum(0)
-            first = torch.tensor([_as_list(f["labels"])[0] for f in flat_features], dtype=batch["labels"].dtype)
-            batch["labels"][0, starts] = first
-        elif not per_token and not (self.causal_lm and not any(has_labels)):
+        batch = self._flatten(documents, example_labels if per_token else None)
+        if not per_token and not (self.causal_lm and not any(has_labels)):
             del batch["labels"]  # transformers' collator copies input_ids into labels: only a causal LM wants that
-
-        for key in PER_TOKEN_INPUTS:
-            present = [key in d for d in documents]
-            if not any(present):
-                continue
-            if not all(present):
-                raise ValueError(f"Some features carry {key} and others do not; give every feature one.")
-            values = [v for d in documents for v in _as_list(d[key])]
-            if len(values) != batch["input_ids"].shape[1]:
-                raise ValueError(f"{key} must have one value per token, like input_ids.")
-            batch[key] = torch.tensor([values], dtype=torch.long)
-
+        _add_per_token_inputs(batch, documents)
         if any(has_labels) and not per_token:
-            labels = [_as_list(label) if hasattr(label, "tolist") else label for label in example_labels]
-            is_float = any(isinstance(v, float) for v in labels) or any(
-                isinstance(v, list) and any(isinstance(x, float) for x in v) for v in labels
-            )
-            batch["labels"] = torch.tensor(labels, dtype=torch.float32 if is_float else torch.long)
+            batch["labels"] = _example_labels_tensor(example_labels)
         for key in QA_TARGETS:
             if key in features[0]:
                 batch[key] = torch.tensor([int(f[key]) for f in features], dtype=torch.long)
         if multiple_choice:
-            batch["num_choices"] = num_choices
+            batch["num_choices"] = len(features[0]["input_ids"])
         return batch
+
+    def _flatten(self, documents: list[dict], token_labels: list | None) -> dict[str, Any]:
+        """transformers' collator over the documents' ``input_ids``, with their per-token ``token_labels`` (one list
+        per document) as ``labels`` when given."""
+        flat_features = [{"input_ids": d["input_ids"]} for d in documents]
+        if token_labels is None:
+            return self._flattening()(flat_features)
+        for flat, label, document in zip(flat_features, token_labels, documents):
+            label = _as_list(label)
+            if len(label) != len(document["input_ids"]):
+                raise ValueError(
+                    f"Per-token labels of length {len(label)} for a document of {len(document['input_ids'])} "
+                    "tokens; give one label per token (-100 where no loss is wanted)."
+                )
+            flat["labels"] = label
+        batch = self._flattening()(flat_features)
+        if not self.causal_lm:
+            # Each token keeps its own label: the separator of transformers' collator would drop the first one.
+            starts = torch.tensor([0, *[len(d["input_ids"]) for d in documents[:-1]]]).cumsum(0)
+            first = torch.tensor([_as_list(f["labels"])[0] for f in flat_features], dtype=batch["labels"].dtype)
+            batch["labels"][0, starts] = first
+        return batch
+
+
+def _plain_documents(features: list[Mapping[str, Any]]) -> list[dict]:
+    """One document per feature, ``input_ids`` as a list; refuses empty or padded ones."""
+    return _checked([{**f, "input_ids": _as_list(f["input_ids"])} for f in features])
+
+
+def _choice_documents(features: list[Mapping[str, Any]]) -> list[dict]:
+    """One document per (context, choice) pair, example by example and choice by choice, with its per-token inputs
+    and mask; refuses examples with another number of choices than the first, and empty or padded documents."""
+    num_choices = len(features[0]["input_ids"])
+    documents = []
+    for i, feature in enumerate(features):
+        choices = [_as_list(c) for c in feature["input_ids"]]
+        if len(choices) != num_choices:
+            raise ValueError(
+                f"Multiple-choice example {i} has {len(choices)} choices and example 0 has {num_choices}; a "
+                "packed batch groups the documents into examples of one size (pad the choice lists, or "
+                "batch examples with equal numbers of choices)."
+            )
+        for c, ids in enumerate(choices):
+            document = {"input_ids": ids}
+            for key in (*PER_TOKEN_INPUTS, "attention_mask"):
+                if key in feature:
+                    document[key] = _as_list(feature[key][c])
+            documents.append(document)
+    return _checked(documents)
+
+
+def _checked(documents: list[dict]) -> list[dict]:
+    """``documents``, after a ``ValueError`` for an empty one or one that carries padding."""
+    for i, document in enumerate(documents):
+        if not document["input_ids"]:
+            raise ValueError(f"Document {i} of the batch has no tokens; drop empty documents before packing.")
+        mask = document.get("attention_mask")
+        if mask is not None and not all(_as_list(mask)):
+            raise ValueError(
+                f"Document {i} of the batch carries padding (its attention_mask holds 0s); a packed batch needs "
+                "unpadded features: tokenize with padding=False."
+            )
+    return documents
+
+
+def _add_per_token_inputs(batch: dict[str, Any], documents: list[dict]) -> None:
+    """Concatenate the documents' :data:`PER_TOKEN_INPUTS` into ``batch`` ``(1, total_tokens)``, like the ids."""
+    for key in PER_TOKEN_INPUTS:
+        present = [key in d for d in documents]
+        if not any(present):
+            continue
+        if not all(present):
+            raise ValueError(f"Some features carry {key} and others do not; give every feature one.")
+        values = [v for d in documents for v in _as_list(d[key])]
+        if len(values) != batch["input_ids"].shape[1]:
+            raise ValueError(f"{key} must have one value per token, like input_ids.")
+        batch[key] = torch.tensor([values], dtype=torch.long)
+
+
+def _example_labels_tensor(example_labels: list) -> torch.Tensor:
+    """Per-document (or per-example) labels as one tensor: float when any value is (regression, multi-label)."""
+    labels = [_as_list(label) if hasattr(label, "tolist") else label for label in example_labels]
+    is_float = any(isinstance(v, float) for v in labels) or any(
+        isinstance(v, list) and any(isinstance(x, float) for x in v) for v in labels
+    )
+    return torch.tensor(labels, dtype=torch.float32 if is_float else torch.long)
 
 
 def pack_by_token_budget(lengths: Sequence[int], max_tokens: int, decreasing: bool = True) -> list[list[int]]:

@@ -27,7 +27,8 @@ from torch import nn
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 import hf_xformers
-from hf_xformers.layers.heads import pool_tokens, sequence_classification_loss
+from hf_xformers.layers.losses import sequence_classification_loss
+from hf_xformers.layers.pooling import pool_tokens
 from hf_xformers.registration import REGISTRY
 
 ARCHS = (

@@ -12,7 +12,7 @@ An architecture whose config derives from :class:`TransformersCheckpointConfig` 
 
 ``get_config_dict`` translates on the fly, so ``HfxLongformerConfig.from_pretrained(dir)`` of a transformers
 ``longformer`` folder or Hub id gives our config without transformers' warning that the model types differ;
-``layers/pretrained.py`` adds the weight renames when a model loads. No torch here (the configuration floor).
+``layers/transformers_loading.py`` adds the weight renames when a model loads. No torch here (the configuration floor).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from ..ops.input_checks import (
     check_type_ids,
     is_tracing,
     reads_values,
+    token_shape,
     unpadded_to_none,
 )
 from ..ops.packing import PackedBatch, refuse_packed, resolve_packed_batch
@@ -140,9 +141,7 @@ class HfxTextModel:
         self, input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, packed=None,
         position_ids=None,
     ):  # fmt: skip
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
+        shape = token_shape(input_ids, inputs_embeds)
         if len(shape) != 2:
             raise ValueError(
                 f"`input_ids` must have shape (batch, seq_len), got {shape}. Add a batch dimension with "
@@ -215,9 +214,7 @@ class HfxTextModel:
             ``(num_documents, hidden)``, one row per document in order (None in a traced graph given ``seq_idx`` or
             ``position_ids`` only: the number of documents is unknown there without a read).
         """
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
+        shape = token_shape(input_ids, inputs_embeds)
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         packed = None
         if len(shape) == 2:

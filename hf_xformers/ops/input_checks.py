@@ -94,6 +94,14 @@ def check_token_ids(
         raise ValueError(f"`{name}` contains id {high} but vocab_size is {vocab_size}; {hint}.")
 
 
+def token_shape(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> tuple[int, ...]:
+    """The shape of the tokens: ``input_ids``' ``(batch, seq_len)``, or that of ``inputs_embeds``
+    ``(batch, seq_len, hidden)`` without its last dimension; a ``ValueError`` unless exactly one of them is given."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+    return tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
+
+
 def check_not_empty(shape: tuple, name: str = "input_ids") -> None:
     """A ``(batch, seq_len, ...)`` input needs at least one example and one position."""
     if len(shape) >= 1 and shape[0] == 0:

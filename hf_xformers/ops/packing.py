@@ -212,12 +212,7 @@ def resolve_packed_batch(
             :func:`~hf_xformers.ops.input_checks.reads_values`).
     """
     batch, length = shape
-    real = None
-    if attention_mask is not None:
-        real = attention_mask.to(device).bool()
-        if not is_tracing() and reads_values(real) and bool(real.all()):
-            real = None
-    longest = max_length_q if max_length_q is not None else max_length_k
+    real = _real_tokens(attention_mask, device)
     if seq_idx is not None:
         if tuple(seq_idx.shape) != (batch, length):
             raise ValueError(
@@ -225,21 +220,9 @@ def resolve_packed_batch(
                 f"{tuple(seq_idx.shape)}; use DataCollatorWithFlattening(return_seq_idx=True)."
             )
         document_ids, run_starts = _run_ids(seq_idx.to(device), real)
-        cu = None
-        count = None
+        cu, count = None, None
     elif cu_seq_lens_q is not None or cu_seq_lens_k is not None:
-        if batch != 1:
-            raise ValueError(
-                f"`cu_seq_lens_q/k` describe the documents of one packed row, but the batch has {batch} rows; pack "
-                "the batch into one row (DataCollatorWithFlattening) or pass `seq_idx` for several packed rows."
-            )
-        cu = _check_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, length, device)
-        run_starts = torch.zeros(length, dtype=torch.bool, device=device).index_fill(0, cu[:-1], True)[None]
-        document_ids = run_starts.long().cumsum(-1) - 1
-        count = cu.shape[0] - 1
-        if real is not None:  # padding inside documents: runs split where it starts and ends
-            document_ids, run_starts = _run_ids(document_ids, real)
-            cu, count = None, None
+        document_ids, run_starts, cu, count = _runs_from_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, shape, device, real)
     elif (
         position_ids is not None
         and batch == 1
@@ -258,6 +241,56 @@ def resolve_packed_batch(
         cu, count = None, None
     else:
         return None
+    longest = max_length_q if max_length_q is not None else max_length_k
+    return _packed_from_runs(document_ids, run_starts, real, cu, count, longest)
+
+
+def _real_tokens(attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """``attention_mask`` as bool on ``device``, or None when nothing is padded (known in eager mode only)."""
+    if attention_mask is None:
+        return None
+    real = attention_mask.to(device).bool()
+    if not is_tracing() and reads_values(real) and bool(real.all()):
+        return None
+    return real
+
+
+def _runs_from_cu_seq_lens(
+    cu_seq_lens_q: torch.Tensor | None,
+    cu_seq_lens_k: torch.Tensor | None,
+    shape: tuple[int, int],
+    device: torch.device,
+    real: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int | None]:
+    """``(document_ids, run_starts, cu_seq_lens, count)`` of a single row given FlashAttention's cumulative lengths;
+    padding inside the documents splits the runs where it starts and ends (then no ``cu_seq_lens`` or count)."""
+    batch, length = shape
+    if batch != 1:
+        raise ValueError(
+            f"`cu_seq_lens_q/k` describe the documents of one packed row, but the batch has {batch} rows; pack "
+            "the batch into one row (DataCollatorWithFlattening) or pass `seq_idx` for several packed rows."
+        )
+    cu = _check_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, length, device)
+    run_starts = torch.zeros(length, dtype=torch.bool, device=device).index_fill(0, cu[:-1], True)[None]
+    document_ids = run_starts.long().cumsum(-1) - 1
+    if real is None:
+        return document_ids, run_starts, cu, cu.shape[0] - 1
+    document_ids, run_starts = _run_ids(document_ids, real)
+    return document_ids, run_starts, None, None
+
+
+def _packed_from_runs(
+    document_ids: torch.Tensor,
+    run_starts: torch.Tensor,
+    real: torch.Tensor | None,
+    cu: torch.Tensor | None,
+    count: int | None,
+    longest: int | None,
+) -> PackedBatch | None:
+    """The :class:`PackedBatch` of the runs ``(batch, seq_len)`` of a batch (``real``: its real tokens, None when
+    nothing is padded), or None when every row holds one document. ``count`` and ``cu`` are worked out here (eager
+    mode) when the boundaries did not give them."""
+    batch, length = document_ids.shape
     starts = run_starts if real is None else run_starts & real
     flat_index = starts.reshape(-1).long().cumsum(0).reshape(batch, length) - 1
     if count is None and not is_tracing():

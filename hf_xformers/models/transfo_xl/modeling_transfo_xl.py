@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
@@ -28,9 +28,10 @@ from ...attention.relative_memory import (
     sinusoid_positions,
 )
 from ...layers.generation import HfxGenerationMixin
-from ...layers.heads import pool_tokens, sequence_classification_loss
-from ...layers.pretrained import TransformersCheckpointMixin
-from ...ops.input_checks import check_not_empty, check_token_ids, is_tracing, unpadded_to_none
+from ...layers.losses import sequence_classification_loss
+from ...layers.pooling import pool_tokens
+from ...layers.pretrained import HfxPreTrainedModel
+from ...ops.input_checks import check_not_empty, check_token_ids, is_tracing, token_shape, unpadded_to_none
 from ...ops.packing import document_ids_from_inputs, refuse_packed
 from .adaptive_softmax import HfxAdaptiveEmbedding, HfxAdaptiveLogSoftmax
 from .configuration_transfo_xl import HfxTransfoXLConfig
@@ -84,24 +85,22 @@ class HfxTransfoXLSequenceClassifierOutput(ModelOutput):
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
-class HfxTransfoXLPreTrainedModel(TransformersCheckpointMixin, PreTrainedModel):
+class HfxTransfoXLPreTrainedModel(HfxPreTrainedModel):
+    """The shared defaults of :class:`~hf_xformers.layers.pretrained.HfxPreTrainedModel`, with Transformer-XL's own
+    weight init, vocabulary resizing (adaptive clusters) and zero memories."""
+
     config_class = HfxTransfoXLConfig
     base_model_prefix = "transformer"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["HfxTransfoXLLayer"]
-    # Losses are plain means; without this Trainer rescales them under DDP (see the team notes on transformers v5).
-    accepts_loss_kwargs = False
     # attn_implementation: relative-position attention has one kernel (attention/relative_memory.py), explicit scores
     # with the position term; "eager" and "sdpa" both run it (no fused form takes the shifted position scores), and it
     # is no FlexAttention score_mod that pays (the term is a per-distance dot product, a full score-sized tensor).
-    _supports_sdpa = True
-
-    @classmethod
-    def _can_set_attn_implementation(cls) -> bool:
-        return True
+    # HfxPreTrainedModel's _supports_flex_attn = False says so.
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        # Not the shared init: the original's scales are init_std and proj_init_std (no initializer_range), and the
+        # relative biases, adaptive projections and cluster logits need their own.
         std, proj_std = self.config.init_std, self.config.proj_init_std
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, 0.0, std)
@@ -225,9 +224,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         self.word_emb = value
 
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, mems) -> tuple[int, int]:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
+        shape = token_shape(input_ids, inputs_embeds)
         if len(shape) != 2:
             raise ValueError(
                 f"`input_ids` must have shape (batch, seq_len), got {shape}. Add a batch dimension with `unsqueeze(0)`."
@@ -264,19 +261,19 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         device: torch.device,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
-        seq_idx: torch.Tensor | None,
-        cu_seq_lens_q: torch.Tensor | None,
-        cu_seq_lens_k: torch.Tensor | None,
+        boundaries: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+        packed_batch=None,
     ) -> None:
         """Raise the ``ValueError`` of :func:`~hf_xformers.ops.packing.refuse_packed` for a packed batch (several
-        documents in a row, in any of ``DataCollatorWithFlattening``'s forms); an ordinary batch passes.
+        documents in a row, in any of ``DataCollatorWithFlattening``'s forms: ``boundaries`` is ``(seq_idx,
+        cu_seq_lens_q, cu_seq_lens_k)``, or a head's ``packed_batch``); an ordinary batch passes.
 
         ``position_ids`` mark documents only in eager mode and where nothing is padded: ``generate()`` passes
         positions that restart at left padding (and those of every step while tracing), which are no documents.
         """
-        documents = document_ids_from_inputs(
-            shape, device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, attention_mask
-        )
+        documents = packed_batch
+        if documents is None and (position_ids is not None or any(b is not None for b in boundaries)):
+            documents = document_ids_from_inputs(shape, device, position_ids, *boundaries, attention_mask)
         if documents is not None:
             refuse_packed(type(self).__name__, *PACKING_REFUSAL)
 
@@ -317,23 +314,48 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
             :class:`HfxTransfoXLModelOutput`.
         """
         batch, query_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, mems)
-        if packed_batch is not None:
-            refuse_packed(type(self).__name__, *PACKING_REFUSAL)
-        if position_ids is not None or seq_idx is not None or cu_seq_lens_q is not None or cu_seq_lens_k is not None:
-            device = input_ids.device if input_ids is not None else inputs_embeds.device
-            self._refuse_packed(
-                (batch, query_len), device, attention_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k
-            )
+        device = input_ids.device if input_ids is not None else inputs_embeds.device
+        boundaries = (seq_idx, cu_seq_lens_q, cu_seq_lens_k)
+        self._refuse_packed((batch, query_len), device, attention_mask, position_ids, boundaries, packed_batch)
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-
         if mems is not None:
             mem_len = self.config.mem_len
             mems = None if mem_len == 0 else tuple(mem[:, -mem_len:] for mem in mems)
         embeds = self.word_emb(input_ids) if inputs_embeds is None else inputs_embeds
+        positions, allowed = self._relative_attention_inputs(embeds, query_len, mems, attention_mask)
+        key_len = allowed.shape[-1]
+        # A mask wider than memory + segment covers tokens that have left the memory (generate() passes the mask of
+        # every token so far): the probabilities are reported over all of them, 0 for those, so that a decoding step's
+        # row lines up with the mask's columns and with the last row of a full forward over the sequence so far
+        # (transformers' per-step contract: keys = every token so far).
+        dropped = 0
+        if output_attentions and attention_mask is not None and attention_mask.shape[1] > key_len:
+            dropped = attention_mask.shape[1] - key_len
+        hidden, layer_inputs, all_hidden, all_attentions = self._run_layers(
+            self.dropout(embeds), positions, allowed, mems, output_attentions, output_hidden_states, dropped
+        )
+        out = HfxTransfoXLModelOutput(
+            last_hidden_state=hidden,
+            mems=self._update_memories(layer_inputs, mems),
+            hidden_states=all_hidden,
+            attentions=all_attentions,
+        )
+        return self._finish(out, return_dict)
+
+    def _relative_attention_inputs(
+        self,
+        embeds: torch.Tensor,
+        query_len: int,
+        mems: Memories | None,
+        attention_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What every layer's attention shares: the relative position encodings ``(m + q, d_model)`` (dropout
+        applied) and the keys each query may see, ``allowed`` ``(q, m + q)``, or ``(batch, 1, q, m + q)`` with padded
+        keys masked (``attention_mask`` ``(batch, ...)``, its last ``m + q`` columns; memory it does not cover is
+        real)."""
         memory_len = 0 if mems is None else mems[0].shape[1]
         key_len = memory_len + query_len
         device = embeds.device
@@ -344,44 +366,43 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         key_mask = unpadded_to_none(attention_mask.bool()) if attention_mask is not None else None
         if key_mask is not None:
             key_mask = key_mask[:, -key_len:]
-            if key_mask.shape[1] < key_len:  # memory the mask does not cover is real
+            if key_mask.shape[1] < key_len:
                 key_mask = F.pad(key_mask, (key_len - key_mask.shape[1], 0), value=True)
             allowed = allowed & key_mask[:, None, None, :]
+        return positions, allowed
 
-        # A mask wider than memory + segment covers tokens that have left the memory (generate() passes the mask of
-        # every token so far): the probabilities are reported over all of them, 0 for those, so that a decoding step's
-        # row lines up with the mask's columns and with the last row of a full forward over the sequence so far
-        # (transformers' per-step contract: keys = every token so far).
-        dropped = 0
-        if output_attentions and attention_mask is not None and attention_mask.shape[1] > key_len:
-            dropped = attention_mask.shape[1] - key_len
-
-        hidden = self.dropout(embeds)
+    def _run_layers(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        allowed: torch.Tensor,
+        mems: Memories | None,
+        output_attentions: bool,
+        output_hidden_states: bool,
+        dropped: int,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], tuple | None, tuple | None]:
+        """The layers over ``hidden`` ``(batch, q, d_model)``, each with its memory. Returns the last hidden states
+        (dropout applied), every layer's input (the next memories), and the hidden states and attentions asked for
+        (None otherwise); ``dropped``: columns of zeros put before each attention map for tokens no longer in the
+        memory."""
         layer_inputs, all_hidden, all_attentions = [], (), ()
         for i, layer in enumerate(self.layers):
             layer_inputs.append(hidden)
             if output_hidden_states:
                 all_hidden += (hidden,)
-            hidden, probs = layer(
-                hidden,
-                positions,
-                allowed,
-                memory=None if mems is None else mems[i],
-                output_attentions=output_attentions,
-            )
+            memory = None if mems is None else mems[i]
+            hidden, probs = layer(hidden, positions, allowed, memory=memory, output_attentions=output_attentions)
             if output_attentions:
                 all_attentions += (F.pad(probs, (dropped, 0)) if dropped else probs,)
         hidden = self.dropout(hidden)
         if output_hidden_states:
             all_hidden += (hidden,)
-
-        out = HfxTransfoXLModelOutput(
-            last_hidden_state=hidden,
-            mems=self._update_memories(layer_inputs, mems),
-            hidden_states=all_hidden if output_hidden_states else None,
-            attentions=all_attentions if output_attentions else None,
+        return (
+            hidden,
+            layer_inputs,
+            all_hidden if output_hidden_states else None,
+            all_attentions if output_attentions else None,
         )
-        return out if return_dict else out.to_tuple()
 
     @torch.no_grad()
     def _update_memories(self, layer_inputs: list[torch.Tensor], mems: Memories | None) -> Memories | None:
@@ -491,38 +512,43 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
             max_length_q=max_length_q, max_length_k=max_length_k,
         )  # fmt: skip
         hidden = out.last_hidden_state
-        batch, length, _ = hidden.shape
         logits = None
         if return_logits:
-            logits = self.adaptive_softmax.log_prob(hidden.reshape(-1, hidden.shape[-1])).view(batch, length, -1)
-
+            logits = self.adaptive_softmax.log_prob(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1)
         loss = losses = None
         if labels is not None or shift_labels is not None:
-            if labels is not None:
-                targets_hidden, targets = hidden[:, :-1], labels[:, 1:]
-            else:
-                targets_hidden, targets = hidden, shift_labels
-            if tuple(targets.shape) != tuple(targets_hidden.shape[:2]):
-                raise ValueError(
-                    f"labels must have the shape of input_ids {(batch, length)}, got "
-                    f"{tuple((labels if labels is not None else shift_labels).shape)}."
-                )
-            valid = targets != -100
-            if not is_tracing() and valid.any():
-                if int(targets[valid].max()) >= self.config.vocab_size or int(targets[valid].min()) < 0:
-                    raise ValueError(f"labels must be token ids below vocab_size ({self.config.vocab_size}) or -100.")
-            flat_targets = targets.reshape(-1)
-            losses = self.adaptive_softmax.nll(targets_hidden.reshape(-1, hidden.shape[-1]), flat_targets)
-            losses = losses.view(targets.shape)
-            # Mean over scored tokens; a segment with none gives 0 (not NaN), so a step can still run backward.
-            loss = losses.sum() / (valid.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+            loss, losses = self._adaptive_loss(hidden, labels, shift_labels, num_items_in_batch)
+        result = self._head_result(HfxTransfoXLCausalLMOutput, out, loss, logits=logits, losses=losses, mems=out.mems)
+        return self._finish(result, return_dict)
 
-        result = HfxTransfoXLCausalLMOutput(
-            loss=loss, logits=logits, losses=losses, mems=out.mems,
-            hidden_states=out.hidden_states, attentions=out.attentions,
-        )  # fmt: skip
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-        return result if return_dict else result.to_tuple()
+    def _adaptive_loss(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None,
+        shift_labels: torch.Tensor | None,
+        num_items_in_batch: int | torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean next-token loss and the per-token ``losses`` ``(batch, n_targets)`` (0 where ignored) of
+        ``hidden`` ``(batch, seq_len, d_model)`` against ``labels`` (shifted here) or ``shift_labels`` (aligned), as
+        the adaptive softmax scores them (the target clusters alone)."""
+        if labels is not None:
+            targets_hidden, targets = hidden[:, :-1], labels[:, 1:]
+        else:
+            targets_hidden, targets = hidden, shift_labels
+        if tuple(targets.shape) != tuple(targets_hidden.shape[:2]):
+            raise ValueError(
+                f"labels must have the shape of input_ids {tuple(hidden.shape[:2])}, got "
+                f"{tuple((labels if labels is not None else shift_labels).shape)}."
+            )
+        valid = targets != -100
+        if not is_tracing() and valid.any():
+            if int(targets[valid].max()) >= self.config.vocab_size or int(targets[valid].min()) < 0:
+                raise ValueError(f"labels must be token ids below vocab_size ({self.config.vocab_size}) or -100.")
+        losses = self.adaptive_softmax.nll(targets_hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1))
+        losses = losses.view(targets.shape)
+        # Mean over scored tokens; a segment with none gives 0 (not NaN), so a step can still run backward.
+        loss = losses.sum() / (valid.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        return loss, losses
 
     # ----- generation: the memories play the part of the key/value cache ---------------------------------
     def _cache_of_output(self, outputs) -> Memories | None:
@@ -532,13 +558,7 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
         # Memories do not count tokens (they keep the last mem_len); generate() adds one token per step.
         return 1 if cache is not None else input_ids.shape[1]
 
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs,
-    ) -> dict:
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs) -> dict:
         """The shared step inputs (:class:`~hf_xformers.layers.generation.HfxGenerationMixin`), plus, on a cached
         step that reports attentions without a mask, the all-ones mask of every token so far ``(batch, seq_len)``.
 
@@ -548,9 +568,7 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
         them all (0 for tokens that have left the memory), as transformers' per-step contract reads them. A mask
         with nothing padded changes no logits; without ``output_attentions`` none is made.
         """
-        inputs = super().prepare_inputs_for_generation(
-            input_ids, attention_mask=attention_mask, use_cache=use_cache, **kwargs
-        )
+        inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
         output_attentions = inputs.get("output_attentions")
         if output_attentions is None:
             output_attentions = self.config.output_attentions
@@ -621,8 +639,5 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
         )  # fmt: skip
         logits = self.classifier(self.dropout(self._pool(out.last_hidden_state, input_ids, attention_mask)))
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
-        result = HfxTransfoXLSequenceClassifierOutput(
-            loss=loss, logits=logits, mems=out.mems, hidden_states=out.hidden_states, attentions=out.attentions
-        )
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-        return result if return_dict else result.to_tuple()
+        result = self._head_result(HfxTransfoXLSequenceClassifierOutput, out, loss, logits=logits, mems=out.mems)
+        return self._finish(result, return_dict)
