@@ -595,3 +595,26 @@ def test_every_cuda_default_is_what_the_model_runs_there(model_type, as_if_on_cu
     with torch.no_grad():
         reference, real = run(model, arch, "sdpa")
     assert max_difference(out, reference.last_hidden_state, real) < ATOL
+
+
+def test_swin_follows_a_switch_at_the_next_call(eager_flex, flex_calls, monkeypatch):
+    """Swin's window attention reads the choice itself (KernelChoice) at every forward: nothing passed down the stages
+    holds an old one, so ``set_attn_implementation`` changes the kernel of the very next call."""
+    sdpa_calls = []
+
+    def counted_sdpa(*args, _kernel=F.scaled_dot_product_attention, **kwargs):
+        sdpa_calls.append(1)
+        return _kernel(*args, **kwargs)
+
+    monkeypatch.setattr(shifted_window.F, "scaled_dot_product_attention", counted_sdpa)
+    model = build("swin")
+    with torch.no_grad():
+        reference, real = run(model, "swin", "sdpa")
+        assert sdpa_calls and not flex_calls
+        sdpa_calls.clear()
+        eager, _ = run(model, "swin", "eager")
+        assert not sdpa_calls and not flex_calls, "eager was chosen but the window attention still ran SDPA"
+        flex, _ = run(model, "swin", "flex_attention")
+        assert flex_calls and not sdpa_calls
+    for out in (eager, flex):
+        assert max_difference(out.last_hidden_state, reference.last_hidden_state, real) < ATOL
