@@ -75,7 +75,6 @@ def varlen_boundaries(packed: PackedBatch, device: torch.device) -> tuple[torch.
     return None if longest is None else (packed.cu_seq_lens, longest)
 
 
-
 class HfxSlidingWindowSelfAttention(KernelChoice, BandedAttention, PackedGlobalAttention, QKVProjection):
     """Sliding-window + global self-attention of one Longformer layer.
 
@@ -261,7 +260,6 @@ class HfxSlidingWindowSelfAttention(KernelChoice, BandedAttention, PackedGlobalA
             mask = mask | ~mask.any(-1, keepdim=True)
         dropout = self.dropout_p if self.training else 0.0
         return merge_heads(attention(q, k, v, mask, dropout))
-
 
     def _global_attention(
         self, hidden_states, attention_mask, global_idx, global_valid, output_attentions, packed_globals=None,

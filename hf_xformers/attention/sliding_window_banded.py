@@ -329,7 +329,6 @@ class BandedAttention:
             out[:, blocks] = context.view(batch, n, heads, b, dim)
         return out
 
-
     def _to_band_layout(self, weights, batch, nb, num_global, length) -> torch.Tensor:
         """``(batch * nb, heads, b, G + span)`` block weights -> ``(batch, heads, length, G + 2w + 1)``."""
         w, b, heads = self.one_sided_window, self.query_block, self.num_heads

@@ -106,7 +106,6 @@ class PackedGlobalAttention:
         out_global = torch.einsum("bhnrc,bnchd->bnrhd", back, global_v).reshape(batch, nb * b, heads, dim)
         return (out + out_global[:, :length]).reshape(batch, length, heads * dim), probs
 
-
     def _packed_global_attention(
         self, hidden_states, attention_mask, picked, global_valid, explicit, packed_globals, return_probs
     ):  # fmt: skip
