@@ -20,7 +20,15 @@ import transformers  # noqa: E402
 
 import hf_xformers  # noqa: E402
 import hf_xformers.ops.attention_switch as switch  # noqa: E402
-from hf_xformers.attention import block_sparse, chunked_local, lsh, multi_head, shifted_window, sliding_window  # noqa: E402
+from hf_xformers.attention import (  # noqa: E402
+    block_sparse,
+    chunked_local,
+    lsh,
+    multi_head,
+    shifted_window,
+    sliding_window,
+    sliding_window_layout,
+)
 
 from .test_compile_export import build, image_inputs, text_inputs  # noqa: E402
 
@@ -214,7 +222,7 @@ def test_eager_and_sdpa_agree_in_half_precision(arch, dtype, padding):
 def test_longformer_builds_its_block_mask_once_per_forward_without_host_reads(eager_flex, monkeypatch):
     from .device_checks import HostReadCounter
 
-    built, original = [], sliding_window.band_block_mask
+    built, original = [], sliding_window_layout.band_block_mask
 
     def counted(*args, **kwargs):
         with HostReadCounter() as reads:
@@ -222,7 +230,7 @@ def test_longformer_builds_its_block_mask_once_per_forward_without_host_reads(ea
         built.append(reads.count)
         return mask
 
-    monkeypatch.setattr(sliding_window, "band_block_mask", counted)
+    monkeypatch.setattr(sliding_window_layout, "band_block_mask", counted)
     model = build("longformer")
     assert model.config.num_hidden_layers == 2
     with torch.no_grad():
@@ -247,8 +255,9 @@ def test_longformer_block_lists_match_an_evaluated_mask(length, window, with_glo
         is_global[:, 0] = True
         is_global[0, length - 5] = True
         is_global &= mask
-    ours = sliding_window.band_block_mask(mask if padded else None, is_global, window, length, torch.device("cpu"))
-    evaluated = create_block_mask(ours.mask_mod, 2, None, length, length, BLOCK_SIZE=sliding_window.FLEX_BLOCK)
+    cpu = torch.device("cpu")
+    ours = sliding_window_layout.band_block_mask(mask if padded else None, is_global, window, length, cpu)
+    evaluated = create_block_mask(ours.mask_mod, 2, None, length, length, BLOCK_SIZE=sliding_window_layout.FLEX_BLOCK)
     visited = ours.to_dense().expand(2, -1, -1, -1).bool()
     assert not (evaluated.to_dense().bool() & ~visited).any(), "a block with an allowed score is skipped"
 
@@ -260,7 +269,8 @@ def test_longformer_block_lists_match_an_evaluated_mask(length, window, with_glo
             table[b, h, qb, indices[b, h, qb, : counts[b, h, qb]].long()] = True
         return table
 
-    whole_rows = length // sliding_window.FLEX_BLOCK  # query blocks inside the sequence (the last may reach past it)
+    # query blocks inside the sequence (the last may reach past it)
+    whole_rows = length // sliding_window_layout.FLEX_BLOCK
     ours_full, evaluated_full = full_blocks(ours)[:, :, :whole_rows], full_blocks(evaluated)[:, :, :whole_rows]
     assert not (ours_full & ~evaluated_full).any(), "a block marked full holds a masked score"
     assert ours_full.any() == evaluated_full.any()
@@ -518,11 +528,9 @@ def test_cuda_defaults_run_what_they_name():
 def test_longformer_runs_flex_by_default_on_cuda(as_if_on_cuda, eager_flex, flex_calls, monkeypatch):
     """Longformer with no choice made, as on CUDA: inference runs FlexAttention (the block masks built once per
     forward) with the "sdpa" path's outputs."""
-    from hf_xformers.attention import sliding_window
-
     built = []
-    original = sliding_window.band_block_mask
-    monkeypatch.setattr(sliding_window, "band_block_mask", lambda *a, **k: built.append(1) or original(*a, **k))
+    original = sliding_window_layout.band_block_mask
+    monkeypatch.setattr(sliding_window_layout, "band_block_mask", lambda *a, **k: built.append(1) or original(*a, **k))
     model = build("longformer")
     ids, mask = text_inputs(LENGTH)
     with torch.no_grad():
@@ -595,3 +603,26 @@ def test_every_cuda_default_is_what_the_model_runs_there(model_type, as_if_on_cu
     with torch.no_grad():
         reference, real = run(model, arch, "sdpa")
     assert max_difference(out, reference.last_hidden_state, real) < ATOL
+
+
+def test_swin_follows_a_switch_at_the_next_call(eager_flex, flex_calls, monkeypatch):
+    """Swin's window attention reads the choice itself (KernelChoice) at every forward: nothing passed down the stages
+    holds an old one, so ``set_attn_implementation`` changes the kernel of the very next call."""
+    sdpa_calls = []
+
+    def counted_sdpa(*args, _kernel=F.scaled_dot_product_attention, **kwargs):
+        sdpa_calls.append(1)
+        return _kernel(*args, **kwargs)
+
+    monkeypatch.setattr(shifted_window.F, "scaled_dot_product_attention", counted_sdpa)
+    model = build("swin")
+    with torch.no_grad():
+        reference, real = run(model, "swin", "sdpa")
+        assert sdpa_calls and not flex_calls
+        sdpa_calls.clear()
+        eager, _ = run(model, "swin", "eager")
+        assert not sdpa_calls and not flex_calls, "eager was chosen but the window attention still ran SDPA"
+        flex, _ = run(model, "swin", "flex_attention")
+        assert flex_calls and not sdpa_calls
+    for out in (eager, flex):
+        assert max_difference(out.last_hidden_state, reference.last_hidden_state, real) < ATOL

@@ -11,6 +11,7 @@ import importlib
 import inspect
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,58 @@ def test_scripts_patch_no_import_path(folder):
         if re.search(r"sys\.path\.(insert|append)|sys\.path\s*\+?=", line)
     ]
     assert not patched, patched
+
+
+# The one way to reach the attention kernel (ARCHITECTURE.md, "The attention switch"): the rule and the mixin live in
+# these two modules; everything else asks an attention module's KernelChoice.kernel_choice.
+DISPATCH_MODULES = {"hf_xformers.ops.attention_switch", "hf_xformers.attention.base"}
+CHOICE_PARAMETERS = {"implementation", "attn_implementation"}
+
+
+def dispatch_violations(name: str) -> list[str]:
+    """Where module ``name`` reaches the kernel choice other than through ``KernelChoice``: a call of
+    ``attention_implementation``, a ``forward`` that takes the choice as a parameter (a choice threaded down the
+    layers), or a ``forward`` that asks ``kernel_choice`` more than once."""
+    path = MODULES[name].relative_to(REPO)
+    found = []
+    for node in ast.walk(ast.parse(MODULES[name].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and name not in DISPATCH_MODULES:
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if called == "attention_implementation":
+                found.append(f"{path}:{node.lineno} calls attention_implementation; ask self.kernel_choice(x)")
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "forward":
+            arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            for argument in arguments:
+                if argument.arg in CHOICE_PARAMETERS:
+                    found.append(f"{path}:{node.lineno} forward takes {argument.arg!r}; read it in the attention module")
+            asks = [
+                call for call in ast.walk(node)
+                if isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "kernel_choice"
+            ]  # fmt: skip
+            if len(asks) > 1:
+                found.append(f"{path}:{node.lineno} forward asks kernel_choice {len(asks)} times; once per forward")
+    return found
+
+
+def test_attention_is_dispatched_one_way():
+    """No module calls ``attention_implementation`` but the switch and ``KernelChoice``, no ``forward`` passes the
+    choice down a signature, and no ``forward`` asks for it twice."""
+    violations = [v for name in MODULES for v in dispatch_violations(name)]
+    assert not violations, "\n".join(violations)
+
+
+def test_the_dispatch_check_can_fail(tmp_path, monkeypatch):
+    source = (
+        "from ..ops.attention_switch import attention_implementation\n\n\n"
+        "class Layer:\n"
+        "    def forward(self, x, implementation='sdpa'):\n"
+        "        return attention_implementation(self.config), self.kernel_choice(x), self.kernel_choice(x)\n"
+    )
+    (tmp_path / "threaded.py").write_text(source)
+    monkeypatch.setitem(MODULES, "hf_xformers.attention.threaded", tmp_path / "threaded.py")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    violations = dispatch_violations("hf_xformers.attention.threaded")
+    assert [v.split(" ", 1)[1].split(";")[0] for v in violations] == [
+        "forward takes 'implementation'", "forward asks kernel_choice 2 times", "calls attention_implementation",
+    ]  # fmt: skip

@@ -323,7 +323,7 @@ def test_inference_in_chunks_equals_one_pass(monkeypatch, batch):
     """Without gradients, long inputs go through the banded attention and the feed-forward a chunk at a time; the
     numbers must be those of the one-pass computation (which a recorded gradient still takes), with global tokens
     and padding."""
-    from hf_xformers.attention import sliding_window
+    from hf_xformers.attention import sliding_window, sliding_window_banded
     from hf_xformers.layers import encoder
 
     config = HfxLongformerConfig(
@@ -346,7 +346,7 @@ def test_inference_in_chunks_equals_one_pass(monkeypatch, batch):
         sliding_window.HfxSlidingWindowSelfAttention, "_chunked_banded_attention",
         lambda self, *a: calls.append(1) or original(self, *a),
     )  # fmt: skip
-    monkeypatch.setattr(sliding_window, "LOCAL_CHUNK_TOKENS", 8)  # one 8-query block per chunk
+    monkeypatch.setattr(sliding_window_banded, "LOCAL_CHUNK_TOKENS", 8)  # one 8-query block per chunk
     monkeypatch.setattr(encoder, "FFN_CHUNK_TOKENS", 60)
     with torch.no_grad():
         chunked = model(**inputs).last_hidden_state
@@ -358,7 +358,7 @@ def test_chunked_inference_in_train_mode_keeps_attention_dropout(monkeypatch):
     """A train-mode forward without gradients over more blocks than one chunk (the chunked path, e.g. Monte Carlo
     dropout at inference) drops attention probabilities as the one-pass path does: with attention dropout 0.5 its
     output is not the eval output (it was, silently), and with dropout 0 it is."""
-    from hf_xformers.attention import sliding_window
+    from hf_xformers.attention import sliding_window, sliding_window_banded
 
     calls = []
     original = sliding_window.HfxSlidingWindowSelfAttention._chunked_banded_attention
@@ -366,7 +366,7 @@ def test_chunked_inference_in_train_mode_keeps_attention_dropout(monkeypatch):
         sliding_window.HfxSlidingWindowSelfAttention, "_chunked_banded_attention",
         lambda self, *a: calls.append(1) or original(self, *a),
     )  # fmt: skip
-    monkeypatch.setattr(sliding_window, "LOCAL_CHUNK_TOKENS", 16)  # two 8-query blocks per chunk
+    monkeypatch.setattr(sliding_window_banded, "LOCAL_CHUNK_TOKENS", 16)  # two 8-query blocks per chunk
     input_ids = torch.randint(5, 100, (2, 90), generator=torch.Generator().manual_seed(0))
     differences = {}
     for dropout in (0.5, 0.0):

@@ -21,7 +21,12 @@ from transformers import DataCollatorWithFlattening  # noqa: E402
 
 import hf_xformers.ops.attention_switch as switch  # noqa: E402
 from hf_xformers import HfxLongformerConfig, HfxLongformerModel  # noqa: E402
-from hf_xformers.attention import sliding_window  # noqa: E402
+from hf_xformers.attention import (  # noqa: E402
+    sliding_window,
+    sliding_window_banded,
+    sliding_window_layout,
+    sliding_window_packed,
+)
 from hf_xformers.ops.input_checks import as_if_on_accelerator  # noqa: E402
 from hf_xformers.ops.packing import document_ids_from_inputs  # noqa: E402
 
@@ -245,7 +250,7 @@ def test_band_block_lists_with_documents_match_an_evaluated_mask(length, window,
     boundary is partial), and a global token's block is visited by the query blocks of its own document only."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    size = sliding_window.FLEX_BLOCK
+    size = sliding_window_layout.FLEX_BLOCK
     document_ids = torch.zeros(2, length, dtype=torch.long)
     for boundary in boundaries:
         document_ids[:, boundary:] += 1
@@ -259,7 +264,7 @@ def test_band_block_lists_with_documents_match_an_evaluated_mask(length, window,
         is_global[:, 0] = True
         is_global[0, boundaries[0] + 3] = True
         is_global &= mask
-    ours = sliding_window.band_block_mask(
+    ours = sliding_window_layout.band_block_mask(
         mask if padded else None, is_global, window, length, torch.device("cpu"), document_ids
     )
     evaluated = create_block_mask(ours.mask_mod, 2, None, length, length, BLOCK_SIZE=size)
@@ -428,8 +433,8 @@ def test_packed_global_cost_does_not_grow_with_the_number_of_documents(monkeypat
         calls.append((q.shape, k.shape))
         return switch_attention(q, k, v, mask, dropout_p)
 
-    switch_attention = sliding_window.attention
-    monkeypatch.setattr(sliding_window, "attention", recorded)
+    switch_attention = sliding_window_packed.attention
+    monkeypatch.setattr(sliding_window_packed, "attention", recorded)
     per_token = []
     for count in (5, 40):
         length, per_document = 18, 3  # 18 tokens: query blocks of 4 straddle document boundaries
@@ -457,13 +462,13 @@ def test_model_lays_out_packed_global_tokens_once_per_forward(monkeypatch):
     model = build()
     docs, globs = many_documents(count=6, seed=8)
     inputs = packed(docs, "position_ids")
-    calls, original = [], sliding_window.packed_globals_of
+    calls, original = [], sliding_window_layout.packed_globals_of
 
     def counted(document_ids, global_slots, query_blocks, sizes=None):
         calls.append(sorted(set(query_blocks)))
         return original(document_ids, global_slots, query_blocks, sizes)
 
-    monkeypatch.setattr(sliding_window, "packed_globals_of", counted)
+    monkeypatch.setattr(sliding_window_layout, "packed_globals_of", counted)
     with torch.no_grad():
         model(**inputs, global_attention_mask=torch.cat(globs)[None])
     blocks = sorted({layer.attention.self.query_block for layer in model.encoder.layer})
@@ -486,9 +491,10 @@ def test_traced_layout_of_packed_global_tokens(output_attentions, monkeypatch):
         references = [
             layer(hidden[:, span], None, g[None] if g.any() else None).context for g, span in zip(globs, spans(docs))
         ]
-        monkeypatch.setattr(sliding_window, "is_tracing", lambda: True)
-        layout = sliding_window.packed_globals_of(
-            document_ids, sliding_window.global_slots_of(is_global), (layer.query_block,)
+        for module in (sliding_window, sliding_window_banded, sliding_window_layout):
+            monkeypatch.setattr(module, "is_tracing", lambda: True)
+        layout = sliding_window_layout.packed_globals_of(
+            document_ids, sliding_window_layout.global_slots_of(is_global), (layer.query_block,)
         )
         assert layout.columns[layer.query_block][1] == is_global.shape[1]  # every slot for every block
         out = layer(hidden, None, is_global, output_attentions=output_attentions, document_ids=document_ids).context
@@ -598,7 +604,7 @@ def test_varlen_kernel_only_where_the_pattern_maps(reference_varlen):
 def test_packed_flex_masks_are_built_once_per_forward_from_the_batch(monkeypatch, eager_flex):
     """Under "flex_attention" a packed row's document-aware band masks are built once per forward, one per window
     size (two here), from the batch's documents, and every layer uses its window's mask."""
-    built, original = [], sliding_window.band_block_mask
+    built, original = [], sliding_window_layout.band_block_mask
     used, flex = [], sliding_window.flex_attention
 
     def counted(attention_mask, is_global, window, length, device, document_ids=None):
@@ -610,7 +616,7 @@ def test_packed_flex_masks_are_built_once_per_forward_from_the_batch(monkeypatch
         used.append(block_mask)
         return flex(q, k, v, block_mask=block_mask, **kwargs)
 
-    monkeypatch.setattr(sliding_window, "band_block_mask", counted)
+    monkeypatch.setattr(sliding_window_layout, "band_block_mask", counted)
     monkeypatch.setattr(sliding_window, "flex_attention", recorded)
     model = build()
     model.set_attn_implementation("flex_attention")

@@ -159,7 +159,7 @@ def test_window_attention_matches_dense_oracle(
     height, width, shift, always_partition, expected_window, device, device_atol
 ):
     torch.manual_seed(0)
-    attn = HfxShiftedWindowSelfAttention(16, 2, window_size=4, shift_size=shift).eval()
+    attn = HfxShiftedWindowSelfAttention(HfxSwinConfig(window_size=4), 16, 2, shift_size=shift).eval()
     with torch.no_grad():
         attn.relative_position_bias_table.normal_()
     x = torch.randn(2, height * width, 16)
@@ -400,7 +400,7 @@ def test_window_attention_adds_the_bias_in_float32_under_autocast(device):
     gradient) adds the bias to the 16-bit scores in float32. Measured relative deviation from float32 under bf16 CPU
     autocast: 5.0e-3 (2.3e-2 when the bias was rounded to bf16 first)."""
     torch.manual_seed(0)
-    attn = HfxShiftedWindowSelfAttention(32, 2, window_size=7, shift_size=3).eval()
+    attn = HfxShiftedWindowSelfAttention(HfxSwinConfig(window_size=7), 32, 2, shift_size=3).eval()
     with torch.no_grad():
         attn.relative_position_bias_table.normal_(0, 5.0)
     attn, x = attn.to(device), torch.randn(2, 14 * 14, 32).to(device)

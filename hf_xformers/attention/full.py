@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.attention_switch import EAGER, attention_implementation, eager_attention
+from ..ops.attention_switch import EAGER, eager_attention
 from ..ops.kernels import attention
 from ..ops.shapes import merge_heads, split_heads
-from .base import AttentionOutput, QKVProjection
+from .base import AttentionOutput, KernelChoice, QKVProjection
 
 
-class HfxFullSelfAttention(QKVProjection):
+class HfxFullSelfAttention(KernelChoice, QKVProjection):
     """Softmax attention over every non-padding key.
 
     ``attentions`` (with ``output_attentions=True``): ``(batch, heads, seq_len, seq_len)``.
@@ -25,8 +25,7 @@ class HfxFullSelfAttention(QKVProjection):
     def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__(config.hidden_size, config.num_attention_heads)
         self.dropout_p = config.attention_probs_dropout_prob
-        # Read at every forward: config._attn_implementation ("eager", "sdpa", ...) may change.
-        self.config = config
+        self.config = config  # for kernel_choice: the choice is read at every forward
 
     def forward(
         self,
@@ -36,7 +35,7 @@ class HfxFullSelfAttention(QKVProjection):
         output_attentions: bool = False,
     ) -> AttentionOutput:
         dropout = self.dropout_p if self.training else 0.0
-        eager = output_attentions or attention_implementation(self.config) == EAGER
+        eager = output_attentions or self.kernel_choice(hidden_states) == EAGER
         out = self.attend(hidden_states, attention_mask, eager, dropout)
         return out if output_attentions else AttentionOutput(out.context)
 

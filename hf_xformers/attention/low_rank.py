@@ -43,11 +43,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configs.choices import LINFORMER_SHARING_MODES
-from ..ops.attention_switch import EAGER, attention_implementation, eager_attention
+from ..ops.attention_switch import EAGER, eager_attention
 from ..ops.input_checks import is_tracing
 from ..ops.kernels import attention
 from ..ops.shapes import merge_heads, split_heads
-from .base import AttentionOutput, QKVProjection, plain_linears
+from .base import AttentionOutput, KernelChoice, QKVProjection, plain_linears
 
 SHARING_MODES = LINFORMER_SHARING_MODES
 
@@ -79,7 +79,7 @@ class HfxSequenceProjection(nn.Module):
         nn.init.uniform_(self.weight, -self.init_bound, self.init_bound)
 
 
-class HfxLowRankSelfAttention(QKVProjection):
+class HfxLowRankSelfAttention(KernelChoice, QKVProjection):
     """Linformer self-attention of one layer (module docstring for the semantics).
 
     Built as ``HfxLowRankSelfAttention(config, layer_idx)``; with ``linformer_sharing="layerwise"`` also pass
@@ -99,8 +99,7 @@ class HfxLowRankSelfAttention(QKVProjection):
         self.projected_length = config.linformer_k
         self.sharing = config.linformer_sharing
         self.dropout_p = config.attention_probs_dropout_prob
-        # Read at every forward: config._attn_implementation ("eager", "sdpa") may change.
-        self.config = config
+        self.config = config  # for kernel_choice: the choice is read at every forward
         self._support_cache: tuple | None = None  # (E, F, key, support) for unpadded inputs
         n, k = self.max_length, self.projected_length
         if self.sharing == "none":
@@ -238,7 +237,7 @@ class HfxLowRankSelfAttention(QKVProjection):
             mask = self.support_mask(padding, length)
             mask = None if not is_tracing() and bool(mask.all()) else mask
         dropout = self.dropout_p if self.training else 0.0
-        if not output_attentions and attention_implementation(self.config) != EAGER:
+        if not output_attentions and self.kernel_choice(hidden_states) != EAGER:
             # SDPA itself without dropout; with dropout our kernel instead of SDPA's CPU math path (kernels.py).
             context = attention(q, k, v, mask, dropout)
             return AttentionOutput(merge_heads(context))

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from ..ops.attention_switch import (
     EAGER,
-    attention_implementation,
     eager_attention,
     flex_applies,
     flex_attention,
@@ -26,7 +25,7 @@ from ..ops.attention_switch import (
 )
 from ..ops.shapes import merge_heads, split_heads
 from ..ops.varlen import DocumentLayout, document_attention, document_mask
-from .base import AttentionOutput, QKVProjection
+from .base import AttentionOutput, KernelChoice, QKVProjection
 
 
 def attention_groups(document_ids: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
@@ -71,7 +70,7 @@ def attention_mask_4d(
     return allowed & (key_mask[:, None, None, :] | own)
 
 
-class HfxUniversalAttention(QKVProjection):
+class HfxUniversalAttention(KernelChoice, QKVProjection):
     """Multi-head attention of the shared block: self-attention (bidirectional or causal, extended by the cache) or,
     with ``key_value_states``, attention to the encoder states. ``attentions``: ``(batch, heads, query, keys)``.
 
@@ -84,8 +83,7 @@ class HfxUniversalAttention(QKVProjection):
     def __init__(self, config) -> None:
         super().__init__(config.hidden_size, config.num_attention_heads)
         self.dropout_p = config.attention_probs_dropout_prob
-        # Read at every forward: config._attn_implementation ("eager", "sdpa", "flex_attention") may change.
-        self.config = config
+        self.config = config  # for kernel_choice: the choice is read at every forward
 
     def forward(
         self,
@@ -118,9 +116,9 @@ class HfxUniversalAttention(QKVProjection):
                 if cache is not None:
                     cache.cross_key_value = (k, v)
         dropout = self.dropout_p if self.training else 0.0
-        if isinstance(attention_mask, DocumentLayout):
+        implementation = self.kernel_choice(hidden_states)
+        if isinstance(attention_mask, DocumentLayout):  # the model chose its kernel with the same kernel_choice
             return AttentionOutput(merge_heads(document_attention(q, k, v, attention_mask, dropout)))
-        implementation = attention_implementation(self.config)
         # Cached decoding (one new query against a growing cache) keeps SDPA: the compiled kernel is static in the key
         # length, so FlexAttention would compile anew at every generated token.
         if not output_attentions and cache is None and flex_applies(implementation, q, self.training, self.dropout_p):

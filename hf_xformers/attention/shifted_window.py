@@ -47,7 +47,7 @@ from torch import nn
 
 from ..ops.attention_switch import EAGER, flex_applies, flex_attention
 from ..ops.shapes import ceil_div
-from .base import AttentionOutput, QKVProjection
+from .base import AttentionOutput, KernelChoice, QKVProjection
 
 SHIFT_MASK_VALUE = -100.0
 """Score added between tokens of different shift regions (the original implementation's value)."""
@@ -154,41 +154,34 @@ def shifted_window_mask_uncached(height, width, window: int, shift: int, device)
     return torch.where(different, SHIFT_MASK_VALUE, 0.0).to(torch.float32)
 
 
-class HfxShiftedWindowSelfAttention(QKVProjection):
+class HfxShiftedWindowSelfAttention(KernelChoice, QKVProjection):
     """Multi-head self-attention inside (shifted) ``window x window`` windows of a 2-D token map.
 
     Parameters (names as in Swin checkpoints): ``query``, ``key``, ``value`` (``dim -> dim``) and
     ``relative_position_bias_table`` ``((2 * window_size - 1)**2, num_heads)``.
 
     Args:
+        config: the model's config: ``window_size`` (the window side ``M``), ``qkv_bias`` (biases on
+            ``query``/``key``/``value``), ``attention_probs_dropout_prob`` (dropout on the probabilities, training
+            only); kept, so that the kernel choice (``config._attn_implementation``) is read at every forward.
         dim: channels of the stage.
         num_heads: attention heads (``dim`` must be a multiple).
-        window_size: window side ``M``.
         shift_size: ``0`` (W-MSA) or ``M // 2`` (SW-MSA), used when the map is larger than the window.
-        qkv_bias: biases on ``query``/``key``/``value``.
-        attention_probs_dropout_prob: dropout on the attention probabilities (training only).
     """
 
     supports_global_attention = False
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        window_size: int,
-        shift_size: int = 0,
-        qkv_bias: bool = True,
-        attention_probs_dropout_prob: float = 0.0,
-    ) -> None:
+    def __init__(self, config, dim: int, num_heads: int, shift_size: int = 0) -> None:
         super().__init__(dim, num_heads)
-        if not qkv_bias:  # all three or none: fused_qkv needs them alike
+        if not config.qkv_bias:  # all three or none: fused_qkv needs them alike
             for proj in (self.query, self.key, self.value):
                 proj.register_parameter("bias", None)
-        self.window_size = window_size
+        self.config = config
+        self.window_size = config.window_size
         self.shift_size = shift_size
-        self.dropout_p = attention_probs_dropout_prob
+        self.dropout_p = config.attention_probs_dropout_prob
         self.scale = self.head_dim**-0.5
-        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window_size - 1) ** 2, num_heads))
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * self.window_size - 1) ** 2, num_heads))
 
     def relative_position_bias(self, window: int) -> torch.Tensor:
         """``(num_heads, window**2, window**2)``: the bias of every (query, key) pair of a ``window`` window."""
@@ -207,29 +200,64 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
         input_dimensions: tuple[int, int],
         always_partition: bool = False,
         output_attentions: bool = False,
-        implementation: str = "sdpa",
     ) -> AttentionOutput:
-        """Attend within windows.
+        """Attend within windows, with the kernel ``config._attn_implementation`` chooses: ``"eager"`` the explicit
+        softmax, ``"sdpa"`` SDPA, ``"flex_attention"`` FlexAttention with the bias and the shift mask as its
+        ``score_mod``.
 
         Args:
             hidden_states: ``(batch, H * W, dim)``, already normalised, tokens in row-major order.
             input_dimensions: ``(H, W)``.
             always_partition: keep the configured window and shift even on maps no larger than the window.
             output_attentions: also return the probabilities (explicit softmax instead of SDPA).
-            implementation: ``config._attn_implementation``: ``"eager"`` the explicit softmax, ``"sdpa"`` SDPA,
-                ``"flex_attention"`` FlexAttention with the bias and the shift mask as its ``score_mod``.
 
         Returns:
             :class:`AttentionOutput` with ``context`` ``(batch, H * W, dim)`` (before the output projection) and,
             when asked, ``attentions`` ``(batch * num_windows, num_heads, m**2, m**2)``.
         """
+        implementation = self.kernel_choice(hidden_states)
         batch, _, channels = hidden_states.shape
         height, width = input_dimensions
         window, shift = window_and_shift(height, width, self.window_size, self.shift_size, always_partition)
-
-        tracing = torch.compiler.is_compiling()
         # Ceil-divisions written so that symbolic sizes trace (torch.compile / torch.export with dynamic H, W).
         padded_h, padded_w = ceil_div(height, window) * window, ceil_div(width, window) * window
+        num_windows = (padded_h // window) * (padded_w // window)
+        q, k, v, scatter = self._window_qkv(hidden_states, (height, width), (padded_h, padded_w), window, shift)
+        shift_mask = None
+        if shift:
+            make_mask = shifted_window_mask_uncached if torch.compiler.is_compiling() else shifted_window_mask
+            shift_mask = make_mask(padded_h, padded_w, window, shift, q.device)  # (windows, N, N)
+        # One additive mask: bias (1, heads, N, N) [+ shift mask (windows, 1, N, N) -> (windows, heads, N, N)], in
+        # the bias table's dtype (float32 unless the weights are half precision).
+        mask = self.relative_position_bias(window).unsqueeze(0)
+        if shift:
+            mask = mask + shift_mask.to(mask.dtype).unsqueeze(1)
+
+        # SDPA's fused CPU kernel cannot return a gradient for the mask; when the bias table needs one, torch runs
+        # its unfused math path instead, which the explicit path beats (measured ~10 % on Swin-T shapes).
+        probs = None
+        if not output_attentions and flex_applies(implementation, q, self.training, self.dropout_p):
+            context = self._flex_windows(q, k, v, window, shift_mask, num_windows)
+        elif output_attentions or implementation == EAGER or (mask.requires_grad and torch.is_grad_enabled()):
+            context, probs = self._explicit_windows(q, k, v, mask, batch, num_windows)
+        else:
+            context = self._sdpa_windows(q, k, v, mask, batch, num_windows, shift)
+
+        # (batch * windows, heads, N, head_dim) -> (batch, windows * N, dim) -> the real tokens in map order.
+        n = window * window
+        context = context.reshape(-1, self.num_heads, n, self.head_dim).transpose(1, 2).reshape(batch, -1, channels)
+        context = context.index_select(1, scatter)
+        return AttentionOutput(context, probs if output_attentions else None)
+
+    def _window_qkv(
+        self, hidden_states: torch.Tensor, size: tuple, padded_size: tuple, window: int, shift: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pad, roll and cut ``hidden_states`` ``(batch, H * W, dim)`` (``size`` ``(H, W)``, padded to ``padded_size``)
+        into windows (one gather) and project them: ``q``, ``k``, ``v`` each ``(batch * num_windows, heads, N,
+        head_dim)`` with ``N = window**2``, and the ``scatter`` index that puts the windows' tokens back in map order
+        (:func:`window_token_indices`)."""
+        (height, width), (padded_h, padded_w) = size, padded_size
+        tracing = torch.compiler.is_compiling()
         if tracing:
             gather, scatter = traced_window_token_indices(height, width, window, shift, hidden_states.device)
         else:
@@ -237,60 +265,52 @@ class HfxShiftedWindowSelfAttention(QKVProjection):
         x = hidden_states
         if tracing or padded_h * padded_w > height * width:  # padding slots read this appended zero token
             x = F.pad(x, (0, 0, 0, 1))
-        windows = x.index_select(1, gather).view(-1, window * window, channels)  # (batch * num_windows, N, dim)
-
         n = window * window
-        q, k, v = (
-            t.view(-1, n, self.num_heads, self.head_dim).transpose(1, 2) for t in self.fused_qkv(windows)
-        )  # each (batch * num_windows, heads, N, head_dim)
+        windows = x.index_select(1, gather).view(-1, n, hidden_states.shape[-1])  # (batch * num_windows, N, dim)
+        q, k, v = (t.view(-1, n, self.num_heads, self.head_dim).transpose(1, 2) for t in self.fused_qkv(windows))
+        return q, k, v, scatter
 
-        # One additive mask: bias (1, heads, N, N) [+ shift mask (windows, 1, N, N) -> (windows, heads, N, N)], in
-        # the bias table's dtype (float32 unless the weights are half precision).
-        mask = self.relative_position_bias(window).unsqueeze(0)
-        num_windows = (padded_h // window) * (padded_w // window)
-        if shift:
-            make_mask = shifted_window_mask_uncached if tracing else shifted_window_mask
-            shift_mask = make_mask(padded_h, padded_w, window, shift, q.device).to(mask.dtype)
-            mask = mask + shift_mask.unsqueeze(1)
-        dropout = self.dropout_p if self.training else 0.0
+    def _flex_windows(self, q, k, v, window: int, shift_mask: torch.Tensor | None, num_windows) -> torch.Tensor:
+        """FlexAttention over the windows, the bias and ``shift_mask`` ``(num_windows, N, N)`` (or None) added per
+        score: ``(batch * num_windows, heads, N, head_dim)``."""
+        bias = self.relative_position_bias(window)  # (heads, N, N)
+        shift_mask = shift_mask.to(bias.dtype) if shift_mask is not None else None
 
-        # SDPA's fused CPU kernel cannot return a gradient for the mask; when the bias table needs one, torch runs
-        # its unfused math path instead, which the explicit path below beats (measured ~10 % on Swin-T shapes).
-        if not output_attentions and flex_applies(implementation, q, self.training, self.dropout_p):
-            bias = self.relative_position_bias(window)  # (heads, N, N)
-            shift_mask = shift_mask.to(bias.dtype) if shift else None  # (windows, N, N)
+        def window_scores(score, b, h, q_idx, kv_idx):
+            # b runs over (batch * windows), window-major within each image
+            score = score + bias[h, q_idx, kv_idx]
+            if shift_mask is not None:
+                score = score + shift_mask[b % num_windows, q_idx, kv_idx]
+            return score
 
-            def window_scores(score, b, h, q_idx, kv_idx):
-                # b runs over (batch * windows), window-major within each image
-                score = score + bias[h, q_idx, kv_idx]
-                if shift_mask is not None:
-                    score = score + shift_mask[b % num_windows, q_idx, kv_idx]
-                return score
+        return flex_attention(q, k, v, score_mod=window_scores, scale=self.scale)
 
-            context = flex_attention(q, k, v, score_mod=window_scores, scale=self.scale)
-            probs = None
-        elif output_attentions or implementation == EAGER or (mask.requires_grad and torch.is_grad_enabled()):
-            # Scores as (batch, windows, heads, N, N): the mask broadcasts over images instead of being copied.
-            q, k, v = (t.view(batch, num_windows, self.num_heads, n, self.head_dim) for t in (q, k, v))
-            # Under autocast q and k are 16-bit and so is their product; adding the float32 mask promotes the scores
-            # to float32 (as in the original and transformers), so the bias is not rounded to 16 bits. Softmax
-            # computes in float32 and its probabilities come back in q's dtype, so the second product runs in the
-            # same dtype as the first (on CUDA autocast would cast them there anyway).
-            scores = torch.matmul(q * self.scale, k.transpose(-1, -2)) + mask
-            # The returned (batch * windows, heads, N, N) probabilities are the tensor the context is computed from
-            # (through a view), so they are part of the autograd graph: `retain_grad()` on them gets a gradient.
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).flatten(0, 1)
-            weights = probs.view(batch, num_windows, self.num_heads, n, n)
-            context = torch.matmul(F.dropout(weights, dropout, True) if dropout else weights, v)
-        else:
-            # SDPA takes a float mask in the query's dtype only (16-bit under autocast: the bias is rounded there).
-            mask = mask.to(q.dtype)
-            if shift:  # SDPA needs a mask broadcastable to its 4-D (batch * windows, heads, N, N) problem
-                mask = mask.expand(batch, -1, -1, -1, -1).reshape(batch * num_windows, self.num_heads, n, n)
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale)
-            probs = None
+    def _explicit_windows(
+        self, q, k, v, mask: torch.Tensor, batch: int, num_windows
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The explicit softmax over the windows with the additive ``mask`` ``(windows or 1, heads, N, N)``: the
+        context ``(batch, num_windows, heads, N, head_dim)`` and the probabilities ``(batch * num_windows, heads, N,
+        N)``."""
+        n, dropout = q.shape[2], self.dropout_p if self.training else 0.0
+        # Scores as (batch, windows, heads, N, N): the mask broadcasts over images instead of being copied.
+        q, k, v = (t.view(batch, num_windows, self.num_heads, n, self.head_dim) for t in (q, k, v))
+        # Under autocast q and k are 16-bit and so is their product; adding the float32 mask promotes the scores
+        # to float32 (as in the original and transformers), so the bias is not rounded to 16 bits. Softmax
+        # computes in float32 and its probabilities come back in q's dtype, so the second product runs in the
+        # same dtype as the first (on CUDA autocast would cast them there anyway).
+        scores = torch.matmul(q * self.scale, k.transpose(-1, -2)) + mask
+        # The returned (batch * windows, heads, N, N) probabilities are the tensor the context is computed from
+        # (through a view), so they are part of the autograd graph: `retain_grad()` on them gets a gradient.
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).flatten(0, 1)
+        weights = probs.view(batch, num_windows, self.num_heads, n, n)
+        return torch.matmul(F.dropout(weights, dropout, True) if dropout else weights, v), probs
 
-        # (batch * windows, heads, N, head_dim) -> (batch, windows * N, dim) -> the real tokens in map order.
-        context = context.reshape(-1, self.num_heads, n, self.head_dim).transpose(1, 2).reshape(batch, -1, channels)
-        context = context.index_select(1, scatter)
-        return AttentionOutput(context, probs if output_attentions else None)
+    def _sdpa_windows(self, q, k, v, mask: torch.Tensor, batch: int, num_windows, shift: int) -> torch.Tensor:
+        """SDPA over the windows with the additive ``mask`` ``(windows or 1, heads, N, N)``:
+        ``(batch * num_windows, heads, N, head_dim)``."""
+        n, dropout = q.shape[2], self.dropout_p if self.training else 0.0
+        # SDPA takes a float mask in the query's dtype only (16-bit under autocast: the bias is rounded there).
+        mask = mask.to(q.dtype)
+        if shift:  # SDPA needs a mask broadcastable to its 4-D (batch * windows, heads, N, N) problem
+            mask = mask.expand(batch, -1, -1, -1, -1).reshape(batch * num_windows, self.num_heads, n, n)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale)

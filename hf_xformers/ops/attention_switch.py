@@ -2,8 +2,8 @@
 
 transformers users pick the attention kernel with ``attn_implementation`` (at ``from_pretrained``, in the config, or
 later with ``model.set_attn_implementation``); the choice lands in ``config._attn_implementation``. Every attention
-module of this package reads it at each forward through :func:`attention_implementation` (never caches it), so a
-switch applies at the next call:
+module of this package reads it at each forward through ``attention/base.KernelChoice.kernel_choice``, which calls
+:func:`attention_implementation` (never caches it; no other module calls it), so a switch applies at the next call:
 
 * ``"eager"``: explicit ``softmax(q k^T / sqrt(d) + mask) v`` in plain PyTorch (:func:`eager_attention`): the
   reference path, and the one that returns attention maps (``output_attentions=True`` takes it whatever the choice).

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ...attention.sliding_window import (
-    HfxSlidingWindowSelfAttention,
-    first_token_sizes,
-    longformer_layout,
-    varlen_boundaries,
-)
+from ...attention.sliding_window import HfxSlidingWindowSelfAttention, varlen_boundaries
+from ...attention.sliding_window_layout import first_token_sizes
 from ...layers.heads import (
     HfxMaskedLMHeadMixin,
     HfxMultipleChoiceHeadMixin,
@@ -23,7 +19,6 @@ from ...layers.heads import (
 )
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
-from ...ops.attention_switch import attention_implementation, flex_applies
 from ...ops.input_checks import is_tracing, reads_values
 from ...ops.packing import PackedBatch, document_starts
 from .configuration_longformer import HfxLongformerConfig
@@ -33,7 +28,7 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
     config_class = HfxLongformerConfig
     base_model_prefix = "longformer"
     _no_split_modules = ["HfxEncoderLayer"]
-    # Its band, global tokens and padding as FlexAttention's BlockMask (attention/sliding_window.band_block_mask).
+    # Its band, global tokens and padding as FlexAttention's BlockMask (sliding_window_layout.band_block_mask).
     _supports_flex_attn = True
 
     def default_global_attention_mask(
@@ -128,9 +123,10 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
         packed: PackedBatch | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
         """As :meth:`HfxTextModel.prepare_attention_inputs`, plus the layers' shared
-        :class:`~hf_xformers.attention.sliding_window.LongformerLayout` (``layout``): where the global tokens are, in a
-        packed batch which documents they belong to, FlexAttention's block masks, the varlen kernel's boundaries. All
-        layers use it; none works anything out again.
+        :class:`~hf_xformers.attention.sliding_window_layout.LongformerLayout` (``layout``), built once for all layers
+        by :meth:`~hf_xformers.attention.sliding_window.HfxSlidingWindowSelfAttention.shared_layout`: where the global
+        tokens are, in a packed batch which documents they belong to, FlexAttention's block masks, the varlen kernel's
+        boundaries. All layers use it; none works anything out again.
 
         Host reads: the sizes of the global layouts (how many global tokens a row holds, and in a packed batch how
         many per document, how long their documents are, how many a query block meets) are one device-to-host read for
@@ -141,28 +137,23 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
         row without global tokens makes none either.
         """
         first_tokens = packed is not None and global_attention_mask is packed.starts and packed.count is not None
-        if global_attention_mask is not None and attention_mask is not None and not first_tokens:
-            global_attention_mask = global_attention_mask & attention_mask  # padding is never global
         attention_mask, _, kwargs = super().prepare_attention_inputs(attention_mask, None, length, packed)
         layers = [layer.attention.self for layer in self.encoder.layer]
-        blocks = {layer.query_block for layer in layers}
-        weight = self.embeddings.word_embeddings.weight
-        device = weight.device
-        # FlexAttention's block masks only where the layers will run it (not in training with attention dropout).
-        implementation = attention_implementation(self.config, device)
-        flex = flex_applies(implementation, weight, self.training, self.config.attention_probs_dropout_prob)
-        windows = {layer.one_sided_window for layer in layers} if flex else ()
         sizes = varlen = None
         if first_tokens:
             longest = packed.longest
             if longest is None and not is_tracing():
                 longest = packed.longest_document()  # one read (the batch did not say); spares a quadratic layout
-            sizes = first_token_sizes(packed.count, longest, length, blocks)
+            sizes = first_token_sizes(packed.count, longest, length, {layer.query_block for layer in layers})
+        weight = self.embeddings.word_embeddings.weight
         if packed is not None:
-            varlen = varlen_boundaries(packed, device)
-        kwargs["layout"] = longformer_layout(
-            attention_mask, global_attention_mask, length, device, blocks, windows,
-            None if packed is None else packed.document_ids, sizes, varlen,
+            varlen = varlen_boundaries(packed, weight.device)
+        # The layers' kernel choice, asked of one of them, decides which extras to build (FlexAttention's block masks
+        # only where the layers will run it); the layout is built by the attention class, for all layers at once.
+        attention = layers[0]
+        kwargs["layout"] = attention.shared_layout(
+            attention.kernel_choice(weight), weight, length, attention_mask, global_attention_mask,
+            None if packed is None else packed.document_ids, sizes, varlen, layers,
         )  # fmt: skip
         return attention_mask, kwargs["layout"].is_global, kwargs
 

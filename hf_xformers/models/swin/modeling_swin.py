@@ -46,7 +46,6 @@ from ...attention.shifted_window import HfxShiftedWindowSelfAttention
 from ...layers.encoder import HfxIntermediate
 from ...layers.heads import sequence_classification_loss
 from ...layers.pretrained import HfxPreTrainedModel
-from ...ops.attention_switch import attention_implementation
 from ...ops.shapes import ceil_div
 from .configuration_swin import HfxSwinConfig
 
@@ -199,20 +198,11 @@ class HfxSwinAttention(nn.Module):
 
     def __init__(self, config: HfxSwinConfig, dim: int, num_heads: int, shift_size: int) -> None:
         super().__init__()
-        self.self = HfxShiftedWindowSelfAttention(
-            dim,
-            num_heads,
-            config.window_size,
-            shift_size,
-            qkv_bias=config.qkv_bias,
-            attention_probs_dropout_prob=config.attention_probs_dropout_prob,
-        )
+        self.self = HfxShiftedWindowSelfAttention(config, dim, num_heads, shift_size)
         self.output = HfxSwinSelfOutput(config, dim)
 
-    def forward(
-        self, hidden_states, input_dimensions, always_partition=False, output_attentions=False, implementation="sdpa"
-    ):
-        out = self.self(hidden_states, input_dimensions, always_partition, output_attentions, implementation)
+    def forward(self, hidden_states, input_dimensions, always_partition=False, output_attentions=False):
+        out = self.self(hidden_states, input_dimensions, always_partition, output_attentions)
         return self.output(out.context), out.attentions
 
 
@@ -255,11 +245,10 @@ class HfxSwinLayer(GradientCheckpointingLayer):
         input_dimensions: tuple[int, int],
         always_partition: bool = False,
         output_attentions: bool = False,
-        implementation: str = "sdpa",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(batch, H * W, dim)`` -> (same shape, attention probabilities or None)."""
         attended, probs = self.attention(
-            self.layernorm_before(hidden_states), input_dimensions, always_partition, output_attentions, implementation
+            self.layernorm_before(hidden_states), input_dimensions, always_partition, output_attentions
         )
         hidden_states = hidden_states + self.drop_path(attended)
         hidden_states = hidden_states + self.drop_path(
@@ -309,15 +298,12 @@ class HfxSwinStage(nn.Module):
         input_dimensions: tuple[int, int],
         always_partition: bool = False,
         output_attentions: bool = False,
-        implementation: str = "sdpa",
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], torch.Tensor | None]:
         """Returns ``(output, output before merging, output grid, last block's attentions)``; the output is
         ``(batch, tokens, channels)`` on the returned grid."""
         probs = None
         for block in self.blocks:
-            hidden_states, probs = block(
-                hidden_states, input_dimensions, always_partition, output_attentions, implementation
-            )
+            hidden_states, probs = block(hidden_states, input_dimensions, always_partition, output_attentions)
         before = hidden_states
         if self.downsample is None:
             return hidden_states, before, input_dimensions, probs
@@ -359,7 +345,6 @@ class HfxSwinEncoder(nn.Module):
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         output_stage_maps: bool = False,
-        implementation: str = "sdpa",
     ) -> HfxSwinEncoderOutput:
         """``hidden_states`` ``(batch, h * w, embed_dim)`` on ``grid`` ``(h, w)``."""
         stem = tokens_to_map(hidden_states, grid) if output_hidden_states or output_stage_maps else None
@@ -369,9 +354,7 @@ class HfxSwinEncoder(nn.Module):
         attentions = () if output_attentions else None
         for stage in self.layers:
             stage_grid = grid
-            hidden_states, before, grid, probs = stage(
-                hidden_states, grid, always_partition, output_attentions, implementation
-            )
+            hidden_states, before, grid, probs = stage(hidden_states, grid, always_partition, output_attentions)
             if output_hidden_states:
                 hidden += (hidden_states,)
                 maps += (tokens_to_map(hidden_states, grid),)
@@ -498,7 +481,6 @@ class HfxSwinModel(HfxSwinPreTrainedModel):
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             output_stage_maps=output_stage_maps,
-            implementation=attention_implementation(self.config),
         )
 
     def forward(

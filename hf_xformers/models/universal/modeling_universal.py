@@ -42,7 +42,7 @@ from ...layers.heads import (
     token_cross_entropy,
 )
 from ...layers.pretrained import HfxPreTrainedModel
-from ...ops.attention_switch import EAGER, attention_implementation, flex_applies
+from ...ops.attention_switch import EAGER, flex_applies
 from ...ops.compat import CACHE_NAME, cache_field, output_cache, resolve_cache_argument
 from ...ops.input_checks import (
     check_not_empty,
@@ -53,7 +53,7 @@ from ...ops.input_checks import (
     unpadded_to_none,
 )
 from ...ops.packing import PACKING_KWARGS, PackedBatch, refuse_packed, resolve_packed_batch
-from ...ops.varlen import compute_dtype, document_layout, varlen_applies
+from ...ops.varlen import DocumentLayout, compute_dtype, document_layout, varlen_applies
 from .adaptive_computation_time import HfxHaltingUnit, ponder_loss
 from .configuration_universal import HfxUniversalConfig
 from .recurrent_block import (
@@ -405,6 +405,69 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
                 )
         return packed, position_ids
 
+    def _decoder_cache(
+        self, past_key_values: HfxUniversalCache | None, use_cache: bool | None
+    ) -> tuple[HfxUniversalCache | None, int]:
+        """The cache this forward extends (the caller's, or a new one for a decoder asked to ``use_cache``) and the
+        number of tokens it holds.
+
+        Raises:
+            ValueError: a cache for an encoder, or a cache of another type.
+        """
+        if use_cache and past_key_values is None and self.config.is_decoder:
+            past_key_values = HfxUniversalCache()
+        if past_key_values is not None and not self.config.is_decoder:
+            raise ValueError("past_key_values only exist for decoders (config.is_decoder=True).")
+        if past_key_values is not None and not isinstance(past_key_values, HfxUniversalCache):
+            raise ValueError(
+                f"past_key_values must be an HfxUniversalCache (keys and values per recurrent step), got "
+                f"{type(past_key_values).__name__}; pass use_cache=True to start one."
+            )
+        return past_key_values, 0 if past_key_values is None else past_key_values.get_seq_length()
+
+    def _self_attention_mask(
+        self,
+        hidden: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        packed: PackedBatch | None,
+        past_len: int,
+        cached: bool,
+        output_attentions: bool,
+    ) -> tuple[torch.Tensor | DocumentLayout | None, bool, torch.Tensor | None]:
+        """The self-attention mask every step shares, prepared once per forward: ``(mask, is_causal, groups)``.
+
+        ``hidden`` ``(batch, seq_len, hidden)``: the embeddings; ``key_mask`` ``(batch, past_len + seq_len)`` bool or
+        None (no padding); ``cached``: a cache is in use. An ordinary batch gets a bool ``(batch or 1, 1, seq_len,
+        keys)`` mask (:func:`attention_mask_4d`), or None with ``is_causal`` (SDPA's own causal mask) or for one new
+        token after a cache. A packed batch gets its documents' :func:`attention_groups` ``(batch, seq_len)`` and
+        either a dense mask (the eager softmax, which also returns the probabilities) or a
+        :class:`~hf_xformers.ops.varlen.DocumentLayout` for one kernel call over the whole row per step; which one
+        depends on the kernel choice, asked of the shared attention module (its
+        :meth:`~hf_xformers.attention.base.KernelChoice.kernel_choice`), as it will ask itself at every step.
+        """
+        config, device = self.config, hidden.device
+        length = hidden.shape[1]
+        causal = bool(config.is_decoder)
+        if packed is None:
+            # An uncached causal pass without padding is SDPA's own is_causal (top-left aligned, which is right only
+            # when there are no earlier tokens); one new token after a cache sees every key and needs no mask at all.
+            is_causal = causal and key_mask is None and past_len == 0
+            if is_causal or (causal and key_mask is None and cached and length == 1):
+                return None, is_causal, None
+            return attention_mask_4d(key_mask, length, past_len, causal, device), is_causal, None
+        groups = attention_groups(packed.document_ids, key_mask)
+        implementation = self.encoder.layer.attention.self.kernel_choice(hidden)
+        if output_attentions or implementation == EAGER:
+            return attention_mask_4d(key_mask, length, 0, causal, device, groups), False, groups
+        dropout = config.attention_probs_dropout_prob if self.training else 0.0
+        head_dim = config.hidden_size // config.num_attention_heads
+        layout = document_layout(
+            groups, causal, cu_seq_lens=packed.cu_seq_lens, max_length=packed.longest,
+            varlen=varlen_applies(device, compute_dtype(hidden), head_dim, dropout),
+            flex=flex_applies(implementation, hidden, self.training, config.attention_probs_dropout_prob),
+        )  # fmt: skip
+        return layout, False, groups
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -454,21 +517,11 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             row per document in order, and ``ponder_loss`` the mean over all real tokens of the batch (as for a
             padded batch of the same documents: the solo runs' ponder losses weighted by their lengths).
         """
-        config = self.config
-        past_key_values = resolve_cache_argument(past_key_values, cache)
-        if use_cache and past_key_values is None and config.is_decoder:
-            past_key_values = HfxUniversalCache()
-        if past_key_values is not None and not config.is_decoder:
-            raise ValueError("past_key_values only exist for decoders (config.is_decoder=True).")
-        if past_key_values is not None and not isinstance(past_key_values, HfxUniversalCache):
-            raise ValueError(
-                f"past_key_values must be an HfxUniversalCache (keys and values per recurrent step), got "
-                f"{type(past_key_values).__name__}; pass use_cache=True to start one."
-            )
-        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past_key_values, past_len = self._decoder_cache(resolve_cache_argument(past_key_values, cache), use_cache)
         self._check_inputs(input_ids, inputs_embeds, attention_mask, token_type_ids, encoder_hidden_states, past_len)
-        output_attentions = config.output_attentions if output_attentions is None else output_attentions
-        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
 
         batch, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
@@ -480,72 +533,72 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             (max_length_q, max_length_k), past_key_values is not None or bool(use_cache), encoder_hidden_states,
             packed_batch,
         )  # fmt: skip
-        document_ids = None if packed is None else packed.document_ids
         self._check_length(past_len, length, packed, position_ids)
-        real_mask = (
-            key_mask[:, past_len:]
-            if key_mask is not None
-            else torch.ones(batch, length, dtype=torch.bool, device=device)
-        )
-        if position_ids is None:
-            if key_mask is not None:
-                position_ids = (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
-            else:
-                position_ids = torch.arange(past_len, past_len + length, device=device).expand(batch, -1)
-
+        real_mask, position_ids = self._real_and_positions(key_mask, position_ids, (batch, length), past_len, device)
         hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
-        causal = bool(config.is_decoder)
-        groups = None
-        if document_ids is not None:
-            # Attention inside each document (causal within it for a decoder), prepared once for every step: one
-            # kernel call over the whole row per step, whatever the number of documents (ops/varlen.py).
-            groups = attention_groups(document_ids, key_mask)
-            is_causal = False
-            implementation = attention_implementation(config)
-            if output_attentions or implementation == EAGER:
-                # The eager softmax, which also returns the probabilities, reads a dense mask.
-                mask = attention_mask_4d(key_mask, length, 0, causal, device, groups)
-            else:
-                dropout = config.attention_probs_dropout_prob if self.training else 0.0
-                head_dim = config.hidden_size // config.num_attention_heads
-                mask = document_layout(
-                    groups, causal, cu_seq_lens=packed.cu_seq_lens, max_length=packed.longest,
-                    varlen=varlen_applies(device, compute_dtype(hidden), head_dim, dropout),
-                    flex=flex_applies(implementation, hidden, self.training, config.attention_probs_dropout_prob),
-                )  # fmt: skip
-        else:
-            # An uncached causal pass without padding is SDPA's own is_causal (top-left aligned, which is right only
-            # when there are no earlier tokens); one new token after a cache sees every key and needs no mask at all.
-            is_causal = causal and key_mask is None and past_len == 0
-            if is_causal or (causal and key_mask is None and past_key_values is not None and length == 1):
-                mask = None
-            else:
-                mask = attention_mask_4d(key_mask, length, past_len, causal, device)
-        cross_mask = None
-        if encoder_hidden_states is not None and encoder_attention_mask is not None:
-            cross_mask = attention_mask_4d(unpadded_to_none(encoder_attention_mask.bool()), 1, 0, False, device)
+        mask, is_causal, groups = self._self_attention_mask(
+            hidden, key_mask, packed, past_len, past_key_values is not None, output_attentions
+        )
+        cross_mask = None if encoder_hidden_states is None else self._cross_attention_mask(encoder_attention_mask)
         out = self.encoder(
             hidden, real_mask, mask, position_ids, encoder_hidden_states, cross_mask, past_key_values,
             output_attentions, output_hidden_states, is_causal=is_causal, padded=key_mask is not None,
             document_ids=groups,
         )  # fmt: skip
+        return self._finish(self._model_output(out, real_mask, packed, past_key_values), return_dict)
+
+    def _real_and_positions(
+        self,
+        key_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        shape: tuple[int, int],
+        past_len: int,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``real_mask`` ``(batch, seq_len)`` bool (False at padding) of the new tokens, and their ``position_ids``
+        ``(batch, seq_len)``: the given ones, or by default the count of real tokens before each token (from 0, past
+        tokens included), so that left and right padding give a token the same position."""
+        batch, length = shape
+        if key_mask is not None:
+            real_mask = key_mask[:, past_len:]
+        else:
+            real_mask = torch.ones(batch, length, dtype=torch.bool, device=device)
+        if position_ids is None:
+            if key_mask is not None:
+                position_ids = (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
+            else:
+                position_ids = torch.arange(past_len, past_len + length, device=device).expand(batch, -1)
+        return real_mask, position_ids
+
+    @staticmethod
+    def _cross_attention_mask(encoder_attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """``encoder_attention_mask`` ``(batch, src_len)`` (1 for real states) as the cross-attention's bool
+        ``(batch, 1, 1, src_len)`` mask; None where nothing is padded."""
+        if encoder_attention_mask is None:
+            return None
+        device = encoder_attention_mask.device
+        return attention_mask_4d(unpadded_to_none(encoder_attention_mask.bool()), 1, 0, False, device)
+
+    def _model_output(
+        self, out, real_mask: torch.Tensor, packed: PackedBatch | None, cache: HfxUniversalCache | None
+    ) -> HfxUniversalModelOutput:
+        """The base model's output from the recurrence's ``out`` (:class:`RecurrenceOutput`): the pooler (one row per
+        document of a packed batch) and, with ACT, the ponder loss over the ``real_mask`` ``(batch, seq_len)``."""
         loss = None
-        if config.use_act:
-            loss = ponder_loss(out.ponder_steps, out.ponder_remainders, real_mask, config.act_loss_weight)
-        result = HfxUniversalModelOutput(
+        if self.config.use_act:
+            loss = ponder_loss(out.ponder_steps, out.ponder_remainders, real_mask, self.config.act_loss_weight)
+        pools = self.pooler is not None and (packed is None or packed.count is not None)
+        return HfxUniversalModelOutput(
             last_hidden_state=out.last_hidden_state,
-            pooler_output=None
-            if self.pooler is None or (packed is not None and packed.count is None)
-            else self.pooler(out.last_hidden_state, packed),
+            pooler_output=self.pooler(out.last_hidden_state, packed) if pools else None,
             hidden_states=out.hidden_states,
             attentions=out.attentions,
             cross_attentions=out.cross_attentions,
             ponder_loss=loss,
             ponder_steps=out.ponder_steps,
             ponder_remainders=out.ponder_remainders,
-            **{CACHE_NAME: past_key_values},
+            **{CACHE_NAME: cache},
         )
-        return self._finish(result, return_dict)
 
 
 # ----- heads: the shared ones of layers/heads.py, with the ponder loss added (HfxUniversalPreTrainedModel._head_result)
@@ -738,15 +791,7 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, 
         ``max_length_q/k``) are accepted only to refuse them with a ``ValueError``: packed batches are not supported
         here.
         """
-        packing = dict(zip(PACKING_KWARGS, (seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)))
-        given = [name for name, value in {"position_ids": position_ids, **packing}.items() if value is not None]
-        if given:
-            refuse_packed(
-                type(self).__name__,
-                f"it was given {', '.join(given)}; source and target documents would have to be packed in step, and "
-                "its positions always count from 0 in each row",
-                "Pad the batch instead (DataCollatorForSeq2Seq).",
-            )
+        self._refuse_packing(position_ids, (seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k))
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
                 input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
@@ -763,17 +808,7 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, 
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
         )  # fmt: skip
         logits = self.lm_head(out.last_hidden_state)
-        ponder = None
-        if self.config.use_act:
-            decoder_ponder = out.ponder_loss
-            if decoder_attention_mask is None and labels is not None:
-                # Decoder padding (after the targets) never reaches real positions (causal attention), but must stay
-                # out of the mean: without a decoder mask, the labelled positions are the real ones.
-                decoder_ponder = ponder_loss(
-                    out.ponder_steps, out.ponder_remainders, labels.ne(-100), self.config.act_loss_weight
-                )
-            encoder_ponder = encoder_outputs.ponder_loss
-            ponder = decoder_ponder if encoder_ponder is None else decoder_ponder + encoder_ponder
+        ponder = self._ponder_loss(out, encoder_outputs, labels if decoder_attention_mask is None else None)
         loss = token_cross_entropy(logits, labels, num_items_in_batch) if labels is not None else None
         result = HfxUniversalSeq2SeqLMOutput(
             loss=_add_ponder(loss, ponder),
@@ -790,6 +825,36 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, 
             **{CACHE_NAME: output_cache(out)},
         )
         return self._finish(result, return_dict)
+
+    def _refuse_packing(self, position_ids: torch.Tensor | None, packing: tuple) -> None:
+        """Raise the ``ValueError`` of :func:`~hf_xformers.ops.packing.refuse_packed` when ``position_ids`` or any of
+        the padding-free collator's boundaries (``packing``: the values of ``PACKING_KWARGS``, in order) is given."""
+        named = dict(zip(PACKING_KWARGS, packing))
+        given = [name for name, value in {"position_ids": position_ids, **named}.items() if value is not None]
+        if given:
+            refuse_packed(
+                type(self).__name__,
+                f"it was given {', '.join(given)}; source and target documents would have to be packed in step, and "
+                "its positions always count from 0 in each row",
+                "Pad the batch instead (DataCollatorForSeq2Seq).",
+            )
+
+    def _ponder_loss(
+        self, decoded: HfxUniversalModelOutput, encoded: HfxUniversalModelOutput, labels: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The ponder loss of both stacks (None without ACT): the decoder's over its real positions, or, given
+        ``labels`` ``(batch, tgt_len)`` (when there is no decoder mask), over the labelled ones, plus the encoder's."""
+        if not self.config.use_act:
+            return None
+        decoder_ponder = decoded.ponder_loss
+        if labels is not None:
+            # Decoder padding (after the targets) never reaches real positions (causal attention), but must stay out
+            # of the mean: without a decoder mask, the labelled positions are the real ones.
+            decoder_ponder = ponder_loss(
+                decoded.ponder_steps, decoded.ponder_remainders, labels.ne(-100), self.config.act_loss_weight
+            )
+        encoder_ponder = encoded.ponder_loss
+        return decoder_ponder if encoder_ponder is None else decoder_ponder + encoder_ponder
 
     def _prepare_text_encoder_decoder_kwargs_for_generation(
         self, inputs_tensor: torch.Tensor, model_kwargs: dict, model_input_name: str | None, generation_config

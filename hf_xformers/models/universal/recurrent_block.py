@@ -28,6 +28,7 @@ cosines), of the position index and of the step index; both are added before eve
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -301,6 +302,28 @@ class HfxUniversalRecurrentEncoder(nn.Module):
             else None
         )
 
+    def _step_signals(self, position_ids: torch.Tensor, hidden_states: torch.Tensor) -> Callable:
+        """``prepare(state, step)``: the state ``(batch, seq, hidden)`` with the signals of ``step`` added, the
+        sinusoidal position signal of ``position_ids`` ``(batch, seq)`` and the timestep signal, as the config asks
+        (each computed once per forward, in ``hidden_states``' dtype)."""
+        config, dtype = self.config, hidden_states.dtype
+        position_signal = None
+        if config.position_embedding_type == "sinusoidal":
+            position_signal = timing_signal(position_ids, config.hidden_size).to(dtype)
+        step_signals = None
+        if config.add_timestep_signal:
+            steps = torch.arange(config.num_recurrent_steps, device=hidden_states.device)
+            step_signals = timing_signal(steps, config.hidden_size).to(dtype)
+
+        def prepare(state: torch.Tensor, step: int) -> torch.Tensor:
+            if position_signal is not None:
+                state = state + position_signal
+            if step_signals is not None:
+                state = state + step_signals[step]
+            return state
+
+        return prepare
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -332,22 +355,8 @@ class HfxUniversalRecurrentEncoder(nn.Module):
             (all ``act_max_steps`` of them when hidden states or attentions are asked for).
         """
         config = self.config
-        dtype = hidden_states.dtype
-        position_signal = None
-        if config.position_embedding_type == "sinusoidal":
-            position_signal = timing_signal(position_ids, config.hidden_size).to(dtype)
-        step_signals = None
-        if config.add_timestep_signal:
-            steps = torch.arange(config.num_recurrent_steps, device=hidden_states.device)
-            step_signals = timing_signal(steps, config.hidden_size).to(dtype)
-        nonpadding = real_mask.unsqueeze(-1).to(dtype) if self.layer.use_sepconv and padded else None
-
-        def prepare(state: torch.Tensor, step: int) -> torch.Tensor:
-            if position_signal is not None:
-                state = state + position_signal
-            if step_signals is not None:
-                state = state + step_signals[step]
-            return state
+        prepare = self._step_signals(position_ids, hidden_states)
+        nonpadding = real_mask.unsqueeze(-1).to(hidden_states.dtype) if self.layer.use_sepconv and padded else None
 
         def block(x: torch.Tensor, step: int) -> tuple:
             # Positional tensors: reentrant gradient checkpointing only propagates gradients through those.
