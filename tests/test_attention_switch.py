@@ -20,7 +20,7 @@ import transformers  # noqa: E402
 
 import hf_xformers  # noqa: E402
 import hf_xformers.ops.attention_switch as switch  # noqa: E402
-from hf_xformers.attention import block_sparse, chunked_local, lsh, multi_head, shifted_window, sliding_window  # noqa: E402
+from hf_xformers.attention import block_sparse_flex, chunked_local, lsh, multi_head, shifted_window, sliding_window  # noqa: E402
 
 from .test_compile_export import build, image_inputs, text_inputs  # noqa: E402
 
@@ -37,7 +37,7 @@ SUPPORTED = {
     "performer": ("eager", "sdpa"),
     "transfo_xl": ("eager", "sdpa"),
 }
-FLEX_MODULES = (sliding_window, block_sparse, shifted_window, chunked_local, lsh, multi_head)
+FLEX_MODULES = (sliding_window, block_sparse_flex, shifted_window, chunked_local, lsh, multi_head)
 LENGTH = 37  # sparse for every pattern of the tiny configs (Longformer window 4, BigBird 10 blocks of 4, ...)
 ATOL = 1e-5
 
