@@ -35,7 +35,7 @@ from ..ops.input_checks import is_tracing
 from ..ops.packing import same_document
 from ..ops.precision import float32_autocast_off
 from ..ops.shapes import merge_heads, split_heads
-from .base import AttentionOutput, QKVProjection
+from .base import AttentionOutput, KernelChoice, QKVProjection
 from .favor_causal import causal_linear_attention, causal_softmax_key_features
 from .favor_decoding import favor_attention_with_state
 from .favor_features import (
@@ -182,7 +182,7 @@ def _favor_attention_float32(
     return linear_attention(query_features, key_features, value, eps), None
 
 
-class HfxFavorSelfAttention(QKVProjection):
+class HfxFavorSelfAttention(QKVProjection, KernelChoice):
     """FAVOR+ self-attention of one Performer layer (module docstring for the maths).
 
     Config fields used: ``num_random_features`` (None: ``int(d ln d)``), ``favor_kernel`` (``"softmax"`` or
@@ -200,12 +200,17 @@ class HfxFavorSelfAttention(QKVProjection):
 
     ``attentions`` (with ``output_attentions=True``): the implied attention matrix ``(batch, heads, seq_len, seq_len)``
     (formed explicitly, quadratic in memory); the context is the linear-time one either way.
+
+    FAVOR+ is its own kernel: every ``attn_implementation`` the Performer accepts (``"eager"``, ``"sdpa"``) runs it,
+    so the forward reads no kernel choice; the module keeps ``config`` as every attention module does
+    (:class:`~hf_xformers.attention.base.KernelChoice`), for a model that asks one of its layers.
     """
 
     supports_global_attention = False
 
     def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__(config.hidden_size, config.num_attention_heads)
+        self.config = config
         self.layer_idx = layer_idx
         self.num_features = config.num_random_features or default_num_features(self.head_dim)
         self.kernel = config.favor_kernel
