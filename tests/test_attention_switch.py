@@ -21,7 +21,7 @@ import transformers  # noqa: E402
 import hf_xformers  # noqa: E402
 import hf_xformers.ops.attention_switch as switch  # noqa: E402
 from hf_xformers.attention import (  # noqa: E402
-    block_sparse,
+    block_sparse_flex,
     chunked_local,
     lsh,
     multi_head,
@@ -45,7 +45,7 @@ SUPPORTED = {
     "performer": ("eager", "sdpa"),
     "transfo_xl": ("eager", "sdpa"),
 }
-FLEX_MODULES = (sliding_window, block_sparse, shifted_window, chunked_local, lsh, multi_head)
+FLEX_MODULES = (sliding_window, block_sparse_flex, shifted_window, chunked_local, lsh, multi_head)
 LENGTH = 37  # sparse for every pattern of the tiny configs (Longformer window 4, BigBird 10 blocks of 4, ...)
 ATOL = 1e-5
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
-import hf_xformers.models.bigbird.modeling_bigbird as modeling_bigbird
 import hf_xformers.ops.attention_switch as switch
 from hf_xformers import HfxBigBirdConfig, HfxBigBirdModel
-from hf_xformers.attention import block_sparse
-from hf_xformers.attention.block_sparse import HfxBlockSparseSelfAttention, plan_documents
+from hf_xformers.attention import block_sparse_flex, block_sparse_packed
+from hf_xformers.attention.block_sparse import HfxBlockSparseSelfAttention
+from hf_xformers.attention.block_sparse_layout import plan_documents
 from hf_xformers.ops.input_checks import as_if_on_accelerator
 from hf_xformers.ops.packing import document_ids_from_inputs
 
@@ -93,7 +93,7 @@ def flex_calls(monkeypatch) -> list:
         calls.append(1)
         return switch.flex_attention(*args, **kwargs)
 
-    monkeypatch.setattr(block_sparse, "flex_attention", counted)
+    monkeypatch.setattr(block_sparse_flex, "flex_attention", counted)
     return calls
 
 
@@ -372,9 +372,9 @@ def test_flex_block_table_is_built_once_per_forward(flex_calls, monkeypatch):
 
     def counted(layout):
         built.append(layout.num_blocks)
-        return block_sparse.document_block_table(layout)
+        return block_sparse_flex.document_block_table(layout)
 
-    monkeypatch.setattr(modeling_bigbird, "document_block_table", counted)
+    monkeypatch.setattr(block_sparse_packed, "document_block_table", counted)
     model = build(num_hidden_layers=3)
     batch = pack(documents(), "cu_seq_lens")
     with torch.no_grad():

@@ -17,12 +17,9 @@ from transformers import DataCollatorWithFlattening  # noqa: E402
 
 from hf_xformers import HfxPerformerConfig, HfxPerformerModel  # noqa: E402
 from hf_xformers.attention.base import split_heads  # noqa: E402
-from hf_xformers.attention.favor import (  # noqa: E402
-    CAUSAL_CHUNK_SIZE,
-    HfxFavorSelfAttention,
-    favor_attention,
-    softmax_key_logits,
-)
+from hf_xformers.attention.favor import HfxFavorSelfAttention, favor_attention  # noqa: E402
+from hf_xformers.attention.favor_features import softmax_key_logits  # noqa: E402
+from hf_xformers.attention.favor_linear import CAUSAL_CHUNK_SIZE  # noqa: E402
 from hf_xformers.ops.compat import CACHE_NAME  # noqa: E402
 
 ATOL = 1e-5
@@ -232,9 +229,10 @@ def test_packed_row_is_one_vectorised_favor_per_layer(causal, monkeypatch):
     """A packed row runs one FAVOR+ per layer over the whole row, on a layout of its documents worked out once per
     forward (the same :class:`FavorDocuments` in every layer), never one call per document."""
     from hf_xformers.attention import favor
+    from hf_xformers.models.performer import modeling_performer
 
     calls, layouts = [], []
-    real_attention, real_documents = favor.favor_attention, favor.favor_documents
+    real_attention, real_documents = favor.favor_attention, modeling_performer.favor_documents
 
     def recording(query, *args, **kwargs):
         calls.append((query.shape[2], kwargs.get("document_ids")))
@@ -245,8 +243,6 @@ def test_packed_row_is_one_vectorised_favor_per_layer(causal, monkeypatch):
         return layouts[-1]
 
     monkeypatch.setattr(favor, "favor_attention", recording)
-    from hf_xformers.models.performer import modeling_performer
-
     monkeypatch.setattr(modeling_performer, "favor_documents", counting)
     model = build(causal).eval()
     docs = documents()

@@ -22,17 +22,16 @@ from hf_xformers import (
 )
 from hf_xformers.attention import favor as favor_module
 from hf_xformers.attention.base import merge_heads, split_heads
-from hf_xformers.attention.favor import (
-    HfxFavorSelfAttention,
-    blocked_softmax_attention,
-    causal_linear_attention,
+from hf_xformers.attention.favor import HfxFavorSelfAttention, dense_kernel_attention, favor_attention
+from hf_xformers.attention.favor_causal import causal_linear_attention, running_max
+from hf_xformers.attention.favor_decoding import favor_attention_with_state
+from hf_xformers.attention.favor_features import (
     default_num_features,
-    dense_kernel_attention,
     draw_random_features,
-    favor_attention,
-    favor_attention_with_state,
+    draw_seed,
     softmax_kernel_features,
 )
+from hf_xformers.attention.favor_linear import blocked_softmax_attention
 
 from .conformance import SEQ_LEN, VOCAB, HostReadCounter, TextModelConformance
 
@@ -236,7 +235,7 @@ def test_blocked_attention_equals_the_unblocked_form(block_size):
     projection = draw_random_features(32, 16, torch.Generator().manual_seed(5))
     qf = softmax_kernel_features(q, projection, is_query=True)
     kf = softmax_kernel_features(k, projection, is_query=False, key_mask=mask)
-    from hf_xformers.attention.favor import linear_attention
+    from hf_xformers.attention.favor_linear import linear_attention
 
     expected = linear_attention(qf, kf, v, query_eps=1e-6)
     got = blocked_softmax_attention(q, k, v, projection, mask, block_size=block_size)
@@ -638,7 +637,7 @@ def test_projection_is_drawn_on_the_cpu_from_its_seed():
     attention = model.encoder.layer[1].attention.self
 
     def seeded(draw: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(favor_module._draw_seed(5, 1, draw))
+        generator = torch.Generator().manual_seed(draw_seed(5, 1, draw))
         return draw_random_features(32, 8, generator)
 
     assert torch.equal(attention.projection_matrix, seeded(0))
@@ -712,7 +711,7 @@ def test_running_max_matches_cummax():
     x = torch.randn(2, 3, 37)
     x[0, 0, :9] = float("-inf")
     for chunk in (1, 4, 64):
-        torch.testing.assert_close(favor_module.running_max(x, chunk), x.cummax(-1).values)
+        torch.testing.assert_close(running_max(x, chunk), x.cummax(-1).values)
 
 
 @pytest.mark.parametrize("kernel", ["softmax", "relu"])

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..ops.attention_switch import attention_implementation, flex_applies, flex_attention, make_block_mask
+from ..ops.attention_switch import flex_applies, flex_attention, make_block_mask
 from ..ops.fast_dropout import HfxDropout
 from ..ops.precision import mask_value
 from ..ops.shapes import ceil_div, merge_heads, split_heads, unblock
-from .base import AttentionOutput, plain_linears
+from .base import AttentionOutput, KernelChoice, plain_linears
 
 # Masked keys get `mask_value(scores.dtype)`, the most negative finite value of the scores' dtype: finite (as
 # transformers' -1e9 in float32 and -1e4 in float16), so a row with every key masked stays finite, and representable
@@ -224,7 +224,31 @@ def real_chunk_count(padded_lengths: torch.Tensor | None, chunk: int, seq_len: i
     return torch.clamp((padded_lengths.clamp(max=seq_len) + chunk - 1) // chunk, min=1)
 
 
-class HfxLocalSelfAttention(nn.Module):
+class ChunkedSelfAttention(nn.Module, KernelChoice):
+    """What Reformer's two attentions share (:class:`HfxLocalSelfAttention`, and LSH's in ``lsh.py``): heads, chunks
+    of ``chunk_length`` that attend to ``num_chunks_before`` / ``num_chunks_after`` neighbours, dropout on the
+    probabilities, causality (``config.is_decoder``), and the ``config`` the kernel choice is read from at every
+    forward."""
+
+    supports_global_attention = False
+
+    def __init__(
+        self, config, layer_idx: int, chunk_length: int, num_chunks_before: int, num_chunks_after: int, dropout: float
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.attention_head_size
+        self.chunk_length = chunk_length
+        self.num_chunks_before = num_chunks_before
+        self.num_chunks_after = num_chunks_after
+        self.is_decoder = config.is_decoder
+        self.dropout = HfxDropout(dropout)
+        # Read at every forward (kernel_choice): config._attn_implementation ("eager", "sdpa", ...) may change.
+        self.config = config
+
+
+class HfxLocalSelfAttention(ChunkedSelfAttention):
     """Reformer's chunked local attention with its own query, key and value projections (no biases).
 
     Called as in ``attention/base.py``; ``padded_lengths`` ``(batch,)`` is given by the Reformer model (see the
@@ -234,24 +258,15 @@ class HfxLocalSelfAttention(nn.Module):
     ``mask_value`` of that dtype.
     """
 
-    supports_global_attention = False
-
     def __init__(self, config, layer_idx: int = 0) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.attention_head_size
-        self.chunk_length = config.local_attn_chunk_length
-        self.num_chunks_before = config.local_num_chunks_before
-        self.num_chunks_after = config.local_num_chunks_after
-        self.is_decoder = config.is_decoder
+        super().__init__(
+            config, layer_idx, config.local_attn_chunk_length, config.local_num_chunks_before,
+            config.local_num_chunks_after, config.local_attention_probs_dropout_prob,
+        )  # fmt: skip
         inner = self.num_heads * self.head_dim
         self.query = nn.Linear(config.hidden_size, inner, bias=False)
         self.key = nn.Linear(config.hidden_size, inner, bias=False)
         self.value = nn.Linear(config.hidden_size, inner, bias=False)
-        self.dropout = HfxDropout(config.local_attention_probs_dropout_prob)
-        # Read at every forward: config._attn_implementation ("eager", "sdpa", "flex_attention") may change.
-        self.config = config
 
     def _qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if plain_linears(self.query, self.key, self.value):
@@ -277,6 +292,7 @@ class HfxLocalSelfAttention(nn.Module):
         ``(output_length, output_length)`` corner, on the autograd path of the context. ``documents``: the layout of
         a packed batch's documents in the input (its padding slots masked by ``attention_mask``); chunks then wrap
         around within each document (module docstring)."""
+        implementation = self.kernel_choice(hidden_states)
         batch, seq_len, _ = hidden_states.shape
         q, k, v = self._qkv(hidden_states)
         k = k / math.sqrt(self.head_dim)
@@ -312,9 +328,7 @@ class HfxLocalSelfAttention(nn.Module):
         if attention_mask is not None:
             key_real = gather_chunks(attention_mask.view(batch, 1, num_chunks, chunk), index)  # (batch, 1, C, K)
             mask = mask & key_real[:, :, :, None, :]
-        if not output_attentions and flex_applies(
-            attention_implementation(self.config), hidden_states, self.training, self.dropout.p
-        ):
+        if not output_attentions and flex_applies(implementation, hidden_states, self.training, self.dropout.p):
             context = self._flex_attention(
                 q.flatten(2, 3), keys, values, index, keep, attention_mask, chunk, num_chunks, seq_len, documents
             )  # fmt: skip
@@ -374,10 +388,12 @@ class HfxLocalSelfAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         past_states: torch.Tensor,
+        past_buckets: torch.Tensor | None = None,
+        num_hashes: int | None = None,
+        output_attentions: bool = False,
         key_mask: torch.Tensor | None = None,
         padded_length: int | None = None,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
         """One new position ``hidden_states`` ``(batch, 1, hidden)`` (normalised) against the cached normalised inputs
         ``past_states`` ``(batch, past_len, hidden)``: the same keys, with the same multiplicities and masks, as the
         last row of a causal full forward over all ``past_len + 1`` positions.
@@ -385,9 +401,12 @@ class HfxLocalSelfAttention(nn.Module):
         ``key_mask`` ``(batch, past_len + 1)`` bool (True = real; None = nothing padded) masks padded keys, as the
         full forward's ``attention_mask``; ``padded_length`` is the length the model pads that full forward to
         (:func:`decode_padded_length`; None: ``past_len + 1``), whose chunks the new query's window follows. The new
-        position is taken as real (``generate()`` always appends one). Returns the context ``(batch, 1, heads *
-        head_dim)`` and, with ``output_attentions``, the probabilities over every position so far ``(batch, heads,
-        1, past_len + 1)`` (0 outside the window; a repeated chunk's keys add up, as in the full forward)."""
+        position is taken as real (``generate()`` always appends one). ``past_buckets`` and ``num_hashes`` are LSH's
+        (:meth:`~hf_xformers.attention.lsh.HfxLSHSelfAttention.decode_step`, the same call) and unused here.
+
+        Returns the context ``(batch, 1, heads * head_dim)``, None (no buckets) and, with ``output_attentions``, the
+        probabilities over every position so far ``(batch, heads, 1, past_len + 1)`` (0 outside the window; a
+        repeated chunk's keys add up, as in the full forward)."""
         length = past_states.shape[1] + 1
         padded = length if padded_length is None else padded_length
         chunk = self.chunk_length if padded >= self.chunk_length else padded
@@ -409,10 +428,11 @@ class HfxLocalSelfAttention(nn.Module):
             # Masked slots (clamped onto the query's own place) carry an exact 0.
             index = slots.clamp(max=length - 1).expand(probs.shape)
             attentions = probs.new_zeros(*probs.shape[:3], length).scatter_add(-1, index, probs)
-        return merge_heads(torch.matmul(probs, v)), attentions
+        return merge_heads(torch.matmul(probs, v)), None, attentions
 
 
 __all__ = [
+    "ChunkedSelfAttention",
     "DocumentLayout",
     "HfxLocalSelfAttention",
     "decode_padded_length",

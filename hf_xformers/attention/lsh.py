@@ -1,17 +1,16 @@
 """LSH self-attention (Reformer, Kitaev et al. 2020), numerically as in transformers' ``LSHSelfAttention``.
 
 Per head, one projection gives shared query-keys ``qk``; keys are ``qk`` normalised to unit RMS and scaled by
-``1/sqrt(head_dim)``. Each round of hashing maps ``qk`` through a random rotation ``R`` (``head_dim x n/2``) and takes
-``argmax([xR, -xR])`` as the bucket (angular LSH; a pair of bucket factors hashes twice and combines). Positions are
-sorted by (round, bucket, position), cut into chunks of ``lsh_attn_chunk_length``, and each chunk attends to itself and
-``lsh_num_chunks_before/after`` neighbouring chunks (circularly). A query never attends to its own position
-(logit :func:`self_mask_value`) unless nothing else is allowed; masked keys get ``mask_value(dtype)``. The rounds are
-combined by the softmax of their log-normalisers, which equals one attention over the union of the rounds' windows.
+``1/sqrt(head_dim)``. Each round of hashing puts every position in a bucket (:mod:`~hf_xformers.attention.lsh_hashing`).
+Positions are sorted by (round, bucket, position), cut into chunks of ``lsh_attn_chunk_length``, and each chunk attends
+to itself and ``lsh_num_chunks_before/after`` neighbouring chunks (circularly). A query never attends to its own
+position (logit :func:`self_mask_value`) unless nothing else is allowed; masked keys get ``mask_value(dtype)``. The
+rounds are combined by the softmax of their log-normalisers, which equals one attention over the union of the rounds'
+windows.
 
-Precision: hashing (rotations and argmax) and the rounds' log-normalisers and weights compute in float32 whatever the
-model's dtype or autocast state, so that a bfloat16 / float16 model puts positions in the buckets of the float32 model
-(a bucket flip moves a position to other keys entirely); the rotations stay float32 when the module is cast. Scores,
-softmax and the weighted values compute in the dtype of the projections (autocast's or the weights').
+Precision: the rounds' log-normalisers and weights compute in float32 whatever the model's dtype or autocast state
+(hashing too: ``lsh_hashing.py``). Scores, softmax and the weighted values compute in the dtype of the projections
+(autocast's or the weights').
 
 Padding: within an example's own extent (``padded_lengths``, see ``chunked_local.py``) padded positions take an extra
 last bucket in every round, exactly as transformers does; positions beyond it are sorted after every round, so the
@@ -24,6 +23,8 @@ one document fill the sorted places of its region (``num_hashes`` times its leng
 own forward sorts them, and its chunks wrap around among themselves as they do alone. A document no longer than a
 chunk keeps each round's positions in one chunk that sees only itself: all of its positions in every round, the
 attention it gets alone. No chunk holds two documents, so buckets never mix them.
+
+Cached decoding (:meth:`HfxLSHSelfAttention.decode_step`) gives one new position the last row of that full forward.
 """
 
 from __future__ import annotations
@@ -33,18 +34,12 @@ import math
 import torch
 from torch import nn
 
-from ..ops.attention_switch import (
-    attention_implementation,
-    flex_applies,
-    flex_attention,
-    flex_returns_lse,
-    make_block_mask,
-)
-from ..ops.fast_dropout import HfxDropout
+from ..ops.attention_switch import flex_applies, flex_attention, flex_returns_lse, make_block_mask
 from ..ops.precision import float32_autocast_off, mask_value
 from ..ops.shapes import merge_heads, split_heads
 from .base import AttentionOutput, plain_linears
 from .chunked_local import (
+    ChunkedSelfAttention,
     DocumentLayout,
     corner_on_graph,
     decode_window_slots,
@@ -56,6 +51,7 @@ from .chunked_local import (
     segment_neighbour_chunks,
     window_repeats,
 )
+from .lsh_hashing import LSHHashing, bucket_factors
 
 # Logit of a query's own position in float32 and float64: transformers' value (parity).
 SELF_MASK_VALUE = -1e5
@@ -76,135 +72,35 @@ def self_mask_value(dtype: torch.dtype) -> float:
     return mask_value(dtype) / 2
 
 
-def bucket_factors(num_buckets: int | list[int]) -> list[int]:
-    return [num_buckets] if isinstance(num_buckets, int) else list(num_buckets)
-
-
-def draw_rotations(
-    num_heads: int, head_dim: int, num_hashes: int, num_buckets: int | list[int], seed: int | None = None
-) -> torch.Tensor:
-    """Random rotations ``(heads, head_dim, num_hashes, sum(factors) / 2)`` float32, from ``seed`` (the same numbers as
-    ``torch.manual_seed(seed); torch.randn(...)``, which transformers uses) or from the global generator.
-
-    Float32 whatever the default dtype (a model built under a 16-bit default, as ``from_pretrained(dtype=...)`` builds
-    it): a 16-bit draw gives other numbers, and other buckets than the float32 model's."""
-    shape = (num_heads, head_dim, num_hashes, sum(bucket_factors(num_buckets)) // 2)
-    generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator, dtype=torch.float32)
-
-
-def hash_buckets(qk: torch.Tensor, rotations: torch.Tensor, num_buckets: int | list[int]) -> torch.Tensor:
-    """Bucket of every position in every round: ``qk`` ``(batch, heads, seq, head_dim)`` -> ``(batch, heads, rounds,
-    seq)`` long, in ``[0, prod(factors))``.
-
-    Computes in float32 (``qk`` and ``rotations`` are cast, autocast is off): in 16 bits the rotated coordinates of
-    nearby directions round to ties or swap, and positions land in other buckets than the float32 model's."""
-    with float32_autocast_off(qk.device.type):
-        rotated = torch.einsum("bhtd,hdnr->bhntr", qk.detach().float(), rotations.float())
-    buckets, start, scale = None, 0, 1
-    for factor in bucket_factors(num_buckets):
-        part = rotated[..., start : start + factor // 2]
-        bucket = torch.argmax(torch.cat([part, -part], dim=-1), dim=-1)
-        buckets = bucket if buckets is None else buckets + scale * bucket
-        start, scale = start + factor // 2, scale * factor
-    return buckets
-
-
 def unit_rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-class HfxLSHSelfAttention(nn.Module):
+class HfxLSHSelfAttention(LSHHashing, ChunkedSelfAttention):
     """LSH attention with a shared query-key projection ``query_key`` and ``value`` (no biases; transformers' names).
 
     ``forward`` takes the inputs of ``attention/base.py`` plus ``padded_lengths`` ``(batch,)``, ``num_hashes`` (None:
     the config's) and ``buckets`` ``(batch, heads, rounds, seq)`` (reuse the buckets of an earlier call: the
     reversible backward pass recomputes the layer with the forward's buckets). Returns the context and, as
     ``extra``, the buckets used (None on the full-attention path). ``output_attentions`` gives the effective dense
-    probabilities ``(batch, heads, seq, seq)`` (rounds combined).
+    probabilities ``(batch, heads, seq, seq)`` (rounds combined). Hashing: :class:`LSHHashing`.
     """
 
-    supports_global_attention = False
-
     def __init__(self, config, layer_idx: int = 0) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.attention_head_size
-        self.chunk_length = config.lsh_attn_chunk_length
-        self.num_chunks_before = config.lsh_num_chunks_before
-        self.num_chunks_after = config.lsh_num_chunks_after
+        super().__init__(
+            config, layer_idx, config.lsh_attn_chunk_length, config.lsh_num_chunks_before,
+            config.lsh_num_chunks_after, config.lsh_attention_probs_dropout_prob,
+        )  # fmt: skip
         self.num_hashes = config.num_hashes
         self.num_buckets = config.num_buckets
         self.hash_seed = config.hash_seed
-        self.is_decoder = config.is_decoder
         inner = self.num_heads * self.head_dim
         self.query_key = nn.Linear(config.hidden_size, inner, bias=False)
         self.value = nn.Linear(config.hidden_size, inner, bias=False)
-        self.dropout = HfxDropout(config.lsh_attention_probs_dropout_prob)
-        # Read at every forward: config._attn_implementation ("eager", "sdpa", "flex_attention") may change.
-        self.config = config
         # Fixed rotations (hash_seed, or the layer index when there is none): eval, and training with a hash_seed.
         # Drawn once on the CPU from the seed, so every device hashes with the same numbers; a buffer, so the model's
         # `.to(device)` keeps a copy on its device (float32 always: see `_apply`).
         self.register_buffer("rotations", self.fixed_rotations(self.num_hashes), persistent=False)
-
-    def _apply(self, fn, recurse=True):
-        # `.half()` / `.to(torch.bfloat16)` would round the rotations, and the cast model would hash into other buckets
-        # than the float32 one: keep them float32 on whatever device `fn` moved them to.
-        exact = self.rotations
-        result = super()._apply(fn, recurse)
-        moved = self.rotations
-        if moved.dtype != torch.float32:
-            self.rotations = (moved if exact.is_meta else exact).to(device=moved.device, dtype=torch.float32)
-        return result
-
-    # ----- hashing -------------------------------------------------------------------------------------------
-    def fixed_rotations(self, num_hashes: int) -> torch.Tensor:
-        seed = self.layer_idx if self.hash_seed is None else self.hash_seed
-        return draw_rotations(self.num_heads, self.head_dim, num_hashes, self.num_buckets, seed)
-
-    def rotations_for(self, num_hashes: int, like: torch.Tensor) -> torch.Tensor:
-        """Rotations ``(heads, head_dim, num_hashes, sum(factors) / 2)`` float32 on ``like``'s device."""
-        if self.training and self.hash_seed is None:
-            # Fresh rotations every training call, drawn on the input's device from its global generator (no CPU draw
-            # and copy per layer and step). Only their distribution is specified: the numbers depend on the device's
-            # generator. The reversible backward pass restores that generator's state, so the recomputation draws the
-            # same numbers.
-            shape = (self.num_heads, self.head_dim, num_hashes, sum(bucket_factors(self.num_buckets)) // 2)
-            return torch.randn(shape, device=like.device, dtype=torch.float32)
-        if num_hashes == self.num_hashes:
-            return self.rotations.to(device=like.device, dtype=torch.float32)  # the buffer itself: no copy
-        # A `num_hashes` other than the config's (an evaluation option): seeded rotations of that shape, drawn on the
-        # CPU for the same numbers on every device (a few KB per call and layer; not kept, as nothing keyed by call
-        # arguments is).
-        return self.fixed_rotations(num_hashes).to(like.device)
-
-    def bucket(self, qk: torch.Tensor, num_hashes: int) -> torch.Tensor:
-        """``(batch, heads, seq, head_dim)`` -> buckets ``(batch, heads, num_hashes, seq)``."""
-        return hash_buckets(qk, self.rotations_for(num_hashes, qk), self.num_buckets)
-
-    def hash_input(self, hidden_states: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
-        """The query-keys to hash: ``qk`` ``(batch, heads, seq, head_dim)`` itself, or under autocast with fixed
-        rotations (eval, or a ``hash_seed``) the projection of ``hidden_states`` ``(batch, seq, hidden)`` recomputed in
-        float32.
-
-        Why: hashing float32 rotations of a 16-bit ``qk`` still flips ~0.4 % of the buckets (the projection's
-        rounding decides near-ties of the argmax), and one flip re-sorts whole chunks: measured on one LSH layer
-        (4 x 256 tokens, 1 and 4 rounds), a relative deviation of the context from float32 of 11-24 % under bfloat16
-        autocast and 2-14 % under float16, against 0.6-1.2 % and 0.07-0.15 % with the float32 model's buckets. With
-        the projection in float32 (and a float32 layer input, as autocast's LayerNorm gives) the buckets are the float32
-        model's, for one more float32 matmul of the size of the ``qk`` projection. Training with fresh rotations per
-        call skips it (the hash is random there anyway), and so do half-precision weights (their rounded weights give
-        other buckets than the float32 model's however the projection computes)."""
-        device_type = hidden_states.device.type
-        if not torch.is_autocast_enabled(device_type) or (self.training and self.hash_seed is None):
-            return qk
-        if not plain_linears(self.query_key):
-            return qk  # an adapter (LoRA ...) changes the projection: hash what it computed
-        with float32_autocast_off(device_type):
-            projected = nn.functional.linear(hidden_states.float(), self.query_key.weight.float())
-        return split_heads(projected, self.num_heads)
 
     # ----- attention -----------------------------------------------------------------------------------------
     def _scores(self, q, k, q_pos, k_pos, key_real, keep):
@@ -233,6 +129,15 @@ class HfxLSHSelfAttention(nn.Module):
         probs, rebuilt = corner_on_graph(probs, output_length)
         return torch.matmul(self.dropout(rebuilt), v), probs
 
+    def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared query-keys and the values of ``(batch, seq, hidden)``: each ``(batch, heads, seq, head_dim)``."""
+        if plain_linears(self.query_key, self.value):
+            weight = torch.cat([self.query_key.weight, self.value.weight])
+            qk, v = nn.functional.linear(hidden_states, weight).chunk(2, dim=-1)
+        else:
+            qk, v = self.query_key(hidden_states), self.value(hidden_states)
+        return split_heads(qk, self.num_heads), split_heads(v, self.num_heads)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -250,14 +155,10 @@ class HfxLSHSelfAttention(nn.Module):
         ``output_length``: the model's real length when it padded the input (see ``HfxLocalSelfAttention``).
         ``documents``: the layout of a packed batch's documents in the input (its padding slots masked by
         ``attention_mask``); buckets and chunks then stay within each document (module docstring)."""
+        implementation = self.kernel_choice(hidden_states)
         num_hashes = self.num_hashes if num_hashes is None else num_hashes
-        batch, seq_len, _ = hidden_states.shape
-        if plain_linears(self.query_key, self.value):
-            weight = torch.cat([self.query_key.weight, self.value.weight])
-            qk, v = nn.functional.linear(hidden_states, weight).chunk(2, dim=-1)
-        else:
-            qk, v = self.query_key(hidden_states), self.value(hidden_states)
-        qk, v = split_heads(qk, self.num_heads), split_heads(v, self.num_heads)
+        seq_len = hidden_states.shape[1]
+        qk, v = self._project(hidden_states)
         chunk = self.chunk_length
         if seq_len <= chunk and documents is None:
             context, attentions = self._full(qk, v, attention_mask, output_attentions, output_length)
@@ -269,27 +170,55 @@ class HfxLSHSelfAttention(nn.Module):
             )
         if buckets is None:
             buckets = self.bucket(self.hash_input(hidden_states, qk), num_hashes)
-        else:
+        elif self.training and self.hash_seed is None:
             # The caller's buckets may come from a different rotation draw (the reversible recomputation): draw
             # anyway, so that the random generator advances exactly as in the call that made them.
-            if self.training and self.hash_seed is None:
-                self.rotations_for(num_hashes, qk)
+            self.rotations_for(num_hashes, qk)
+        order = self._sort_order(buckets, attention_mask, padded_lengths, documents)
+        flex = not output_attentions and flex_applies(implementation, qk, self.training, self.dropout.p)
+        context, attentions = self._sorted_attention(
+            qk, v, order, attention_mask, padded_lengths, documents, output_attentions, flex
+        )
+        if padded_lengths is not None and num_hashes > 1:
+            context, attentions = self._whole_short_examples(
+                qk, v, attention_mask, padded_lengths, context, attentions, output_attentions
+            )
+        if output_attentions:
+            # The context comes from the returned dense probabilities (rounds combined; the same numbers to rounding),
+            # so that they are part of the autograd graph (`retain_grad()` on them gets a gradient).
+            attentions, rebuilt = corner_on_graph(attentions, output_length)
+            context = torch.matmul(self.dropout(rebuilt), v)
+        return AttentionOutput(merge_heads(context), attentions, buckets)
+
+    def _sort_order(
+        self,
+        buckets: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        padded_lengths: torch.Tensor | None,
+        documents: DocumentLayout | None,
+    ) -> torch.Tensor:
+        """The positions of every round in sorted order: ``buckets`` ``(batch, heads, rounds, seq)`` -> ``(batch,
+        heads, rounds * seq)`` slot indices ``round * seq + position``, sorted by (document, round, bucket,
+        position), padding in an extra last bucket and what lies beyond an example's (or document's) extent after
+        every round."""
+        num_hashes, seq_len = buckets.shape[2], buckets.shape[3]
+        device = buckets.device
         extra_bucket = math.prod(bucket_factors(self.num_buckets))
-        rounds = torch.arange(num_hashes, device=qk.device).view(1, 1, -1, 1)
+        rounds = torch.arange(num_hashes, device=device).view(1, 1, -1, 1)
         key = (
             buckets if attention_mask is None else buckets.masked_fill(~attention_mask[:, None, None, :], extra_bucket)
         )
         key = key + rounds * (extra_bucket + 1)
         if padded_lengths is not None:
-            beyond = torch.arange(seq_len, device=qk.device) >= padded_lengths[:, None]  # (batch, seq)
+            beyond = torch.arange(seq_len, device=device) >= padded_lengths[:, None]  # (batch, seq)
             key = key.masked_fill(beyond[:, None, None, :], num_hashes * (extra_bucket + 1))
         if documents is not None:
             # A document longer than a chunk sorts what lies beyond its solo length after all of its rounds, as
             # `padded_lengths` does for an example; one no longer than a chunk keeps each round in place (its real
             # positions then fill the first chunk of the round).
             solo = documents.solo_length
-            inside = torch.arange(seq_len, device=qk.device) - documents.region_start
-            beyond = (solo > chunk) & (inside >= solo)
+            inside = torch.arange(seq_len, device=device) - documents.region_start
+            beyond = (solo > self.chunk_length) & (inside >= solo)
             key = key.masked_fill(beyond[:, None, None, :], num_hashes * (extra_bucket + 1))
             # Documents first: each one's sorted places are its region's, `num_hashes` times over.
             key = key + documents.region_start[:, None, None, :] * (num_hashes * (extra_bucket + 1) + 1)
@@ -300,10 +229,28 @@ class HfxLSHSelfAttention(nn.Module):
             # (The rounds are concatenated rather than flattened: merging the static round count with a symbolic
             # length is a reshape the tracer cannot prove.)
             flat_key = torch.cat(key.unbind(2), dim=-1)
-            slots = torch.arange(flat_key.shape[-1], device=qk.device)
-            order = torch.argsort(flat_key * flat_key.shape[-1] + slots, dim=-1)
-        else:
-            order = torch.argsort(key.flatten(2), dim=-1, stable=True)  # (batch, heads, rounds * seq)
+            slots = torch.arange(flat_key.shape[-1], device=device)
+            return torch.argsort(flat_key * flat_key.shape[-1] + slots, dim=-1)
+        return torch.argsort(key.flatten(2), dim=-1, stable=True)  # (batch, heads, rounds * seq)
+
+    def _sorted_attention(
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        order: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        padded_lengths: torch.Tensor | None,
+        documents: DocumentLayout | None,
+        output_attentions: bool,
+        flex: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every sorted chunk over its window, the sort undone and the rounds combined: ``qk``, ``v`` ``(batch, heads,
+        seq, d)`` and ``order`` from :meth:`_sort_order` -> context ``(batch, heads, seq, d)`` and, with
+        ``output_attentions``, the dense probabilities ``(batch, heads, seq, seq)``. ``flex``: FlexAttention runs
+        it (where it can return the log-normalisers that several rounds need)."""
+        batch, heads, seq_len, _ = qk.shape
+        chunk = self.chunk_length
+        num_hashes = order.shape[-1] // seq_len
         # Position of every sorted slot, order % seq_len, as a lookup (a modulo by a symbolic length does not convert
         # to ONNX).
         token = torch.arange(seq_len, device=qk.device).repeat(num_hashes)[order]
@@ -312,11 +259,11 @@ class HfxLSHSelfAttention(nn.Module):
 
         # Row numbers of (batch, head, position) in a flattened (batch * heads * seq, d) view: sorting and unsorting
         # are then single index_select calls, which read the index once instead of once per feature.
-        head_rows = torch.arange(batch * self.num_heads, device=qk.device).view(batch, self.num_heads, 1) * seq_len
+        head_rows = torch.arange(batch * heads, device=qk.device).view(batch, heads, 1) * seq_len
 
         def chunked(x):
             rows = x.reshape(-1, x.shape[-1]).index_select(0, (token + head_rows).flatten())
-            return rows.view(batch, self.num_heads, num_chunks, chunk, x.shape[-1])
+            return rows.view(batch, heads, num_chunks, chunk, x.shape[-1])
 
         if documents is None:
             real = None if padded_lengths is None else num_hashes * padded_lengths
@@ -328,71 +275,93 @@ class HfxLSHSelfAttention(nn.Module):
             first, count = documents.chunk_segments(chunk, num_chunks, num_hashes)
             index, keep = segment_neighbour_chunks(first, count, self.num_chunks_before, self.num_chunks_after)
         q = chunked(qk)
-        q_pos = token.view(batch, self.num_heads, num_chunks, chunk)
+        q_pos = token.view(batch, heads, num_chunks, chunk)
         # Combining rounds needs each row's log-normaliser, which compiled FlexAttention returns on CUDA but not (torch
         # 2.13) on the CPU, where several rounds keep the chunked kernel below (the same numbers).
-        lse_ok = num_hashes == 1 or flex_returns_lse(qk.device)
-        if (
-            not output_attentions
-            and lse_ok
-            and flex_applies(attention_implementation(self.config), qk, self.training, self.dropout.p)
-        ):
+        if flex and (num_hashes == 1 or flex_returns_lse(qk.device)):
             context, log_norm = self._flex_sorted(q.flatten(2, 3), chunked(v).flatten(2, 3), token, index, keep,
                                                   attention_mask, chunk, num_chunks, num_hashes > 1)  # fmt: skip
-            context = context.reshape(-1, self.head_dim)
+            context, probs, k_pos = context.reshape(-1, self.head_dim), None, None
         else:
-            k = gather_chunks(unit_rms(q) / math.sqrt(self.head_dim), index)
-            v_sorted = gather_chunks(chunked(v), index)
-            k_pos = gather_chunks(q_pos, index)
-            key_real = None
-            if attention_mask is not None:
-                key_real = attention_mask[torch.arange(batch, device=qk.device)[:, None, None, None], k_pos]
-            scores = self._scores(q, k, q_pos, k_pos, key_real, expand_keep(keep, chunk))
-            probs = torch.softmax(scores, dim=-1)
-            context = torch.matmul(self.dropout(probs), v_sorted).view(-1, self.head_dim)
-            log_norm = None
+            context, probs, k_pos, log_norm = self._chunked_sorted(
+                q, chunked(v), q_pos, index, keep, attention_mask, num_hashes > 1
+            )
         # Undo the sort: sorted slot s holds round order[s] // seq_len of position order[s] % seq_len.
         undo = torch.argsort(order, dim=-1)
         undo_rows = (undo + head_rows * num_hashes).flatten()
-        context = context.index_select(0, undo_rows).view(batch, self.num_heads, num_hashes, seq_len, self.head_dim)
+        context = context.index_select(0, undo_rows).view(batch, heads, num_hashes, seq_len, self.head_dim)
         weights = None
         if num_hashes > 1:
             # Each round's softmax is normalised over its own window; weighting the rounds by the softmax of their
             # log-normalisers gives one softmax over the union of the windows. Statistics in float32: in 16 bits a
             # log-normaliser of a few units is off by ~1e-2, and so is every round weight.
             with float32_autocast_off(qk.device.type):
-                if log_norm is None:
-                    log_norm = torch.logsumexp(scores.float(), dim=-1)
                 log_norm = log_norm.float().flatten().index_select(0, undo_rows)
-                weights = torch.softmax(log_norm.view(batch, self.num_heads, num_hashes, seq_len), dim=2)
+                weights = torch.softmax(log_norm.view(batch, heads, num_hashes, seq_len), dim=2)
             weights = weights.to(context.dtype)
             context = (context * weights[..., None]).sum(2)
         else:
             context = context.squeeze(2)
-        attentions = None
-        if output_attentions:
-            slot_probs = probs
-            if weights is not None:
-                slot_probs = probs * weights.flatten(2).gather(2, order).view(q_pos.shape)[..., None]
-            attentions = dense_probabilities(slot_probs, q_pos, k_pos, seq_len)
+        if not output_attentions:
+            return context, None
+        if weights is not None:
+            probs = probs * weights.flatten(2).gather(2, order).view(q_pos.shape)[..., None]
+        return context, dense_probabilities(probs, q_pos, k_pos, seq_len)
 
-        if padded_lengths is not None and num_hashes > 1:
-            # Examples no longer than a chunk attend to all of their positions, as they would alone. (With one round
-            # the sorted path already does: such an example fills one chunk, whose repeated neighbours are dropped.)
-            short = padded_lengths <= chunk  # (batch,)
-            mask_head = None if attention_mask is None else attention_mask[:, :chunk]
-            head_context, head_probs = self._full(qk[:, :, :chunk], v[:, :, :chunk], mask_head, output_attentions)
-            padded_head = nn.functional.pad(head_context, (0, 0, 0, seq_len - chunk))
-            context = torch.where(short[:, None, None, None], padded_head, context)
-            if output_attentions:
-                padded_probs = nn.functional.pad(head_probs, (0, seq_len - chunk, 0, seq_len - chunk))
-                attentions = torch.where(short[:, None, None, None], padded_probs, attentions)
+    def _chunked_sorted(
+        self,
+        q: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        index: torch.Tensor,
+        keep: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        need_log_norm: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The sorted chunks, each over the chunks of its window (``index``, ``keep`` ``(batch or 1, C, window)``):
+        ``q`` / ``v`` ``(batch, heads, C, c, d)`` in bucket order at positions ``q_pos`` ``(batch, heads, C, c)``.
+        Returns the context ``(batch * heads * C * c, d)``, the probabilities ``(batch, heads, C, c, window * c)``,
+        the key positions ``(batch, heads, C, window * c)`` and, with ``need_log_norm`` (several rounds), the
+        log-normaliser of every row ``(batch, heads, C, c)`` in float32 (else None)."""
+        batch, chunk = q.shape[0], q.shape[3]
+        k = gather_chunks(unit_rms(q) / math.sqrt(self.head_dim), index)
+        v_sorted = gather_chunks(v, index)
+        k_pos = gather_chunks(q_pos, index)
+        key_real = None
+        if attention_mask is not None:
+            key_real = attention_mask[torch.arange(batch, device=q.device)[:, None, None, None], k_pos]
+        scores = self._scores(q, k, q_pos, k_pos, key_real, expand_keep(keep, chunk))
+        probs = torch.softmax(scores, dim=-1)
+        context = torch.matmul(self.dropout(probs), v_sorted).view(-1, self.head_dim)
+        log_norm = None
+        if need_log_norm:
+            with float32_autocast_off(q.device.type):  # round statistics in float32 (see `_sorted_attention`)
+                log_norm = torch.logsumexp(scores.float(), dim=-1)
+        return context, probs, k_pos, log_norm
+
+    def _whole_short_examples(
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        padded_lengths: torch.Tensor,
+        context: torch.Tensor,
+        attentions: torch.Tensor | None,
+        output_attentions: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``context`` ``(batch, heads, seq, d)`` (and ``attentions``) with the examples no longer than a chunk
+        replaced by full attention over their positions, as they get alone. (With one round the sorted path already
+        does: such an example fills one chunk, whose repeated neighbours are dropped.)"""
+        seq_len, chunk = qk.shape[2], self.chunk_length
+        short = padded_lengths <= chunk  # (batch,)
+        mask_head = None if attention_mask is None else attention_mask[:, :chunk]
+        head_context, head_probs = self._full(qk[:, :, :chunk], v[:, :, :chunk], mask_head, output_attentions)
+        padded_head = nn.functional.pad(head_context, (0, 0, 0, seq_len - chunk))
+        context = torch.where(short[:, None, None, None], padded_head, context)
         if output_attentions:
-            # The context comes from the returned dense probabilities (rounds combined; the same numbers to rounding),
-            # so that they are part of the autograd graph (`retain_grad()` on them gets a gradient).
-            attentions, rebuilt = corner_on_graph(attentions, output_length)
-            context = torch.matmul(self.dropout(rebuilt), v)
-        return AttentionOutput(merge_heads(context), attentions, buckets)
+            padded_probs = nn.functional.pad(head_probs, (0, seq_len - chunk, 0, seq_len - chunk))
+            attentions = torch.where(short[:, None, None, None], padded_probs, attentions)
+        return context, attentions
 
     def _flex_sorted(self, q, v, token, index, keep, attention_mask, chunk, num_chunks, need_log_norm):
         """The sorted chunks under FlexAttention: ``q`` / ``v`` ``(batch, heads, rounds * seq_len, dim)`` in bucket
@@ -431,7 +400,7 @@ class HfxLSHSelfAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         past_states: torch.Tensor,
-        past_buckets: torch.Tensor | None,
+        past_buckets: torch.Tensor | None = None,
         num_hashes: int | None = None,
         output_attentions: bool = False,
         key_mask: torch.Tensor | None = None,
@@ -453,47 +422,17 @@ class HfxLSHSelfAttention(nn.Module):
         position so far ``(batch, heads, 1, past_len + 1)`` (rounds combined with their weights; 0 elsewhere)."""
         num_hashes = self.num_hashes if num_hashes is None else num_hashes
         states = torch.cat([past_states, hidden_states], dim=1)
-        batch, length, hidden = states.shape
+        num_hashes = self.num_hashes if num_hashes is None else num_hashes
+        states = torch.cat([past_states, hidden_states], dim=1)
+        length = states.shape[1]
         padded = length if padded_length is None else padded_length
         q = split_heads(self.query_key(hidden_states), self.num_heads)  # (batch, heads, 1, d)
         if padded <= self.chunk_length:
-            qk = split_heads(self.query_key(states), self.num_heads)
-            v = split_heads(self.value(states), self.num_heads)
-            scores = torch.matmul(q, (unit_rms(qk) / math.sqrt(self.head_dim)).transpose(-1, -2))
-            if key_mask is not None:
-                scores = scores.masked_fill(~key_mask[:, None, None, :], mask_value(scores.dtype))
-            scores[..., -1] = self_mask_value(scores.dtype)
-            probs = torch.softmax(scores, dim=-1)
-            return merge_heads(torch.matmul(probs, v)), None, (probs if output_attentions else None)
+            context, probs = self._decode_whole(q, states, key_mask)
+            return context, None, (probs if output_attentions else None)
         buckets = self._decode_buckets(states, q, past_buckets, num_hashes)  # (batch, heads, rounds, length)
-        extra_bucket = math.prod(bucket_factors(self.num_buckets))
-        key = buckets if key_mask is None else buckets.masked_fill(~key_mask[:, None, None, :], extra_bucket)
-        # The full forward's internal padding: masked, sorted after every real position of each round.
-        key = nn.functional.pad(key, (0, padded - length), value=extra_bucket)
-        order = torch.argsort(key, dim=-1, stable=True).flatten(2)  # (batch, heads, rounds * padded) positions
-        slot = (order == length - 1).to(torch.int64).view(batch, self.num_heads, num_hashes, padded).argmax(-1)
-        slot = slot + torch.arange(num_hashes, device=states.device) * padded  # (batch, heads, rounds)
-        window = decode_window_slots(slot, num_hashes * padded, self.chunk_length, self.num_chunks_before,
-                                     self.num_chunks_after)  # fmt: skip
-        token = order.gather(-1, window.flatten(2)).view(*window.shape)  # (batch, heads, rounds, window)
-        real = token < length
-        if key_mask is not None:
-            real = real & key_mask.gather(1, token.clamp(max=length - 1).flatten(1)).view(token.shape)
-        token = token.clamp(max=length - 1)  # internal padding (masked) reads any cached state
-        picked = states[torch.arange(batch, device=states.device).view(-1, 1), token.flatten(1)]
-        picked = picked.view(*token.shape, hidden)
-        if plain_linears(self.query_key, self.value):
-            per_head = (self.num_heads, self.head_dim, hidden)
-            qk = torch.einsum("bhnkx,hdx->bhnkd", picked, self.query_key.weight.view(per_head))
-            v = torch.einsum("bhnkx,hdx->bhnkd", picked, self.value.weight.view(per_head))
-        else:  # an adapter (LoRA ...) changes the projections: call them, keep each head's own slice
-            heads = torch.arange(self.num_heads, device=states.device)
-            qk, v = (
-                linear(picked)
-                .view(*picked.shape[:-1], self.num_heads, self.head_dim)[:, heads, :, :, heads]
-                .transpose(0, 1)
-                for linear in (self.query_key, self.value)
-            )
+        token, real = self._decode_window(buckets, key_mask, padded)
+        qk, v = self._decode_keys(states, token)
         scores = torch.matmul(q[:, :, None], (unit_rms(qk) / math.sqrt(self.head_dim)).transpose(-1, -2))
         scores = scores.masked_fill(~real[..., None, :], mask_value(scores.dtype))
         own = (token == length - 1) & real
@@ -509,9 +448,68 @@ class HfxLSHSelfAttention(nn.Module):
             # A position may sit in the window more than once (the window wraps around): its weights add up; masked
             # slots carry an exact 0.
             weighted = (probs * weights).squeeze(-2).to(v.dtype)  # (batch, heads, rounds, window)
-            attentions = weighted.new_zeros(batch, self.num_heads, length)
+            attentions = weighted.new_zeros(*weighted.shape[:2], length)
             attentions = attentions.scatter_add(-1, token.flatten(2), weighted.flatten(2))[:, :, None]
         return merge_heads(context), buckets, attentions
+
+    def _decode_whole(
+        self, q: torch.Tensor, states: torch.Tensor, key_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A full forward no longer than a chunk: the new query ``q`` ``(batch, heads, 1, d)`` over every position of
+        ``states`` ``(batch, length, hidden)``. Returns the context ``(batch, 1, heads * d)`` and the probabilities
+        ``(batch, heads, 1, length)``."""
+        qk = split_heads(self.query_key(states), self.num_heads)
+        v = split_heads(self.value(states), self.num_heads)
+        scores = torch.matmul(q, (unit_rms(qk) / math.sqrt(self.head_dim)).transpose(-1, -2))
+        if key_mask is not None:
+            scores = scores.masked_fill(~key_mask[:, None, None, :], mask_value(scores.dtype))
+        scores[..., -1] = self_mask_value(scores.dtype)
+        probs = torch.softmax(scores, dim=-1)
+        return merge_heads(torch.matmul(probs, v)), probs
+
+    def _decode_window(
+        self, buckets: torch.Tensor, key_mask: torch.Tensor | None, padded: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions the new (last) query attends to in every round, as the full forward over ``padded`` slots
+        sorts them: ``buckets`` ``(batch, heads, rounds, length)`` -> positions ``(batch, heads, rounds, window)``
+        (clamped into the sequence) and whether each is a real key."""
+        batch, heads, num_hashes, length = buckets.shape
+        extra_bucket = math.prod(bucket_factors(self.num_buckets))
+        key = buckets if key_mask is None else buckets.masked_fill(~key_mask[:, None, None, :], extra_bucket)
+        # The full forward's internal padding: masked, sorted after every real position of each round.
+        key = nn.functional.pad(key, (0, padded - length), value=extra_bucket)
+        order = torch.argsort(key, dim=-1, stable=True).flatten(2)  # (batch, heads, rounds * padded) positions
+        slot = (order == length - 1).to(torch.int64).view(batch, heads, num_hashes, padded).argmax(-1)
+        slot = slot + torch.arange(num_hashes, device=buckets.device) * padded  # (batch, heads, rounds)
+        window = decode_window_slots(slot, num_hashes * padded, self.chunk_length, self.num_chunks_before,
+                                     self.num_chunks_after)  # fmt: skip
+        token = order.gather(-1, window.flatten(2)).view(*window.shape)  # (batch, heads, rounds, window)
+        real = token < length
+        if key_mask is not None:
+            real = real & key_mask.gather(1, token.clamp(max=length - 1).flatten(1)).view(token.shape)
+        return token.clamp(max=length - 1), real  # internal padding (masked) reads any cached state
+
+    def _decode_keys(self, states: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query-keys and values recomputed from the cached ``states`` ``(batch, length, hidden)`` at ``token``
+        ``(batch, heads, rounds, window)``, each head's from its own projection: ``(batch, heads, rounds, window,
+        d)`` each."""
+        batch, hidden = states.shape[0], states.shape[2]
+        picked = states[torch.arange(batch, device=states.device).view(-1, 1), token.flatten(1)]
+        picked = picked.view(*token.shape, hidden)
+        if plain_linears(self.query_key, self.value):
+            per_head = (self.num_heads, self.head_dim, hidden)
+            qk = torch.einsum("bhnkx,hdx->bhnkd", picked, self.query_key.weight.view(per_head))
+            v = torch.einsum("bhnkx,hdx->bhnkd", picked, self.value.weight.view(per_head))
+            return qk, v
+        # An adapter (LoRA ...) changes the projections: call them, keep each head's own slice.
+        heads = torch.arange(self.num_heads, device=states.device)
+        qk, v = (
+            linear(picked)
+            .view(*picked.shape[:-1], self.num_heads, self.head_dim)[:, heads, :, :, heads]
+            .transpose(0, 1)
+            for linear in (self.query_key, self.value)
+        )
+        return qk, v
 
     def _decode_buckets(
         self, states: torch.Tensor, query: torch.Tensor, past_buckets: torch.Tensor | None, num_hashes: int
@@ -525,4 +523,4 @@ class HfxLSHSelfAttention(nn.Module):
         return self.bucket(self.hash_input(states, qk), num_hashes)
 
 
-__all__ = ["HfxLSHSelfAttention", "draw_rotations", "hash_buckets", "SELF_MASK_VALUE", "self_mask_value"]
+__all__ = ["HfxLSHSelfAttention", "SELF_MASK_VALUE", "self_mask_value", "unit_rms"]

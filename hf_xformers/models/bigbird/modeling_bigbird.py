@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ...attention.block_sparse import HfxBlockSparseSelfAttention, document_block_table, plan_documents
+from ...attention.block_sparse import HfxBlockSparseSelfAttention
 from ...layers.heads import (
     HfxLMHead,
     HfxMaskedLMHeadMixin,
@@ -23,7 +23,7 @@ from ...layers.heads import (
 )
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
-from ...ops.attention_switch import FLEX, attention_implementation
+from ...ops.attention_switch import FLEX
 from ...ops.fast_dropout import HfxDropout
 from ...ops.packing import PackedBatch
 from .configuration_bigbird import HfxBigBirdConfig
@@ -117,23 +117,22 @@ class HfxBigBirdModel(HfxTextModel, HfxBigBirdPreTrainedModel):
         packed: PackedBatch | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
         """As :meth:`HfxTextModel.prepare_attention_inputs`; for a packed batch also ``document_blocks``, where its
-        documents lie on the block grid (:func:`~hf_xformers.attention.block_sparse.plan_documents`), made once and
-        shared by every layer. Its sizes come from host ints: the number of documents and the longest one, which the
-        collator's flash form carries (``cu_seq_lens`` by its shape, ``max_length``), so a training step reads nothing
-        back from the device; otherwise eager mode reads them once per forward, and a traced graph without them takes
-        the dense pattern path. Under ``"flex_attention"`` the part of the block pattern that every layer shares is
-        built here too (:func:`~hf_xformers.attention.block_sparse.document_block_table`)."""
+        documents lie on the block grid, made once and shared by every layer
+        (:meth:`~hf_xformers.attention.block_sparse_packed.PackedBlockSparse.document_layout`, asked of the first
+        layer's attention, as is the kernel choice). Its sizes come from host ints: the number of documents and the
+        longest one, which the collator's flash form carries (``cu_seq_lens`` by its shape, ``max_length``), so a
+        training step reads nothing back from the device; otherwise eager mode reads them once per forward, and a
+        traced graph without them takes the dense pattern path. Under ``"flex_attention"`` the part of the block
+        pattern that every layer shares is built here too."""
         attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(
             attention_mask, global_attention_mask, length, packed
         )
         if packed is not None and self.config.attention_type == "block_sparse":
-            layout = plan_documents(
-                packed.document_ids, attention_mask, self.config.block_size, self.config.num_random_blocks,
-                count=packed.count, longest=packed.longest,
-            )  # fmt: skip
-            if layout.num_blocks is not None and attention_implementation(self.config) == FLEX:
-                layout = layout._replace(block_table=document_block_table(layout))
-            kwargs["document_blocks"] = layout
+            attention = self.encoder.layer[0].attention.self
+            flex = attention.kernel_choice(packed.document_ids) == FLEX
+            kwargs["document_blocks"] = attention.document_layout(
+                packed.document_ids, attention_mask, flex, count=packed.count, longest=packed.longest
+            )
         return attention_mask, global_attention_mask, kwargs
 
 

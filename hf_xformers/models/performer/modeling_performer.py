@@ -14,7 +14,9 @@ from torch import nn
 from transformers import GenerationMixin
 from transformers import initialization as init
 
-from ...attention.favor import FavorState, HfxFavorSelfAttention, favor_documents
+from ...attention.favor import HfxFavorSelfAttention
+from ...attention.favor_decoding import FavorState
+from ...attention.favor_packed import favor_documents
 from ...layers.encoder import HfxModelOutput
 from ...layers.generation import HfxCache
 from ...layers.heads import (
@@ -48,7 +50,7 @@ class HfxPerformerCache(HfxCache):
 
     ``states[layer]``: ``(key_value, stabiliser)``, ``(batch, heads, m, head_dim + 1)`` running sums
     ``sum_j phi(k_j) [v_j, 1]`` and ``(batch, heads)`` the running key stabiliser they are expressed against (None
-    for the relu kernel); see :func:`~hf_xformers.attention.favor.favor_attention_with_state`.
+    for the relu kernel); see :func:`~hf_xformers.attention.favor_decoding.favor_attention_with_state`.
     ``last_position``: ``(batch,)`` the largest position id used so far (numbering continues from it when a call
     gives no ``position_ids``). ``seen_tokens``: tokens (padding included) the states summarise.
 
@@ -130,7 +132,7 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
 
     def prepare_attention_inputs(self, attention_mask, global_attention_mask, length, packed=None):
         """As :meth:`HfxTextModel.prepare_attention_inputs`, plus, for a packed batch, where its documents lie
-        against FAVOR+'s chunks (``favor_documents``, :func:`~hf_xformers.attention.favor.favor_documents`): worked
+        against FAVOR+'s chunks (``favor_documents``, :func:`~hf_xformers.attention.favor_packed.favor_documents`): worked
         out once here for every layer, with a fixed number of tensor operations whatever the number of documents and
         no host read, so that each layer runs one vectorised FAVOR+ over the whole batch."""
         attention_mask, global_attention_mask, kwargs = super().prepare_attention_inputs(

@@ -188,6 +188,31 @@ class HfxReformerAttention(nn.Module):
                                       documents=documents)  # fmt: skip
         return self.output(out.context), out, normed
 
+    def decode_step(
+        self,
+        hidden_states: torch.Tensor,
+        past_states: torch.Tensor,
+        past_buckets: torch.Tensor | None,
+        key_mask: torch.Tensor | None,
+        padded_length: int,
+        num_hashes: int | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One new position ``hidden_states`` ``(batch, 1, hidden)`` against the cached normalised inputs of this
+        block ``past_states`` ``(batch, past_len, hidden)`` (and LSH buckets ``past_buckets``): the last row of the
+        full forward over every position so far, which the model would pad to ``padded_length`` and mask with
+        ``key_mask`` ``(batch, past_len + 1)`` (None: nothing padded).
+
+        Returns the output ``(batch, 1, hidden)``, the new position's normalised input ``(batch, 1, hidden)`` (for
+        the cache), the buckets of every position so far (LSH; None otherwise) and, with ``output_attentions``, the
+        probabilities ``(batch, heads, 1, past_len + 1)``."""
+        normed = self.layer_norm(hidden_states)
+        context, buckets, probs = self.self_attention.decode_step(
+            normed, past_states, past_buckets, num_hashes, output_attentions, key_mask=key_mask,
+            padded_length=padded_length,
+        )  # fmt: skip
+        return self.output(context), normed, buckets, probs
+
 
 class HfxReformerFeedForward(nn.Module):
     """``output(act(dropout(dense(LayerNorm(x)))))`` in chunks of ``chunk_size_feed_forward`` positions: the ``g``."""
@@ -229,6 +254,7 @@ class HfxReformerLayer(nn.Module):
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.attention = HfxReformerAttention(config, layer_idx)
         self.feed_forward = HfxReformerFeedForward(config)
 
@@ -239,6 +265,27 @@ class HfxReformerLayer(nn.Module):
 
     def g(self, y1: torch.Tensor) -> torch.Tensor:
         return self.feed_forward(y1)
+
+    def decode_step(
+        self,
+        x1: torch.Tensor,
+        x2: torch.Tensor,
+        cache: HfxReformerCache,
+        key_mask: torch.Tensor | None,
+        padded_length: int,
+        num_hashes: int | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This block on one new position, ``x1`` and ``x2`` ``(batch, 1, hidden)``, reading and extending this
+        layer's entries of the decoding ``cache`` (see :meth:`HfxReformerAttention.decode_step` for ``key_mask`` and
+        ``padded_length``). Returns the next ``(x1, x2)`` and the probabilities (with ``output_attentions``)."""
+        i = self.layer_idx
+        out, normed, cache.buckets[i], probs = self.attention.decode_step(
+            x2, cache.states[i], cache.buckets[i], key_mask, padded_length, num_hashes, output_attentions
+        )
+        cache.states[i] = torch.cat([cache.states[i], normed], dim=1)
+        x1 = x1 + out
+        return x1, x2 + self.feed_forward(x1), probs
 
     def f_parameters(self):
         return self.attention.parameters()
@@ -266,6 +313,16 @@ class HfxReformerCache(HfxCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.states[layer_idx].shape[1] if self.states else 0
+
+    def add_prompt_layer(
+        self, normed: torch.Tensor, buckets: torch.Tensor | None, key_mask: torch.Tensor | None, length: int
+    ) -> None:
+        """Keep the next layer's normalised input ``(batch, padded, hidden)`` and buckets ``(batch, heads, rounds,
+        padded)`` (or None) of a prompt, and the key mask ``(batch, padded)`` (or None), cut to its ``length``
+        real positions."""
+        self.states.append(normed[:, :length])
+        self.buckets.append(None if buckets is None else buckets[..., :length])
+        self.key_mask = None if key_mask is None else key_mask[:, :length]
 
 
 class HfxReformerEncoder(nn.Module):
@@ -303,31 +360,8 @@ class HfxReformerEncoder(nn.Module):
             hidden, x1 = _on_path(x1, cache_length, slots)
             x2 = x1
         if cache is not None and len(cache):
-            # One new position: each layer attends as the last row of a full forward over the sequence so far, which
-            # the model would pad to `padded` and mask with `attention_mask` (batch, cached + 1) (None: unpadded).
-            padded = decode_padded_length(
-                cache.get_seq_length() + 1, self.config.chunk_multiple, self.config.min_chunk_length
-            )
-            for i, layer in enumerate(self.layers):
-                if output_hidden_states:
-                    all_hidden.append(x2)
-                normed = layer.attention.layer_norm(x2)
-                attention = layer.attention.self_attention
-                if isinstance(attention, HfxLSHSelfAttention):
-                    context, cache.buckets[i], probs = attention.decode_step(
-                        normed, cache.states[i], cache.buckets[i], num_hashes, output_attentions,
-                        key_mask=attention_mask, padded_length=padded,
-                    )  # fmt: skip
-                else:
-                    context, probs = attention.decode_step(
-                        normed, cache.states[i], attention_mask, padded, output_attentions
-                    )
-                if output_attentions:
-                    all_attn.append(probs)
-                cache.states[i] = torch.cat([cache.states[i], normed], dim=1)
-                x1 = x1 + layer.attention.output(context)
-                x2 = x2 + layer.feed_forward(x1)
-            cache.key_mask = attention_mask
+            x1, x2 = self._decode_step(x1, x2, attention_mask, num_hashes, cache, all_hidden, all_attn,
+                                       output_attentions, output_hidden_states)  # fmt: skip
         elif (
             self.config.reversible and self.training and torch.is_grad_enabled()
             and not (output_attentions or output_hidden_states) and not torch.compiler.is_compiling()
@@ -360,10 +394,7 @@ class HfxReformerEncoder(nn.Module):
                                                     output_attentions=output_attentions,
                                                     output_length=cache_length, documents=documents)  # fmt: skip
                 if cache is not None:
-                    cache.states.append(normed[:, :cache_length])
-                    buckets = attn.global_attentions
-                    cache.buckets.append(None if buckets is None else buckets[..., :cache_length])
-                    cache.key_mask = None if attention_mask is None else attention_mask[:, :cache_length]
+                    cache.add_prompt_layer(normed, attn.global_attentions, attention_mask, cache_length)
                 if output_attentions:
                     all_attn.append(attn.attentions)
                 x1 = x1 + out
@@ -375,6 +406,24 @@ class HfxReformerEncoder(nn.Module):
             all_hidden.append(x2)
         hidden = self.dropout(self.layer_norm(torch.cat([x1, x2], dim=-1)))
         return hidden, all_hidden, all_attn
+
+    def _decode_step(self, x1, x2, key_mask, num_hashes, cache, all_hidden, all_attn, output_attentions,
+                     output_hidden_states):  # fmt: skip
+        """One new position ``x1``, ``x2`` ``(batch, 1, hidden)`` through every layer (:meth:`HfxReformerLayer.
+        decode_step`): each attends as the last row of a full forward over the sequence so far, which the model would
+        pad to a chunk multiple and mask with ``key_mask`` ``(batch, cached + 1)`` (None: unpadded). Appends to
+        ``all_hidden`` / ``all_attn`` what is asked for; returns the last ``(x1, x2)``."""
+        padded = decode_padded_length(
+            cache.get_seq_length() + 1, self.config.chunk_multiple, self.config.min_chunk_length
+        )
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden.append(x2)
+            x1, x2, probs = layer.decode_step(x1, x2, cache, key_mask, padded, num_hashes, output_attentions)
+            if output_attentions:
+                all_attn.append(probs)
+        cache.key_mask = key_mask
+        return x1, x2
 
 
 def _layer_step(layer, x1, x2, attention_mask, padded_lengths, num_hashes, documents):
@@ -473,6 +522,31 @@ def lay_out_documents(
     region_start = torch.where(tail, row_used[:, None], start[owner])
     solo_length = torch.where(tail, torch.zeros_like(region_start), solo[owner])
     return DocumentLayout(region_start, solo_length), slots, length
+
+
+def _cut_output(
+    hidden: torch.Tensor,
+    all_hidden: list[torch.Tensor] | None,
+    all_attn: list[torch.Tensor] | None,
+    cache: HfxReformerCache | None,
+    seq_len: int,
+    start: int,
+) -> HfxReformerModelOutput:
+    """The encoder's outputs over the padded row cut back to the input's ``seq_len`` positions (after ``start``
+    cached ones): ``hidden`` ``(batch, padded, 2 * hidden)``, the ``x2`` streams and attentions asked for (empty
+    None when not asked)."""
+    return HfxReformerModelOutput(
+        last_hidden_state=cut_to_length(hidden, 1, seq_len),
+        past_buckets_states=cache,
+        # Already cut inside the encoder (on the autograd path) where the input was padded; a no-op otherwise.
+        hidden_states=None if all_hidden is None else tuple(cut_to_length(h, 1, seq_len) for h in all_hidden),
+        # (A cached step's probabilities cover every position so far: only its one query row is new.)
+        attentions=(
+            None
+            if all_attn is None
+            else tuple(cut_to_length(cut_to_length(a, 2, seq_len), 3, start + seq_len) for a in all_attn)
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -641,13 +715,9 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         reference = input_ids if input_ids is not None else inputs_embeds
         packed = packed_batch
         if packed is None and reference is not None and reference.dim() == (2 if input_ids is not None else 3):
-            # As the heads resolve it: with the mask (padding restarts generate()'s positions, and a padded row is
-            # never read as documents from its positions), and positions continuing a cache are positions.
-            shape = tuple(reference.shape[:2])
-            packed = resolve_packed_batch(
-                shape, reference.device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
-                max_length_k, attention_mask if attention_mask is None or attention_mask.shape == shape else None,
-                positions_while_tracing=not (bool(use_cache) or cache is not None),
+            packed = self._resolve_packed(
+                reference, attention_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
+                max_length_k, cached=bool(use_cache) or cache is not None,
             )  # fmt: skip
         if packed is not None:
             position_ids = self._packed_position_ids(packed, position_ids, cache, use_cache)
@@ -659,58 +729,84 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
         use_cache = config.use_cache if use_cache is None else use_cache
         use_cache = bool(use_cache and config.is_decoder and not self.training) or cache is not None
-        batch, seq_len = reference.shape[:2]
-        device = reference.device
         if packed is not None:
             return self._packed_forward(
                 input_ids, attention_mask, position_ids, inputs_embeds, num_hashes, packed, output_attentions,
                 output_hidden_states, return_dict,
             )  # fmt: skip
+        out = self._forward_rows(
+            input_ids, attention_mask, position_ids, inputs_embeds, num_hashes, cache, use_cache, output_attentions,
+            output_hidden_states,
+        )  # fmt: skip
+        return self._finish(out, return_dict)
 
+    def _forward_rows(self, input_ids, attention_mask, position_ids, inputs_embeds, num_hashes, cache, use_cache,
+                      output_attentions, output_hidden_states) -> HfxReformerModelOutput:  # fmt: skip
+        """An ordinary (unpacked) batch, checked, or one new position after ``cache``: embed, pad to the chunks, run
+        the layers (filling or reading the cache when ``use_cache``) and cut back to the input's length."""
+        reference = input_ids if input_ids is not None else inputs_embeds
+        seq_len = reference.shape[1]
         start = cache.get_seq_length() if cache is not None else 0
         hidden = self.embeddings(input_ids, position_ids, inputs_embeds, start=start)
         # "Is anything padded" is read once here (one host read in eager mode); an all-ones mask becomes None, so no
         # layer masks, and no layer reads mask values back.
         if start:
-            attention_mask = self._decode_key_mask(cache, attention_mask, start)
+            attention_mask = mask = self._decode_key_mask(cache, attention_mask, start)
+            padded_lengths = None
         else:
             attention_mask = unpadded_to_none(None if attention_mask is None else attention_mask.bool())
+            hidden, mask, padded_lengths = self._padded_to_chunks(hidden, attention_mask)
+        if use_cache and cache is None:
+            cache = HfxReformerCache()
+        cache = cache if use_cache else None
+        hidden, all_hidden, all_attn = self.encoder(
+            hidden, mask, padded_lengths, num_hashes, output_attentions, output_hidden_states, cache=cache,
+            cache_length=seq_len,
+        )  # fmt: skip
+        all_hidden = all_hidden if output_hidden_states else None
+        all_attn = all_attn if output_attentions else None
+        return _cut_output(hidden, all_hidden, all_attn, cache, seq_len, start)
+
+    @staticmethod
+    def _resolve_packed(reference, attention_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
+                        max_length_k, cached: bool) -> PackedBatch | None:  # fmt: skip
+        """The documents of a packed batch (``reference``: ``input_ids`` or ``inputs_embeds``), or None, resolved as
+        the heads resolve them: with the mask (padding restarts generate()'s positions, and a padded row is never read
+        as documents from its positions), and positions continuing a cache (``cached``) are positions."""
+        shape = tuple(reference.shape[:2])
+        return resolve_packed_batch(
+            shape, reference.device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
+            max_length_k, attention_mask if attention_mask is None or attention_mask.shape == shape else None,
+            positions_while_tracing=not cached,
+        )  # fmt: skip
+
+    def _padded_to_chunks(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """An input longer than the shortest chunk padded to a multiple of the chunk lengths: ``hidden`` ``(batch,
+        seq_len, hidden)`` -> ``(batch, padded, hidden)``, its key mask ``(batch, padded)`` (None: nothing padded) and
+        the length each example would be padded to alone ``(batch,)`` (None without an ``attention_mask``, see
+        ``attention/chunked_local.py``)."""
+        config = self.config
+        batch, seq_len = hidden.shape[:2]
+        device = hidden.device
         mask = attention_mask
-        padded_lengths = None
         multiple = config.chunk_multiple
         # Traced graphs (torch.compile / torch.export) always pad, by 0 at a multiple: no branch on the remainder.
-        if start == 0 and seq_len > config.min_chunk_length and (torch.compiler.is_compiling() or seq_len % multiple):
+        if seq_len > config.min_chunk_length and (torch.compiler.is_compiling() or seq_len % multiple):
             pad = ceil_div(seq_len, multiple) * multiple - seq_len
             hidden = nn.functional.pad(hidden, (0, 0, 0, pad))
             if mask is None:
                 mask = torch.ones(batch, seq_len, dtype=torch.bool, device=device)
             mask = nn.functional.pad(mask, (0, pad), value=False)
-        if attention_mask is not None and start == 0:
-            # The length each example would be padded to alone (see attention/chunked_local.py).
-            positions = torch.arange(1, seq_len + 1, device=device)
-            extent = (attention_mask * positions).amax(-1).clamp(min=1)
-            padded_lengths = torch.where(
-                extent > config.min_chunk_length, (extent + multiple - 1) // multiple * multiple, extent
-            )
-        if use_cache and cache is None:
-            cache = HfxReformerCache()
-        hidden, all_hidden, all_attn = self.encoder(
-            hidden, mask, padded_lengths, num_hashes, output_attentions, output_hidden_states,
-            cache=cache if use_cache else None, cache_length=seq_len,
-        )  # fmt: skip
-        out = HfxReformerModelOutput(
-            last_hidden_state=cut_to_length(hidden, 1, seq_len),
-            past_buckets_states=cache if use_cache else None,
-            # Already cut inside the encoder (on the autograd path) where the input was padded; a no-op otherwise.
-            hidden_states=tuple(cut_to_length(h, 1, seq_len) for h in all_hidden) if output_hidden_states else None,
-            # (A cached step's probabilities cover every position so far: only its one query row is new.)
-            attentions=(
-                tuple(cut_to_length(cut_to_length(a, 2, seq_len), 3, start + seq_len) for a in all_attn)
-                if output_attentions
-                else None
-            ),
+        if attention_mask is None:
+            return hidden, mask, None
+        positions = torch.arange(1, seq_len + 1, device=device)
+        extent = (attention_mask * positions).amax(-1).clamp(min=1)
+        padded_lengths = torch.where(
+            extent > config.min_chunk_length, (extent + multiple - 1) // multiple * multiple, extent
         )
-        return self._finish(out, return_dict)
+        return hidden, mask, padded_lengths
 
     @staticmethod
     def _decode_key_mask(
