@@ -337,12 +337,18 @@ class PackingConformance:
     def test_compiled_packed_training_is_exact_and_does_not_recompile(self):
         """``torch.compile(fullgraph=True, dynamic=True)`` trains packed rows (``cu_seq_lens`` form): the loss and
         logits equal eager mode's, and a second batch with other document counts and lengths runs without a
-        recompile."""
+        recompile.
+
+        The ``aot_eager`` backend: dynamo and AOT autograd trace forward and backward as one graph with dynamic
+        shapes (what can break in our code: a graph break, a data-dependent guard, a recompile, a wrong gradient),
+        without inductor's code generation, which is torch's and costs this suite minutes per architecture (as
+        ``test_compile_export.py`` traces every architecture with the ``eager`` backend); inductor compiles packed
+        training once, on BigBird's block layout (``test_packing_bigbird.py``)."""
         if self.packing_refusal is not None:
             pytest.skip("packing refused")
         model = self._classifier().train()
         torch._dynamo.reset()
-        compiled = torch.compile(model, fullgraph=True, dynamic=True)
+        compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
         counts = torch._dynamo.utils.counters
         frames = []
         for lengths in ((10, 23, 7), (9, 4, 12, 6, 11)):
