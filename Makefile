@@ -16,7 +16,7 @@ export HF_EVALUATE_OFFLINE := 1
 VENV_NEWEST ?= .venv-newest
 VENV_LOWEST ?= .venv-lowest
 LOWEST_TRANSFORMERS ?= 5.18.0
-# What the compatibility run tests: the whole suite (about 7 minutes on 2 idle cores). A narrower selection, e.g. just
+# What the compatibility run tests: the whole suite (about 10 minutes on 2 idle cores with two xdist workers). A narrower selection, e.g. just
 # the integration tests, can be given as COMPAT_TESTS="tests/test_generation.py tests/test_peft.py ...".
 COMPAT_TESTS ?= tests
 # pytest-xdist: one test process per logical CPU (PYTEST_WORKERS=0: all in this process).
