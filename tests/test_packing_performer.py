@@ -6,6 +6,7 @@ very different key magnitudes prove; a packed batch with a decoding cache is ref
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -16,11 +17,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import DataCollatorWithFlattening  # noqa: E402
 
 from hf_xformers import HfxPerformerConfig, HfxPerformerModel  # noqa: E402
+from hf_xformers.attention import favor  # noqa: E402
 from hf_xformers.attention.base import split_heads  # noqa: E402
 from hf_xformers.attention.favor import HfxFavorSelfAttention, favor_attention  # noqa: E402
 from hf_xformers.attention.favor_features import softmax_key_logits  # noqa: E402
 from hf_xformers.attention.favor_linear import CAUSAL_CHUNK_SIZE  # noqa: E402
+from hf_xformers.attention.favor_packed import FavorDocuments  # noqa: E402
 from hf_xformers.ops.compat import CACHE_NAME  # noqa: E402
+from hf_xformers.ops.input_checks import as_if_on_accelerator  # noqa: E402
 
 ATOL = 1e-5
 TINY = dict(
@@ -40,6 +44,9 @@ TINY = dict(
 # holds a whole chunk and runs over two boundaries; 5 and 1: a short one after it and a single token.
 LENGTHS = (10, 23, 7, 150, 5, 1)
 FORMS = ["position_ids", "seq_idx", "cu_seq_lens"]
+# How a packed row runs: each document on its own (the CPU in eager mode: FavorDocuments.spans), or the segmented sums
+# over the whole row (accelerators and traced graphs), which a CPU test reaches as if on an accelerator.
+LAYOUTS = {"per_document": contextlib.nullcontext, "segmented": as_if_on_accelerator}
 assert max(LENGTHS) > 2 * CAUSAL_CHUNK_SIZE
 
 
@@ -77,15 +84,17 @@ def spans(lengths):
         start += n
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
-def test_packed_documents_equal_solo_forwards(form, causal, training):
+def test_packed_documents_equal_solo_forwards(form, causal, training, layout):
     model = build(causal).train(training)
     docs = documents()
     batch = pack(docs, form)
     with torch.no_grad():
-        packed = model(**batch)
+        with LAYOUTS[layout]():
+            packed = model(**batch)
         solos = [model(input_ids=torch.tensor([d])) for d in docs]
     assert packed.last_hidden_state.shape == (1, sum(LENGTHS), TINY["hidden_size"])
     for span, solo in zip(spans(LENGTHS), solos):
@@ -154,8 +163,9 @@ def test_stabiliser_is_per_document(causal, output_attentions):
             assert error < 1e-5, f"document {span}: relative error {float(error):.2e}"
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-def test_packed_gradients_are_the_sum_of_solo_gradients(causal):
+def test_packed_gradients_are_the_sum_of_solo_gradients(causal, layout):
     """Training on a packed row: the loss of the row is the sum of the documents' losses, and so are its gradients
     (no gradient flows between documents, through the features or the stabilisers)."""
     model = build(causal).train()
@@ -163,7 +173,8 @@ def test_packed_gradients_are_the_sum_of_solo_gradients(causal):
     docs = documents(lengths, seed=4)
     weights = torch.randn(sum(lengths), TINY["hidden_size"], generator=torch.Generator().manual_seed(5))
     model.zero_grad()
-    (model(**pack(docs, "cu_seq_lens")).last_hidden_state[0] * weights).sum().backward()
+    with LAYOUTS[layout]():
+        (model(**pack(docs, "cu_seq_lens")).last_hidden_state[0] * weights).sum().backward()
     packed = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     for span, doc in zip(spans(lengths), docs):
@@ -301,3 +312,30 @@ def test_padded_packed_rows_equal_solo_forwards(causal):
             solo = model(input_ids=torch.tensor([docs[number]])).last_hidden_state
             start = starts[(row, doc)]
             torch.testing.assert_close(packed[row : row + 1, start : start + n], solo, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_cpu_eager_runs_each_document_on_its_own(causal, monkeypatch):
+    """On the CPU in eager mode a packed row runs each document's own FAVOR+ (the least work there: about 3x the
+    segmented form's speed at the packing benchmark's sizes); on an accelerator the segmented sums, one call per layer
+    over the row."""
+    calls = []  # per call of the linear forms: whether it was given the row's document layout
+
+    def spy(real):
+        def call(*args, **kwargs):
+            calls.append(any(isinstance(x, FavorDocuments) for x in (*args, *kwargs.values())))
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("packed_linear_attention", "causal_linear_attention"):
+        monkeypatch.setattr(favor, name, spy(getattr(favor, name)))
+    model = build(causal)
+    batch = pack(documents(), "cu_seq_lens")
+    with torch.no_grad():
+        model(**batch)
+        assert not any(calls), calls
+        calls.clear()
+        with as_if_on_accelerator():
+            model(**batch)
+    assert calls == [True] * TINY["num_hidden_layers"], calls

@@ -146,6 +146,17 @@ def _favor_attention_float32(
     document_ids: torch.Tensor | FavorDocuments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`favor_attention` on float32 inputs, in their dtype (the caller has turned autocast off)."""
+    if isinstance(document_ids, FavorDocuments) and document_ids.spans is not None:
+        if output_attentions:  # the maps of the whole row: the packed form below
+            document_ids = document_ids.document_ids
+        else:  # one document at a time, each its own forward's FAVOR+ (FavorDocuments.spans: the CPU in eager mode)
+            return torch.cat([
+                _favor_attention_float32(
+                    query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], projection,
+                    None if attention_mask is None else attention_mask[:, a:b], causal, kernel, False, chunk_size,
+                )[0]
+                for a, b in document_ids.spans
+            ], dim=2), None  # fmt: skip
     # The block loop's trip count depends on the length, so traced graphs (torch.compile / torch.export) take the
     # one-shot form below: the same result to rounding, with every key feature in memory at once.
     if kernel == "softmax" and not causal and not output_attentions and document_ids is None and not is_tracing():

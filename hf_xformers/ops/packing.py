@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .input_checks import is_tracing, reads_values
+from .input_checks import is_tracing, on_host, reads_values
 
 # The keyword arguments of transformers' padding-free collator that describe document boundaries, as every text
 # model's and head's forward accepts them.
@@ -100,6 +100,19 @@ class PackedBatch:
     @property
     def batch_size(self) -> int:
         return self.document_ids.shape[0]
+
+    def host_spans(self) -> tuple[tuple[int, int], ...] | None:
+        """The ``(start, end)`` of every document of a single unpadded row whose boundaries lie in host memory (the
+        CPU in eager mode, where reading them waits for nothing), else None. On the CPU, a mechanism whose packed form
+        does more work than its documents' own forwards (FAVOR+'s segmented sums, BigBird's block layout) runs each
+        document on its own there; accelerators and traced graphs keep the packed form (no read, no loop)."""
+        ids = self.document_ids
+        if ids.shape[0] != 1 or self.padded or is_tracing() or not on_host(ids.device):
+            return None
+        if self.cu_seq_lens is not None:
+            ends = self.cu_seq_lens.tolist()[1:]
+            return tuple(zip([0, *ends[:-1]], ends))
+        return document_spans(ids)
 
     def num_documents(self, what: str = "this head") -> int:
         """``count``, or a ``ValueError`` when it is unknown (a traced graph given restarting positions only)."""

@@ -139,7 +139,9 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
             attention_mask, global_attention_mask, length, packed
         )
         if packed is not None:
-            kwargs["favor_documents"] = favor_documents(packed.document_ids, bool(self.config.is_decoder))
+            kwargs["favor_documents"] = favor_documents(
+                packed.document_ids, bool(self.config.is_decoder), spans=packed.host_spans()
+            )
         return attention_mask, global_attention_mask, kwargs
 
     def __init__(self, config, add_pooling_layer: bool = True) -> None:
