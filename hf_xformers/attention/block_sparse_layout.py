@@ -88,6 +88,23 @@ class DocumentBlocks(NamedTuple):
     """``(nb, nb)`` bool: the pattern's blocks that every layer shares (same document, and global or window), for
     FlexAttention; built once per forward by the model (:func:`document_block_table`), each layer adds its random
     blocks."""
+    spans: tuple[tuple[int, int], ...] | None = None
+    """The ``(start, end)`` of every document of a single unpadded row in host memory
+    (:meth:`~hf_xformers.ops.packing.PackedBatch.host_spans`), or None. Given (then alone: the CPU in eager mode,
+    the ``"sdpa"`` choice), each document runs through the layer's own unpacked forward: on the CPU the aligned layout's
+    gathers and chunk merges cost about 1.6x the documents' own forwards (the packing benchmark's sizes), and a loop
+    launches nothing."""
+
+
+def check_batch_sizes(count: int | None, longest: int | None, actual_count: int, actual_longest: int) -> None:
+    """Raise a ``ValueError`` where the batch's ``count`` documents of at most ``longest`` tokens (None: not said)
+    disagree with what its boundaries hold."""
+    if count is not None and actual_count != count or longest is not None and actual_longest > longest:
+        raise ValueError(
+            f"The packed batch says {count} documents of at most {longest} tokens, but its boundaries hold "
+            f"{actual_count} of up to {actual_longest}; pass the collator's `cu_seq_lens_q/k` and `max_length_q/k` "
+            "unchanged (DataCollatorWithFlattening(return_flash_attn_kwargs=True))."
+        )
 
 
 def plan_documents(
@@ -197,12 +214,7 @@ def _layout_sizes(
         actual_count, actual_longest = torch.stack(
             [(extents.is_end & (extents.extent > 0)).sum(), extents.extent.max()]
         ).tolist()
-        if count is not None and actual_count != count or longest is not None and actual_longest > longest:
-            raise ValueError(
-                f"The packed batch says {count} documents of at most {longest} tokens, but its boundaries hold "
-                f"{actual_count} of up to {actual_longest}; pass the collator's `cu_seq_lens_q/k` and `max_length_q/k` "
-                "unchanged (DataCollatorWithFlattening(return_flash_attn_kwargs=True))."
-            )
+        check_batch_sizes(count, longest, actual_count, actual_longest)
         count = actual_count if count is None else count
         longest = actual_longest if longest is None else longest
     num_blocks = (batch * length + count * (b - 1)) // b

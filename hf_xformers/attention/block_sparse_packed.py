@@ -28,7 +28,7 @@ from ..ops.packing import same_document
 from ..ops.shapes import merge_heads, split_heads
 from .base import AttentionOutput
 from .block_sparse_flex import document_block_table, flex_block_attention
-from .block_sparse_layout import DocumentBlocks, plan_documents
+from .block_sparse_layout import DocumentBlocks, check_batch_sizes, plan_documents
 
 
 class PackedBlockSparse:
@@ -46,6 +46,7 @@ class PackedBlockSparse:
         count: int | None = None,
         longest: int | None = None,
         layout: DocumentBlocks | None = None,
+        spans: tuple[tuple[int, int], ...] | None = None,
     ) -> DocumentBlocks:
         """Where the documents of a packed batch meet this layer's blocks: :func:`plan_documents`, with the part of
         the block table every layer shares (:func:`document_block_table`) when ``with_block_table`` (FlexAttention).
@@ -61,7 +62,11 @@ class PackedBlockSparse:
             count: the number of documents, or None (see :func:`plan_documents`).
             longest: the longest document's length, or None.
             layout: a layout already planned for these documents, or None.
+            spans: the documents' token spans in host memory (:attr:`DocumentBlocks.spans`): nothing is planned.
         """
+        if spans is not None and layout is None:
+            check_batch_sizes(count, longest, len(spans), max(end - start for start, end in spans))
+            return DocumentBlocks(document_ids, None, None, None, spans=spans)
         if layout is None:
             layout = plan_documents(
                 document_ids, attention_mask, self.block_size, self.num_random_blocks, count=count, longest=longest
@@ -83,6 +88,10 @@ class PackedBlockSparse:
         ``forward``, ``implementation`` the kernel choice of this forward."""
         if self.attention_type == "original_full":
             return self._packed_full(hidden_states, attention_mask, output_attentions, document_ids, implementation)
+        if document_blocks is not None and document_blocks.spans is not None:
+            if not (output_attentions or implementation == EAGER):
+                return self._each_document(hidden_states, document_blocks.spans)
+            document_blocks = None  # the maps and the eager reference want the whole row's pattern: planned below
         flex = flex_applies(implementation, hidden_states, self.training)
         layout = self.document_layout(document_ids, attention_mask, flex, layout=document_blocks)
         if output_attentions or implementation == EAGER or layout.num_blocks is None:
@@ -111,6 +120,11 @@ class PackedBlockSparse:
         return AttentionOutput(
             context if attention_mask is None else context.masked_fill(~attention_mask[..., None], 0.0)
         )
+
+    def _each_document(self, hidden_states: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> AttentionOutput:
+        """``hidden_states`` ``(1, seq_len, hidden)`` of one unpadded packed row -> context ``(1, seq_len, hidden)``,
+        each document through this layer's unpacked forward, as in its own forward (:attr:`DocumentBlocks.spans`)."""
+        return AttentionOutput(torch.cat([self(hidden_states[:, a:b]).context for a, b in spans], dim=1))
 
     def _layout_block_sparse(
         self,

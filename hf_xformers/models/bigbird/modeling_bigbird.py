@@ -131,8 +131,9 @@ class HfxBigBirdModel(HfxTextModel, HfxBigBirdPreTrainedModel):
             attention = self.encoder.layer[0].attention.self
             flex = attention.kernel_choice(packed.document_ids) == FLEX
             kwargs["document_blocks"] = attention.document_layout(
-                packed.document_ids, attention_mask, flex, count=packed.count, longest=packed.longest
-            )
+                packed.document_ids, attention_mask, flex, count=packed.count, longest=packed.longest,
+                spans=None if flex else packed.host_spans(),
+            )  # fmt: skip
         return attention_mask, global_attention_mask, kwargs
 
 
