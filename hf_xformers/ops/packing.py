@@ -21,15 +21,70 @@ Forms, in the order they are used when several are given:
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
 from .input_checks import is_tracing, reads_values
 
-# The keyword arguments of transformers' padding-free collator that describe document boundaries, as every text
-# model's and head's forward accepts them.
-PACKING_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+class PackedBatchKwargs(TypedDict, total=False):
+    """The keyword arguments with which transformers' padding-free collator marks the documents of a packed batch
+    (module docstring). Every text model's and head's ``forward`` takes them as ``**kwargs:
+    Unpack[PackedBatchKwargs]``, as transformers' own models take the same names (``TransformersKwargs``,
+    ``FlashAttentionKwargs``), and checks the names with :func:`packing_kwargs`.
+
+    Attributes:
+        seq_idx: ``(batch, seq_len)``, the document of every token (``DataCollatorWithFlattening(return_seq_idx=True)``).
+        cu_seq_lens_q: ``(num_documents + 1,)`` cumulative lengths of the documents of one row
+            (``return_flash_attn_kwargs=True``).
+        cu_seq_lens_k: equal to ``cu_seq_lens_q`` (attention stays inside each document).
+        max_length_q: the longest document (a Python int), which spares a read of the lengths.
+        max_length_k: equal to ``max_length_q``.
+    """
+
+    seq_idx: torch.Tensor | None
+    cu_seq_lens_q: torch.Tensor | None
+    cu_seq_lens_k: torch.Tensor | None
+    max_length_q: int | None
+    max_length_k: int | None
+
+
+# The names of PackedBatchKwargs, in order.
+PACKING_KWARGS = tuple(PackedBatchKwargs.__annotations__)
+
+
+def packing_kwargs(owner: object, kwargs: dict) -> PackedBatchKwargs:
+    """``kwargs``, what the ``**kwargs`` of ``owner``'s ``forward`` collected, once they are known to be
+    :class:`PackedBatchKwargs` only (a misspelt keyword is refused, not ignored).
+
+    Raises:
+        TypeError: a keyword that is no parameter of the ``forward`` and none of :data:`PACKING_KWARGS`, named as
+            Python names an unexpected keyword argument.
+    """
+    for name in kwargs:
+        if name not in PACKING_KWARGS:
+            raise TypeError(
+                f"{type(owner).__name__}.forward() got an unexpected keyword argument {name!r} (besides its "
+                f"parameters it takes the packed batch's {', '.join(PACKING_KWARGS)})"
+            )
+    return kwargs
+
+
+def forward_keywords(forward: Callable) -> frozenset[str]:
+    """The keyword arguments ``forward`` takes: its named parameters, and :data:`PACKING_KWARGS` where it takes
+    ``**kwargs: Unpack[PackedBatchKwargs]`` (any other ``*args`` / ``**kwargs`` names nothing)."""
+    names = set()
+    for name, parameter in inspect.signature(forward).parameters.items():
+        if parameter.kind is parameter.VAR_KEYWORD:
+            if PackedBatchKwargs.__name__ in str(parameter.annotation):
+                names.update(PACKING_KWARGS)
+        elif parameter.kind is not parameter.VAR_POSITIONAL:
+            names.add(name)
+    return frozenset(names)
 
 
 def _runs(labels: torch.Tensor) -> torch.Tensor:
@@ -377,6 +432,9 @@ def refuse_packed(model_name: str, reason: str, instead: str) -> None:
 __all__ = [
     "PACKING_KWARGS",
     "PackedBatch",
+    "PackedBatchKwargs",
+    "forward_keywords",
+    "packing_kwargs",
     "resolve_packed_batch",
     "document_ids_from_inputs",
     "document_lengths",
