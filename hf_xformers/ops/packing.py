@@ -74,6 +74,12 @@ def packing_kwargs(owner: object, kwargs: dict) -> PackedBatchKwargs:
     return kwargs
 
 
+def marks_documents(packing: PackedBatchKwargs) -> bool:
+    """Whether ``packing`` marks documents: ``seq_idx`` or ``cu_seq_lens_q/k`` given (the longest length alone marks
+    none)."""
+    return any(packing.get(name) is not None for name in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k"))
+
+
 def forward_keywords(forward: Callable) -> frozenset[str]:
     """The keyword arguments ``forward`` takes: its named parameters, and :data:`PACKING_KWARGS` where it takes
     ``**kwargs: Unpack[PackedBatchKwargs]`` (any other ``*args`` / ``**kwargs`` names nothing)."""
@@ -434,6 +440,7 @@ __all__ = [
     "PackedBatch",
     "PackedBatchKwargs",
     "forward_keywords",
+    "marks_documents",
     "packing_kwargs",
     "resolve_packed_batch",
     "document_ids_from_inputs",

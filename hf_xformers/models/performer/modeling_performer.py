@@ -32,7 +32,7 @@ from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
 from ...ops.compat import CACHE_NAME, cache_field, resolve_cache_argument
 from ...ops.input_checks import unpadded_to_none
-from ...ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs
+from ...ops.packing import PackedBatch, PackedBatchKwargs, marks_documents, packing_kwargs
 from .configuration_performer import HfxPerformerConfig
 
 
@@ -212,14 +212,13 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         ref = input_ids if input_ids is not None else inputs_embeds
         if ref is None or ref.dim() != (2 if input_ids is not None else 3):
             return  # the shape checks of the forward name the problem
-        boundaries = {name: packing.get(name) for name in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")}
-        explicit = packed_batch is not None or any(value is not None for value in boundaries.values())
+        explicit = packed_batch is not None or marks_documents(packing)
         # Restarting positions mark documents only in a single row of several tokens (a decoding step has one).
         if not explicit and (position_ids is None or ref.shape[0] != 1 or ref.shape[1] < 2):
             return
         if not explicit and unpadded_to_none(attention_mask) is not None:
             return
-        if packed_batch is not None or self.packed_batch(tuple(ref.shape[:2]), ref.device, position_ids, None, boundaries):
+        if packed_batch is not None or self.packed_batch(tuple(ref.shape[:2]), ref.device, position_ids, None, packing):
             raise ValueError(
                 "A packed (padding-free) batch cannot be decoded with a cache: the cache keeps one running state per "
                 "row, not per document. Pass use_cache=False (and no past_key_values) for packed training or "
