@@ -14,6 +14,11 @@ Inputs:
 Returns an :class:`AttentionOutput`. ``context`` is the attention result *before* the output projection
 (``(batch, seq_len, hidden)``); the encoder layer owns the output projection, residual and LayerNorm, so an
 attention variant is only the part that differs between architectures.
+
+:class:`HfxSelfAttention` holds that ``forward`` once: a variant without global tokens (every one but Longformer's)
+inherits it and implements :meth:`HfxSelfAttention.attend_tokens`, which takes the interface's inputs less the
+global mask, plus the extras its model prepares once per forward. Longformer's, which reads a global mask, writes the
+whole ``forward`` itself.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unbl
 
 __all__ = [
     "AttentionOutput",
+    "HfxSelfAttention",
     "KernelChoice",
     "QKVProjection",
     "plain_linears",
@@ -62,6 +68,47 @@ class KernelChoice:
         (:func:`~hf_xformers.ops.attention_switch.attention_implementation`: the user's choice, or the device's
         measured default where there is none)."""
         return attention_implementation(self.config, reference.device)
+
+
+class HfxSelfAttention(KernelChoice):
+    """The interface's ``forward`` (module docstring) for a variant without global tokens.
+
+    Put it first among a variant's bases (its ``forward`` must come before ``nn.Module``'s), and implement
+    :meth:`attend_tokens`. A variant with global tokens (``supports_global_attention = True``) overrides
+    :meth:`forward` instead, as it reads every input of the interface.
+    """
+
+    supports_global_attention = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        *extras,
+        **named_extras,
+    ) -> AttentionOutput:
+        """``hidden_states`` ``(batch, seq_len, hidden)`` -> :class:`AttentionOutput` (module docstring), through
+        :meth:`attend_tokens`, which gets ``extras`` and ``named_extras`` (what the model prepared once for all
+        layers) as they came.
+
+        Raises:
+            ValueError: a ``global_attention_mask``, which a variant without global tokens cannot honour.
+        """
+        if global_attention_mask is not None:
+            raise ValueError(
+                f"{type(self).__name__} has no global attention (supports_global_attention is False): drop "
+                "`global_attention_mask`."
+            )
+        return self.attend_tokens(hidden_states, attention_mask, output_attentions, *extras, **named_extras)
+
+    def attend_tokens(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, output_attentions: bool
+    ) -> AttentionOutput:
+        """The variant's attention: ``hidden_states`` ``(batch, seq_len, hidden)``, ``attention_mask`` ``(batch,
+        seq_len)`` bool or None, and the extras of its model (further parameters) -> :class:`AttentionOutput`."""
+        raise NotImplementedError(f"{type(self).__name__} must implement attend_tokens (attention/base.py).")
 
 
 def plain_linears(*modules: nn.Module) -> bool:

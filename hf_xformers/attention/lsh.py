@@ -138,12 +138,11 @@ class HfxLSHSelfAttention(LSHHashing, ChunkedSelfAttention):
             qk, v = self.query_key(hidden_states), self.value(hidden_states)
         return split_heads(qk, self.num_heads), split_heads(v, self.num_heads)
 
-    def forward(
+    def attend_tokens(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        output_attentions: bool = False,
+        attention_mask: torch.Tensor | None,
+        output_attentions: bool,
         padded_lengths: torch.Tensor | None = None,
         num_hashes: int | None = None,
         buckets: torch.Tensor | None = None,
