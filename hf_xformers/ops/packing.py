@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 import torch
+from typing_extensions import Unpack
 
 from .input_checks import is_tracing, reads_values
 
@@ -93,33 +94,18 @@ def forward_keywords(forward: Callable) -> frozenset[str]:
     return frozenset(names)
 
 
-def _runs(labels: torch.Tensor) -> torch.Tensor:
-    """``(batch, seq_len)`` labels -> run numbers ``0, 1, ...`` per row: a new run wherever the label changes."""
-    changes = labels[:, 1:] != labels[:, :-1]
-    return torch.cat([torch.zeros_like(labels[:, :1]), changes.long().cumsum(-1)], dim=-1)
-
-
 def document_ids_from_inputs(
     shape: tuple[int, int],
     device: torch.device,
     position_ids: torch.Tensor | None = None,
-    seq_idx: torch.Tensor | None = None,
-    cu_seq_lens_q: torch.Tensor | None = None,
-    cu_seq_lens_k: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
+    **packing: Unpack[PackedBatchKwargs],
 ) -> torch.Tensor | None:
     """``resolve_packed_batch(...).document_ids``: the run of every token ``(batch, seq_len)``, or None for an
     ordinary batch (for callers that need nothing else of :class:`PackedBatch`). Positions alone mark documents in
     eager mode only here (callers with a cache)."""
     packed = resolve_packed_batch(
-        shape,
-        device,
-        position_ids,
-        seq_idx,
-        cu_seq_lens_q,
-        cu_seq_lens_k,
-        attention_mask=attention_mask,
-        positions_while_tracing=False,
+        shape, device, position_ids, attention_mask=attention_mask, positions_while_tracing=False, **packing
     )
     return None if packed is None else packed.document_ids
 
@@ -219,6 +205,7 @@ def _run_ids(labels: torch.Tensor, real: torch.Tensor | None) -> tuple[torch.Ten
 
 
 def _positions_in_runs(run_starts: torch.Tensor) -> torch.Tensor:
+    """``(batch, seq_len)`` long: each token's position inside its run, from 0 (``run_starts``: where runs start)."""
     index = torch.arange(run_starts.shape[1], device=run_starts.device).expand_as(run_starts)
     first = torch.where(run_starts, index, torch.zeros_like(index)).cummax(-1).values
     return index - first
@@ -386,9 +373,7 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
 
 def positions_in_documents(document_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
     """``(batch, seq_len)`` long: each token's position inside its document, counted from ``start``."""
-    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
-    first = torch.where(document_starts(document_ids), index, torch.zeros_like(index)).cummax(-1).values
-    return index - first + start
+    return _positions_in_runs(document_starts(document_ids)) + start
 
 
 def document_lengths(document_ids: torch.Tensor) -> torch.Tensor:
