@@ -421,8 +421,6 @@ class HfxLSHSelfAttention(LSHHashing, ChunkedSelfAttention):
         position so far ``(batch, heads, 1, past_len + 1)`` (rounds combined with their weights; 0 elsewhere)."""
         num_hashes = self.num_hashes if num_hashes is None else num_hashes
         states = torch.cat([past_states, hidden_states], dim=1)
-        num_hashes = self.num_hashes if num_hashes is None else num_hashes
-        states = torch.cat([past_states, hidden_states], dim=1)
         length = states.shape[1]
         padded = length if padded_length is None else padded_length
         q = split_heads(self.query_key(hidden_states), self.num_heads)  # (batch, heads, 1, d)
