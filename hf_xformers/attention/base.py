@@ -15,10 +15,9 @@ Returns an :class:`AttentionOutput`. ``context`` is the attention result *before
 (``(batch, seq_len, hidden)``); the encoder layer owns the output projection, residual and LayerNorm, so an
 attention variant is only the part that differs between architectures.
 
-:class:`HfxSelfAttention` holds that ``forward`` once: a variant without global tokens (every one but Longformer's)
-inherits it and implements :meth:`HfxSelfAttention.attend_tokens`, which takes the interface's inputs less the
-global mask, plus the extras its model prepares once per forward. Longformer's, which reads a global mask, writes the
-whole ``forward`` itself.
+:class:`HfxSelfAttention` holds that ``forward`` once; a variant inherits it and implements
+:meth:`HfxSelfAttention.attend_tokens`, which takes the inputs it reads: the interface's (the global mask only where
+``supports_global_attention``, Longformer's) and the extras its model prepares once per forward.
 """
 
 from __future__ import annotations
@@ -71,11 +70,11 @@ class KernelChoice:
 
 
 class HfxSelfAttention(KernelChoice):
-    """The interface's ``forward`` (module docstring) for a variant without global tokens.
+    """The interface's ``forward`` (module docstring), written once for every token-sequence attention variant.
 
     Put it first among a variant's bases (its ``forward`` must come before ``nn.Module``'s), and implement
-    :meth:`attend_tokens`. A variant with global tokens (``supports_global_attention = True``) overrides
-    :meth:`forward` instead, as it reads every input of the interface.
+    :meth:`attend_tokens`; a variant with global tokens sets ``supports_global_attention = True`` and takes
+    ``global_attention_mask`` there as a keyword-only parameter.
     """
 
     supports_global_attention = False
@@ -91,12 +90,14 @@ class HfxSelfAttention(KernelChoice):
     ) -> AttentionOutput:
         """``hidden_states`` ``(batch, seq_len, hidden)`` -> :class:`AttentionOutput` (module docstring), through
         :meth:`attend_tokens`, which gets ``extras`` and ``named_extras`` (what the model prepared once for all
-        layers) as they came.
+        layers) as they came, and ``global_attention_mask`` where the variant has global tokens.
 
         Raises:
-            ValueError: a ``global_attention_mask``, which a variant without global tokens cannot honour.
+            ValueError: a ``global_attention_mask`` given to a variant without global tokens, which cannot honour it.
         """
-        if global_attention_mask is not None:
+        if self.supports_global_attention:
+            named_extras["global_attention_mask"] = global_attention_mask
+        elif global_attention_mask is not None:
             raise ValueError(
                 f"{type(self).__name__} has no global attention (supports_global_attention is False): drop "
                 "`global_attention_mask`."
