@@ -81,7 +81,7 @@ def test_misspelt_packing_keyword_is_refused(name):
     """``**kwargs`` take the packed batch's keywords only (``PackedBatchKwargs``): any other name is a TypeError that
     names it, as Python's own for a forward without ``**kwargs``, not silently ignored; the right names pass."""
     if name == "longformer":
-        config = hf_xformers.HfxLongformerConfig(**_TINY, attention_window=4, num_labels=3)
+        config = hf_xformers.HfxLongformerConfig(**_TINY, attention_window=4)
         models = [hf_xformers.HfxLongformerModel(config), hf_xformers.HfxLongformerForSequenceClassification(config)]
     else:
         models = [_causal_lms()[name]]
