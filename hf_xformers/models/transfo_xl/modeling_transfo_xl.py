@@ -33,7 +33,14 @@ from ...layers.losses import sequence_classification_loss
 from ...layers.pooling import pool_tokens
 from ...layers.pretrained import HfxPreTrainedModel
 from ...ops.input_checks import check_not_empty, check_token_ids, is_tracing, token_shape, unpadded_to_none
-from ...ops.packing import PackedBatchKwargs, marks_documents, packing_kwargs, refuse_packed, resolve_packed_batch
+from ...ops.packing import (
+    PackedBatch,
+    PackedBatchKwargs,
+    marks_documents,
+    packing_kwargs,
+    refuse_packed,
+    resolve_packed_batch,
+)
 from .adaptive_softmax import HfxAdaptiveEmbedding, HfxAdaptiveLogSoftmax
 from .configuration_transfo_xl import HfxTransfoXLConfig
 
@@ -291,7 +298,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         position_ids: torch.Tensor | None = None,
-        packed_batch=None,
+        packed_batch: PackedBatch | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxTransfoXLModelOutput | tuple:
         """Encode one segment of each stream.
