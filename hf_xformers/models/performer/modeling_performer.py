@@ -186,7 +186,9 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
                 self.redraw_projections()
             self.training_calls += 1
         if use_cache or past_key_values is not None:
-            self._refuse_packed_with_cache(input_ids, inputs_embeds, attention_mask, position_ids, packing, packed_batch)
+            self._refuse_packed_with_cache(
+                input_ids, inputs_embeds, attention_mask, position_ids, packing, packed_batch
+            )
         if use_cache and past_key_values is None:
             past_key_values = HfxPerformerCache()
         if past_key_values is None:
