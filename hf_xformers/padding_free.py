@@ -20,7 +20,6 @@ given number of tokens instead.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 from transformers import DataCollatorWithFlattening
 
-from .ops.packing import PACKING_KWARGS
+from .ops.packing import PACKING_KWARGS, forward_keywords
 
 # Model types whose positions count from 0 (no RoBERTa offset): BigBird's table, Reformer's axial or learned
 # positions, the Universal Transformer's learned or sinusoidal positions; Transformer-XL has relative positions only.
@@ -87,7 +86,7 @@ def packing_refusal(model) -> str | None:
     """
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper
     name = type(inner).__name__
-    if "seq_idx" not in inspect.signature(inner.forward).parameters:
+    if "seq_idx" not in forward_keywords(inner.forward):
         return (
             f"{name} cannot take a packed (padding-free) batch: its forward takes no document boundaries "
             f"({', '.join(PACKING_KWARGS[:3])}), so the documents of a row would attend to one another. Packed "

@@ -220,6 +220,9 @@ def test_scripts_patch_no_import_path(folder):
 # these two modules; everything else asks an attention module's KernelChoice.kernel_choice.
 DISPATCH_MODULES = {"hf_xformers.ops.attention_switch", "hf_xformers.attention.base"}
 CHOICE_PARAMETERS = {"implementation", "attn_implementation"}
+# What runs once per call of a module: its forward, and the attention variants' attend_tokens (attention/base.py's
+# HfxSelfAttention.forward calls it).
+ENTRY_POINTS = {"forward", "attend_tokens"}
 
 
 def dispatch_violations(name: str) -> list[str]:
@@ -234,7 +237,7 @@ def dispatch_violations(name: str) -> list[str]:
             called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
             if called == "attention_implementation":
                 found.append(f"{path}:{node.lineno} calls attention_implementation; ask self.kernel_choice(x)")
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "forward":
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in ENTRY_POINTS:
             arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
             for argument in arguments:
                 if argument.arg in CHOICE_PARAMETERS:

@@ -25,9 +25,15 @@ MODEL_CLASSES = [
 @pytest.mark.parametrize("model_type,auto_name,cls", MODEL_CLASSES, ids=[f"{m}-{a}" for m, a, _ in MODEL_CLASSES])
 def test_forward_signature_is_explicit(model_type, auto_name, cls):
     """Trainer keeps only the dataset columns named in forward's signature, and pipelines / generate look up
-    ``main_input_name`` there: ``*args`` / ``**kwargs`` hide the inputs."""
+    ``main_input_name`` there: ``*args`` / ``**kwargs`` hide the inputs. The one exception is the packed batch's
+    keywords, ``**kwargs: Unpack[PackedBatchKwargs]`` (transformers' own models take them the same way), which the
+    collator adds after Trainer has chosen the columns."""
     params = inspect.signature(cls.forward).parameters
-    hidden = [name for name, p in params.items() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    hidden = [
+        name
+        for name, p in params.items()
+        if p.kind is p.VAR_POSITIONAL or (p.kind is p.VAR_KEYWORD and "PackedBatchKwargs" not in str(p.annotation))
+    ]
     assert not hidden, f"{cls.__name__}.forward takes {hidden}"
     assert cls.main_input_name in params
 
@@ -68,3 +74,21 @@ def test_causal_lm_loss_keywords(name):
     torch.testing.assert_close(both.loss, from_shift.loss)
     torch.testing.assert_close(summed.loss - extra, (plain.loss - extra) / 2)
     assert (ignored.loss - extra).item() == 0.0
+
+
+@pytest.mark.parametrize("name", ["longformer", "performer", "reformer", "transfo_xl", "universal"])
+def test_misspelt_packing_keyword_is_refused(name):
+    """``**kwargs`` take the packed batch's keywords only (``PackedBatchKwargs``): any other name is a TypeError that
+    names it, as Python's own for a forward without ``**kwargs``, not silently ignored; the right names pass."""
+    if name == "longformer":
+        config = hf_xformers.HfxLongformerConfig(**_TINY, attention_window=4)
+        models = [hf_xformers.HfxLongformerModel(config), hf_xformers.HfxLongformerForSequenceClassification(config)]
+    else:
+        models = [_causal_lms()[name]]
+    ids = _ids(1, 8)
+    for model in models:
+        with pytest.raises(TypeError, match="unexpected keyword argument 'seq_id'"):
+            model(input_ids=ids, seq_id=torch.zeros_like(ids))
+        if name != "transfo_xl":  # it refuses packed batches
+            with torch.no_grad():
+                model.eval()(input_ids=ids, seq_idx=torch.zeros_like(ids), max_length_q=8)

@@ -14,6 +14,10 @@ Inputs:
 Returns an :class:`AttentionOutput`. ``context`` is the attention result *before* the output projection
 (``(batch, seq_len, hidden)``); the encoder layer owns the output projection, residual and LayerNorm, so an
 attention variant is only the part that differs between architectures.
+
+:class:`HfxSelfAttention` holds that ``forward`` once; a variant inherits it and implements
+:meth:`HfxSelfAttention.attend_tokens`, which takes the inputs it reads: the interface's (the global mask only where
+``supports_global_attention``, Longformer's) and the extras its model prepares once per forward.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unbl
 
 __all__ = [
     "AttentionOutput",
+    "HfxSelfAttention",
     "KernelChoice",
     "QKVProjection",
     "plain_linears",
@@ -62,6 +67,49 @@ class KernelChoice:
         (:func:`~hf_xformers.ops.attention_switch.attention_implementation`: the user's choice, or the device's
         measured default where there is none)."""
         return attention_implementation(self.config, reference.device)
+
+
+class HfxSelfAttention(KernelChoice):
+    """The interface's ``forward`` (module docstring), written once for every token-sequence attention variant.
+
+    Put it first among a variant's bases (its ``forward`` must come before ``nn.Module``'s), and implement
+    :meth:`attend_tokens`; a variant with global tokens sets ``supports_global_attention = True`` and takes
+    ``global_attention_mask`` there as a keyword-only parameter.
+    """
+
+    supports_global_attention = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        global_attention_mask: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        *extras,
+        **named_extras,
+    ) -> AttentionOutput:
+        """``hidden_states`` ``(batch, seq_len, hidden)`` -> :class:`AttentionOutput` (module docstring), through
+        :meth:`attend_tokens`, which gets ``extras`` and ``named_extras`` (what the model prepared once for all
+        layers) as they came, and ``global_attention_mask`` where the variant has global tokens.
+
+        Raises:
+            ValueError: a ``global_attention_mask`` given to a variant without global tokens, which cannot honour it.
+        """
+        if self.supports_global_attention:
+            named_extras["global_attention_mask"] = global_attention_mask
+        elif global_attention_mask is not None:
+            raise ValueError(
+                f"{type(self).__name__} has no global attention (supports_global_attention is False): drop "
+                "`global_attention_mask`."
+            )
+        return self.attend_tokens(hidden_states, attention_mask, output_attentions, *extras, **named_extras)
+
+    def attend_tokens(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, output_attentions: bool
+    ) -> AttentionOutput:
+        """The variant's attention: ``hidden_states`` ``(batch, seq_len, hidden)``, ``attention_mask`` ``(batch,
+        seq_len)`` bool or None, and the extras of its model (further parameters) -> :class:`AttentionOutput`."""
+        raise NotImplementedError(f"{type(self).__name__} must implement attend_tokens (attention/base.py).")
 
 
 def plain_linears(*modules: nn.Module) -> bool:

@@ -96,8 +96,6 @@ class HfxBlockSparseSelfAttention(PackedBlockSparse, HfxFullSelfAttention, Kerne
     :class:`~hf_xformers.attention.block_sparse_packed.PackedBlockSparse`.
     """
 
-    supports_global_attention = False
-
     def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__(config, layer_idx)
         self.attention_type = config.attention_type
@@ -266,12 +264,11 @@ class HfxBlockSparseSelfAttention(PackedBlockSparse, HfxFullSelfAttention, Kerne
         )
 
     # ----- forward ----------------------------------------------------------------------------------------
-    def forward(
+    def attend_tokens(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        output_attentions: bool = False,
+        attention_mask: torch.Tensor | None,
+        output_attentions: bool,
         document_ids: torch.Tensor | None = None,
         document_blocks: DocumentBlocks | None = None,
     ) -> AttentionOutput:

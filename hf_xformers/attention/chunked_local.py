@@ -30,7 +30,7 @@ from ..ops.attention_switch import flex_applies, flex_attention, make_block_mask
 from ..ops.fast_dropout import HfxDropout
 from ..ops.precision import mask_value
 from ..ops.shapes import ceil_div, merge_heads, split_heads, unblock
-from .base import AttentionOutput, KernelChoice, plain_linears
+from .base import AttentionOutput, HfxSelfAttention, plain_linears
 
 # Masked keys get `mask_value(scores.dtype)`, the most negative finite value of the scores' dtype: finite (as
 # transformers' -1e9 in float32 and -1e4 in float16), so a row with every key masked stays finite, and representable
@@ -224,13 +224,11 @@ def real_chunk_count(padded_lengths: torch.Tensor | None, chunk: int, seq_len: i
     return torch.clamp((padded_lengths.clamp(max=seq_len) + chunk - 1) // chunk, min=1)
 
 
-class ChunkedSelfAttention(nn.Module, KernelChoice):
+class ChunkedSelfAttention(HfxSelfAttention, nn.Module):
     """What Reformer's two attentions share (:class:`HfxLocalSelfAttention`, and LSH's in ``lsh.py``): heads, chunks
     of ``chunk_length`` that attend to ``num_chunks_before`` / ``num_chunks_after`` neighbours, dropout on the
     probabilities, causality (``config.is_decoder``), and the ``config`` the kernel choice is read from at every
     forward."""
-
-    supports_global_attention = False
 
     def __init__(
         self, config, layer_idx: int, chunk_length: int, num_chunks_before: int, num_chunks_after: int, dropout: float
@@ -276,12 +274,11 @@ class HfxLocalSelfAttention(ChunkedSelfAttention):
             q, k, v = self.query(hidden_states), self.key(hidden_states), self.value(hidden_states)
         return split_heads(q, self.num_heads), split_heads(k, self.num_heads), split_heads(v, self.num_heads)
 
-    def forward(
+    def attend_tokens(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        output_attentions: bool = False,
+        attention_mask: torch.Tensor | None,
+        output_attentions: bool,
         padded_lengths: torch.Tensor | None = None,
         output_length: int | None = None,
         documents: DocumentLayout | None = None,

@@ -35,7 +35,7 @@ from ..ops.input_checks import is_tracing
 from ..ops.packing import same_document
 from ..ops.precision import float32_autocast_off
 from ..ops.shapes import merge_heads, split_heads
-from .base import AttentionOutput, KernelChoice, QKVProjection
+from .base import AttentionOutput, HfxSelfAttention, QKVProjection
 from .favor_causal import causal_linear_attention, causal_softmax_key_features
 from .favor_decoding import favor_attention_with_state
 from .favor_features import (
@@ -193,7 +193,7 @@ def _favor_attention_float32(
     return linear_attention(query_features, key_features, value, eps), None
 
 
-class HfxFavorSelfAttention(QKVProjection, KernelChoice):
+class HfxFavorSelfAttention(HfxSelfAttention, QKVProjection):
     """FAVOR+ self-attention of one Performer layer (module docstring for the maths).
 
     Config fields used: ``num_random_features`` (None: ``int(d ln d)``), ``favor_kernel`` (``"softmax"`` or
@@ -216,8 +216,6 @@ class HfxFavorSelfAttention(QKVProjection, KernelChoice):
     so the forward reads no kernel choice; the module keeps ``config`` as every attention module does
     (:class:`~hf_xformers.attention.base.KernelChoice`), for a model that asks one of its layers.
     """
-
-    supports_global_attention = False
 
     def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__(config.hidden_size, config.num_attention_heads)
@@ -258,12 +256,11 @@ class HfxFavorSelfAttention(QKVProjection, KernelChoice):
         self.num_redraws.fill_(draw)
         self.projection_matrix.copy_(fresh)
 
-    def forward(
+    def attend_tokens(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        output_attentions: bool = False,
+        attention_mask: torch.Tensor | None,
+        output_attentions: bool,
         cache=None,
         document_ids: torch.Tensor | None = None,
         favor_documents: FavorDocuments | None = None,

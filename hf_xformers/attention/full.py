@@ -11,29 +11,24 @@ import torch
 from ..ops.attention_switch import EAGER, eager_attention
 from ..ops.kernels import attention
 from ..ops.shapes import merge_heads, split_heads
-from .base import AttentionOutput, KernelChoice, QKVProjection
+from .base import AttentionOutput, HfxSelfAttention, QKVProjection
 
 
-class HfxFullSelfAttention(KernelChoice, QKVProjection):
+class HfxFullSelfAttention(HfxSelfAttention, QKVProjection):
     """Softmax attention over every non-padding key.
 
     ``attentions`` (with ``output_attentions=True``): ``(batch, heads, seq_len, seq_len)``.
     """
-
-    supports_global_attention = False
 
     def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__(config.hidden_size, config.num_attention_heads)
         self.dropout_p = config.attention_probs_dropout_prob
         self.config = config  # for kernel_choice: the choice is read at every forward
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        output_attentions: bool = False,
+    def attend_tokens(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, output_attentions: bool
     ) -> AttentionOutput:
+        """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, hidden)``."""
         dropout = self.dropout_p if self.training else 0.0
         eager = output_attentions or self.kernel_choice(hidden_states) == EAGER
         out = self.attend(hidden_states, attention_mask, eager, dropout)

@@ -47,7 +47,7 @@ from ..ops.attention_switch import EAGER, eager_attention
 from ..ops.input_checks import is_tracing
 from ..ops.kernels import attention
 from ..ops.shapes import merge_heads, split_heads
-from .base import AttentionOutput, KernelChoice, QKVProjection, plain_linears
+from .base import AttentionOutput, HfxSelfAttention, QKVProjection, plain_linears
 
 SHARING_MODES = LINFORMER_SHARING_MODES
 
@@ -79,7 +79,7 @@ class HfxSequenceProjection(nn.Module):
         nn.init.uniform_(self.weight, -self.init_bound, self.init_bound)
 
 
-class HfxLowRankSelfAttention(KernelChoice, QKVProjection):
+class HfxLowRankSelfAttention(HfxSelfAttention, QKVProjection):
     """Linformer self-attention of one layer (module docstring for the semantics).
 
     Built as ``HfxLowRankSelfAttention(config, layer_idx)``; with ``linformer_sharing="layerwise"`` also pass
@@ -89,8 +89,6 @@ class HfxLowRankSelfAttention(KernelChoice, QKVProjection):
     ``attentions`` (with ``output_attentions=True``): ``(batch, heads, seq_len, k)``, probabilities over the
     projected positions.
     """
-
-    supports_global_attention = False
 
     def __init__(self, config, layer_idx: int = 0, shared_projection: HfxSequenceProjection | None = None) -> None:
         super().__init__(config.hidden_size, config.num_attention_heads)
@@ -190,12 +188,11 @@ class HfxLowRankSelfAttention(KernelChoice, QKVProjection):
             support = torch.matmul(real, nonzero().to(key_weight.dtype)[None]) > 0
         return support | ~support.any(-1, keepdim=True)
 
-    def forward(
+    def attend_tokens(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        output_attentions: bool = False,
+        attention_mask: torch.Tensor | None,
+        output_attentions: bool,
         projection_support: tuple[torch.Tensor | None, ...] | None = None,
     ) -> AttentionOutput:
         """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, hidden)``.

@@ -138,12 +138,11 @@ class HfxLSHSelfAttention(LSHHashing, ChunkedSelfAttention):
             qk, v = self.query_key(hidden_states), self.value(hidden_states)
         return split_heads(qk, self.num_heads), split_heads(v, self.num_heads)
 
-    def forward(
+    def attend_tokens(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        output_attentions: bool = False,
+        attention_mask: torch.Tensor | None,
+        output_attentions: bool,
         padded_lengths: torch.Tensor | None = None,
         num_hashes: int | None = None,
         buckets: torch.Tensor | None = None,
@@ -420,8 +419,6 @@ class HfxLSHSelfAttention(LSHHashing, ChunkedSelfAttention):
         Returns the context ``(batch, 1, heads * head_dim)``, the buckets of all ``past_len + 1`` positions (None
         while the full forward hashes nothing) and, with ``output_attentions``, the probabilities over every
         position so far ``(batch, heads, 1, past_len + 1)`` (rounds combined with their weights; 0 elsewhere)."""
-        num_hashes = self.num_hashes if num_hashes is None else num_hashes
-        states = torch.cat([past_states, hidden_states], dim=1)
         num_hashes = self.num_hashes if num_hashes is None else num_hashes
         states = torch.cat([past_states, hidden_states], dim=1)
         length = states.shape[1]

@@ -40,7 +40,7 @@ from ..ops.kernels import attention
 from ..ops.packing import PackedBatch
 from ..ops.precision import autocast_input
 from ..ops.shapes import cut_to_length, merge_heads, split_heads
-from .base import AttentionOutput, KernelChoice, QKVProjection
+from .base import AttentionOutput, HfxSelfAttention, QKVProjection
 from .sliding_window_banded import BandedAttention
 from .sliding_window_layout import GlobalSizes, LongformerLayout, longformer_layout
 from .sliding_window_packed import PackedGlobalAttention
@@ -75,7 +75,7 @@ def varlen_boundaries(packed: PackedBatch, device: torch.device) -> tuple[torch.
     return None if longest is None else (packed.cu_seq_lens, longest)
 
 
-class HfxSlidingWindowSelfAttention(KernelChoice, BandedAttention, PackedGlobalAttention, QKVProjection):
+class HfxSlidingWindowSelfAttention(HfxSelfAttention, BandedAttention, PackedGlobalAttention, QKVProjection):
     """Sliding-window + global self-attention of one Longformer layer.
 
     ``attentions`` (with ``output_attentions=True``): ``(batch, heads, seq_len, G + 2w + 1)``, the first ``G``
@@ -143,14 +143,15 @@ class HfxSlidingWindowSelfAttention(KernelChoice, BandedAttention, PackedGlobalA
             attention_mask, is_global, length, reference.device, blocks, windows, document_ids, sizes, varlen
         )
 
-    def forward(
+    def attend_tokens(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        output_attentions: bool = False,
+        attention_mask: torch.Tensor | None,
+        output_attentions: bool,
         document_ids: torch.Tensor | None = None,
         layout: LongformerLayout | None = None,
+        *,
+        global_attention_mask: torch.Tensor | None = None,
     ) -> AttentionOutput:
         """``hidden_states`` ``(batch, seq_len, hidden)`` -> context ``(batch, seq_len, hidden)``.
 

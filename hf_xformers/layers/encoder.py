@@ -50,15 +50,11 @@ class HfxAttentionBlock(nn.Module):
         self.self = attention
         self.output = HfxDenseResidual(config.hidden_size, config)
 
-    def forward(
-        self,
-        hidden_states,
-        attention_mask=None,
-        global_attention_mask=None,
-        output_attentions=False,
-        **attention_kwargs,
-    ):
-        out = self.self(hidden_states, attention_mask, global_attention_mask, output_attentions, **attention_kwargs)
+    def forward(self, hidden_states, *attention_args, **attention_kwargs):
+        """``hidden_states`` ``(batch, seq_len, hidden)`` -> (the block's output, same shape, and the variant's
+        :class:`AttentionOutput`); the variant gets the rest of the arguments as they came (the attention interface:
+        ``attention_mask``, ``global_attention_mask``, ``output_attentions``, the model's extras)."""
+        out = self.self(hidden_states, *attention_args, **attention_kwargs)
         return self.output(out.context, hidden_states), out
 
 

@@ -36,7 +36,6 @@ model sets :attr:`generation_cache_argument` (the ``forward`` argument that take
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 import torch
@@ -44,15 +43,17 @@ from transformers import GenerationMixin
 from transformers.utils import TransformersKwargs
 
 from ..ops.compat import CACHE_ARGUMENT_NAMES, CACHE_NAME, cache_from_kwargs, output_cache
+from ..ops.packing import forward_keywords
 
 
 @functools.cache
 def _parameter_names(forward) -> frozenset[str]:
-    return frozenset(inspect.signature(forward).parameters)
+    return forward_keywords(forward)
 
 
 def forward_parameters(model_class: type) -> frozenset[str]:
-    """The parameter names of ``model_class.forward`` (read once per class, not at every decoding step)."""
+    """The keyword arguments ``model_class.forward`` takes, the packed batch's included
+    (:func:`~hf_xformers.ops.packing.forward_keywords`; read once per class, not at every decoding step)."""
     return _parameter_names(model_class.forward)
 
 

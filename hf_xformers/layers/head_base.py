@@ -16,7 +16,7 @@ from __future__ import annotations
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ..ops.packing import PackedBatch, resolve_packed_batch
+from ..ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs, resolve_packed_batch
 from .generation import forward_parameters
 from .head_layers import HfxLMHead
 
@@ -35,29 +35,30 @@ class HfxHeadMixin:
         setattr(self, self.base_model_prefix, self.base_model_class(config, add_pooling_layer=add_pooling_layer))
 
     def _packed_batch(
-        self, input_ids, inputs_embeds, position_ids, attention_mask, seq_idx=None, cu_seq_lens_q=None,
-        cu_seq_lens_k=None, max_length_q=None, max_length_k=None, cached: bool = False,
-    ) -> PackedBatch | None:  # fmt: skip
+        self, input_ids, inputs_embeds, position_ids, attention_mask, packing: PackedBatchKwargs, cached: bool = False
+    ) -> PackedBatch | None:
         """The documents of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatch`), worked out once here from
-        whichever of the collator's forms arrived and handed to the base model as ``packed_batch``, or None for an
-        ordinary batch. ``cached``: the call continues a cache, whose positions are never read as boundaries while
-        tracing (a compiled decoding step)."""
+        whichever of the collator's forms arrived (``position_ids``, or ``packing``: the forward's checked
+        :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) and handed to the base model as ``packed_batch``, or None
+        for an ordinary batch. ``cached``: the call continues a cache, whose positions are never read as boundaries
+        while tracing (a compiled decoding step)."""
         ref = input_ids if input_ids is not None else inputs_embeds
         if ref is None or ref.dim() < 2:
             return None
         return resolve_packed_batch(
-            tuple(ref.shape[:2]), ref.device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
-            max_length_k, attention_mask, positions_while_tracing=not cached,
+            tuple(ref.shape[:2]), ref.device, position_ids, attention_mask=attention_mask,
+            positions_while_tracing=not cached, **packing,
         )  # fmt: skip
 
     def _encode_batch(
         self, input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
-        output_attentions, output_hidden_states, boundaries: tuple,
+        output_attentions, output_hidden_states, kwargs: dict,
     ) -> tuple[PackedBatch | None, ModelOutput]:  # fmt: skip
-        """``(documents, out)``: the packed batch resolved once (:meth:`_packed_batch`, ``boundaries`` its
-        ``(seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)``; None for an ordinary batch) and the
-        base model's output on it (:meth:`_encode`), what a token-sequence head's ``forward`` starts with."""
-        documents = self._packed_batch(input_ids, inputs_embeds, position_ids, attention_mask, *boundaries)
+        """``(documents, out)``: the packed batch resolved once (:meth:`_packed_batch` from the forward's ``kwargs``,
+        checked to be :class:`~hf_xformers.ops.packing.PackedBatchKwargs`; None for an ordinary batch) and the base
+        model's output on it (:meth:`_encode`), what a token-sequence head's ``forward`` starts with."""
+        packing = packing_kwargs(self, kwargs)
+        documents = self._packed_batch(input_ids, inputs_embeds, position_ids, attention_mask, packing)
         out = self._encode(
             input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,

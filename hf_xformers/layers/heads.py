@@ -31,9 +31,10 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.utils import ModelOutput
+from typing_extensions import Unpack
 
 from ..ops.compat import CACHE_NAME, output_cache, resolve_cache_argument
-from ..ops.packing import PackedBatch
+from ..ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs
 from .generation import HfxGenerationMixin
 from .head_base import HfxHeadMixin, HfxLMHeadMixin
 
@@ -87,16 +88,13 @@ class HfxLogitsHeadMixin(HfxHeadMixin):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
+        **kwargs: Unpack[PackedBatchKwargs],
     ) -> ModelOutput | tuple:
-        """Returns ``logits`` (shapes in the task's class docstring) and the loss when ``labels`` are given."""
+        """Returns ``logits`` (shapes in the task's class docstring) and the loss when ``labels`` are given;
+        ``kwargs`` mark the documents of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`)."""
         documents, out = self._encode_batch(
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
-            output_attentions, output_hidden_states, (seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k),
+            output_attentions, output_hidden_states, kwargs,
         )  # fmt: skip
         logits = self.head_logits(out, attention_mask, documents)
         loss = None if labels is None else self.head_loss(logits, labels, documents)
@@ -216,23 +214,18 @@ class HfxCausalLMHeadMixin(HfxLMHeadMixin, HfxGenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         cache: Any = None,
-        seq_idx: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
+        **kwargs: Unpack[PackedBatchKwargs],
     ) -> CausalLMOutputWithPast | tuple:
         """Returns ``logits`` ``(batch, seq_len, vocab)`` (of the new tokens when a cache is passed back, as
         ``cache`` or ``past_key_values``), the cache when one is used (``use_cache=True``), and with ``labels`` or
         ``shift_labels`` the mean next-token cross-entropy (the sum over ``num_items_in_batch`` when Trainer passes
         it). A packed batch (``position_ids`` restarting per document, ``seq_idx`` or ``cu_seq_lens_q/k``, as
-        ``DataCollatorWithFlattening`` returns them) is read as documents that never see each other, and no document's
-        last token is scored against the next document's first."""
+        ``DataCollatorWithFlattening`` returns them; ``kwargs``: :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) is
+        read as documents that never see each other, and no document's last token is scored against the next
+        document's first."""
         cached = bool(use_cache) or past_key_values is not None or cache is not None
-        documents = self._packed_batch(
-            input_ids, inputs_embeds, position_ids, attention_mask,
-            seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, cached,
-        )  # fmt: skip
+        packing = packing_kwargs(self, kwargs)
+        documents = self._packed_batch(input_ids, inputs_embeds, position_ids, attention_mask, packing, cached)
         out = self._encode(
             input_ids, attention_mask, None, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
@@ -270,26 +263,21 @@ class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
         num_choices: int | None = None,
+        **kwargs: Unpack[PackedBatchKwargs],
     ) -> MultipleChoiceModelOutput | tuple:
         """Returns ``logits`` ``(batch, num_choices)``; ``labels`` ``(batch,)`` holds the right choice.
 
         A packed batch is one row ``(1, total_tokens)`` whose documents are the (context, choice) pairs, example by
         example and choice by choice (``hf_xformers.padding_free.DataCollatorForPackedDocuments``), with the
-        boundaries in any form of ``DataCollatorWithFlattening`` and ``num_choices`` (or ``labels``, one per example,
-        from which it follows)."""
+        boundaries in any form of ``DataCollatorWithFlattening`` (``position_ids``, or ``kwargs``:
+        :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) and ``num_choices`` (or ``labels``, one per example, from
+        which it follows)."""
+        packing = packing_kwargs(self, kwargs)
         ref = input_ids if input_ids is not None else inputs_embeds
         documents = None
         if ref is not None and ref.dim() == (2 if input_ids is not None else 3):
-            documents = self._packed_batch(
-                input_ids, inputs_embeds, position_ids, attention_mask,
-                seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
-            )  # fmt: skip
+            documents = self._packed_batch(input_ids, inputs_embeds, position_ids, attention_mask, packing)
         if documents is not None:
             out = self._encode(
                 input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,
@@ -358,21 +346,18 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
+        **kwargs: Unpack[PackedBatchKwargs],
     ) -> QuestionAnsweringModelOutput | tuple:
         """Returns ``start_logits`` and ``end_logits``, each ``(batch, seq_len)``.
 
-        For a packed batch (boundaries in any form of ``DataCollatorWithFlattening``) they are
+        For a packed batch (boundaries in any form of ``DataCollatorWithFlattening``: ``position_ids``, or ``kwargs``,
+        :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) they are
         ``(num_documents, longest_document)``, one row per document as its own forward gives them (places beyond a
         document's end hold the dtype's lowest value, so no softmax picks them), and ``start_positions`` /
         ``end_positions`` ``(num_documents,)`` count from each document's first token."""
         documents, out = self._encode_batch(
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
-            output_attentions, output_hidden_states, (seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k),
+            output_attentions, output_hidden_states, kwargs,
         )  # fmt: skip
         start_logits, end_logits = self.qa_outputs(out.last_hidden_state).unbind(-1)
         if documents is not None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from ..ops.input_checks import (
     check_not_empty,
@@ -20,7 +21,7 @@ from ..ops.input_checks import (
     token_shape,
     unpadded_to_none,
 )
-from ..ops.packing import PackedBatch, refuse_packed, resolve_packed_batch
+from ..ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs, refuse_packed, resolve_packed_batch
 from .embeddings import HfxTextEmbeddings
 from .encoder import HfxEncoder, HfxModelOutput, HfxPooler
 from .pretrained import HfxPreTrainedModel  # noqa: F401 (its old import path)
@@ -103,19 +104,15 @@ class HfxTextModel:
         device: torch.device,
         position_ids=None,
         attention_mask=None,
-        packing: dict | None = None,
+        packing: PackedBatchKwargs | None = None,
+        resolved: PackedBatch | None = None,
     ) -> PackedBatch | None:
         """The documents of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatch`) or None: the one a head
-        resolved (``packing["packed_batch"]``), else resolved here from the collator's keywords in ``packing``;
-        refuses a packed batch with a ``ValueError`` if the architecture sets ``packing_refusal``."""
-        packing = packing or {}
-        packed = packing.get("packed_batch")
+        ``resolved``, else resolved here from the collator's keywords ``packing``; refuses a packed batch with a
+        ``ValueError`` if the architecture sets ``packing_refusal``."""
+        packed = resolved
         if packed is None:
-            packed = resolve_packed_batch(
-                shape, device, position_ids, packing.get("seq_idx"), packing.get("cu_seq_lens_q"),
-                packing.get("cu_seq_lens_k"), packing.get("max_length_q"), packing.get("max_length_k"),
-                attention_mask,
-            )  # fmt: skip
+            packed = resolve_packed_batch(shape, device, position_ids, attention_mask=attention_mask, **(packing or {}))
         if packed is not None and self.packing_refusal is not None:
             refuse_packed(type(self).__name__, *self.packing_refusal)
         return packed
@@ -189,12 +186,8 @@ class HfxTextModel:
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
         packed_batch: PackedBatch | None = None,
+        **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxModelOutput | tuple:
         """Encode a batch, or a packed batch of documents (transformers' ``DataCollatorWithFlattening``).
 
@@ -203,11 +196,18 @@ class HfxTextModel:
             attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding.
             global_attention_mask: ``(batch, seq_len)``, 1 for tokens with global attention (architectures
                 with global attention only).
-            position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k: the boundaries of a packed batch, in any of the
-                collator's forms (:mod:`~hf_xformers.ops.packing`): every document then gets what its own forward
-                gives. ``max_length_q/k`` (Python ints): the longest document, which spares a read.
+            token_type_ids: ``(batch, seq_len)`` segment ids.
+            position_ids: ``(batch, seq_len)`` positions; restarting ones mark the documents of a packed batch.
+            inputs_embeds: ``(batch, seq_len, hidden)``, instead of ``input_ids``.
+            output_attentions: also return every layer's attention probabilities.
+            output_hidden_states: also return every layer's hidden states.
+            return_dict: a :class:`HfxModelOutput` (None: ``config.return_dict``) or a tuple.
             packed_batch: the :class:`~hf_xformers.ops.packing.PackedBatch` a head already resolved (then the
                 boundary keywords are not read again).
+            **kwargs: the boundaries of a packed batch in the collator's other forms
+                (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`: ``seq_idx``, ``cu_seq_lens_q/k``, and
+                ``max_length_q/k``, the longest document, which spares a read): every document then gets what its own
+                forward gives.
         Returns:
             :class:`HfxModelOutput` with ``last_hidden_state`` ``(batch, seq_len, hidden)`` and
             ``pooler_output`` ``(batch, hidden)`` (None without a pooler); for a packed batch ``pooler_output`` is
@@ -216,13 +216,10 @@ class HfxTextModel:
         """
         shape = token_shape(input_ids, inputs_embeds)
         device = input_ids.device if input_ids is not None else inputs_embeds.device
+        packing = packing_kwargs(self, kwargs)
         packed = None
         if len(shape) == 2:
-            packing = dict(
-                seq_idx=seq_idx, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q,
-                max_length_k=max_length_k, packed_batch=packed_batch,
-            )  # fmt: skip
-            packed = self.packed_batch(shape, device, position_ids, attention_mask, packing)
+            packed = self.packed_batch(shape, device, position_ids, attention_mask, packing, packed_batch)
         if packed is not None:
             position_ids = self.packed_position_ids(packed, position_ids)
         self._check_inputs(

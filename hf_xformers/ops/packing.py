@@ -21,44 +21,91 @@ Forms, in the order they are used when several are given:
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
+from typing_extensions import Unpack
 
 from .input_checks import is_tracing, on_host, reads_values
 
-# The keyword arguments of transformers' padding-free collator that describe document boundaries, as every text
-# model's and head's forward accepts them.
-PACKING_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+class PackedBatchKwargs(TypedDict, total=False):
+    """The keyword arguments with which transformers' padding-free collator marks the documents of a packed batch
+    (module docstring). Every text model's and head's ``forward`` takes them as ``**kwargs:
+    Unpack[PackedBatchKwargs]``, as transformers' own models take the same names (``TransformersKwargs``,
+    ``FlashAttentionKwargs``), and checks the names with :func:`packing_kwargs`.
+
+    Attributes:
+        seq_idx: ``(batch, seq_len)``, the document of every token (``DataCollatorWithFlattening(return_seq_idx=True)``).
+        cu_seq_lens_q: ``(num_documents + 1,)`` cumulative lengths of the documents of one row
+            (``return_flash_attn_kwargs=True``).
+        cu_seq_lens_k: equal to ``cu_seq_lens_q`` (attention stays inside each document).
+        max_length_q: the longest document (a Python int), which spares a read of the lengths.
+        max_length_k: equal to ``max_length_q``.
+    """
+
+    seq_idx: torch.Tensor | None
+    cu_seq_lens_q: torch.Tensor | None
+    cu_seq_lens_k: torch.Tensor | None
+    max_length_q: int | None
+    max_length_k: int | None
 
 
-def _runs(labels: torch.Tensor) -> torch.Tensor:
-    """``(batch, seq_len)`` labels -> run numbers ``0, 1, ...`` per row: a new run wherever the label changes."""
-    changes = labels[:, 1:] != labels[:, :-1]
-    return torch.cat([torch.zeros_like(labels[:, :1]), changes.long().cumsum(-1)], dim=-1)
+# The names of PackedBatchKwargs, in order.
+PACKING_KWARGS = tuple(PackedBatchKwargs.__annotations__)
+
+
+def packing_kwargs(owner: object, kwargs: dict) -> PackedBatchKwargs:
+    """``kwargs``, what the ``**kwargs`` of ``owner``'s ``forward`` collected, once they are known to be
+    :class:`PackedBatchKwargs` only (a misspelt keyword is refused, not ignored).
+
+    Raises:
+        TypeError: a keyword that is no parameter of the ``forward`` and none of :data:`PACKING_KWARGS`, named as
+            Python names an unexpected keyword argument.
+    """
+    for name in kwargs:
+        if name not in PACKING_KWARGS:
+            raise TypeError(
+                f"{type(owner).__name__}.forward() got an unexpected keyword argument {name!r} (besides its "
+                f"parameters it takes the packed batch's {', '.join(PACKING_KWARGS)})"
+            )
+    return kwargs
+
+
+def marks_documents(packing: PackedBatchKwargs) -> bool:
+    """Whether ``packing`` marks documents: ``seq_idx`` or ``cu_seq_lens_q/k`` given (the longest length alone marks
+    none)."""
+    return any(packing.get(name) is not None for name in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k"))
+
+
+def forward_keywords(forward: Callable) -> frozenset[str]:
+    """The keyword arguments ``forward`` takes: its named parameters, and :data:`PACKING_KWARGS` where it takes
+    ``**kwargs: Unpack[PackedBatchKwargs]`` (any other ``*args`` / ``**kwargs`` names nothing)."""
+    names = set()
+    for name, parameter in inspect.signature(forward).parameters.items():
+        if parameter.kind is parameter.VAR_KEYWORD:
+            if PackedBatchKwargs.__name__ in str(parameter.annotation):
+                names.update(PACKING_KWARGS)
+        elif parameter.kind is not parameter.VAR_POSITIONAL:
+            names.add(name)
+    return frozenset(names)
 
 
 def document_ids_from_inputs(
     shape: tuple[int, int],
     device: torch.device,
     position_ids: torch.Tensor | None = None,
-    seq_idx: torch.Tensor | None = None,
-    cu_seq_lens_q: torch.Tensor | None = None,
-    cu_seq_lens_k: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
+    **packing: Unpack[PackedBatchKwargs],
 ) -> torch.Tensor | None:
     """``resolve_packed_batch(...).document_ids``: the run of every token ``(batch, seq_len)``, or None for an
     ordinary batch (for callers that need nothing else of :class:`PackedBatch`). Positions alone mark documents in
     eager mode only here (callers with a cache)."""
     packed = resolve_packed_batch(
-        shape,
-        device,
-        position_ids,
-        seq_idx,
-        cu_seq_lens_q,
-        cu_seq_lens_k,
-        attention_mask=attention_mask,
-        positions_while_tracing=False,
+        shape, device, position_ids, attention_mask=attention_mask, positions_while_tracing=False, **packing
     )
     return None if packed is None else packed.document_ids
 
@@ -171,6 +218,7 @@ def _run_ids(labels: torch.Tensor, real: torch.Tensor | None) -> tuple[torch.Ten
 
 
 def _positions_in_runs(run_starts: torch.Tensor) -> torch.Tensor:
+    """``(batch, seq_len)`` long: each token's position inside its run, from 0 (``run_starts``: where runs start)."""
     index = torch.arange(run_starts.shape[1], device=run_starts.device).expand_as(run_starts)
     first = torch.where(run_starts, index, torch.zeros_like(index)).cummax(-1).values
     return index - first
@@ -338,9 +386,7 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
 
 def positions_in_documents(document_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
     """``(batch, seq_len)`` long: each token's position inside its document, counted from ``start``."""
-    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
-    first = torch.where(document_starts(document_ids), index, torch.zeros_like(index)).cummax(-1).values
-    return index - first + start
+    return _positions_in_runs(document_starts(document_ids)) + start
 
 
 def document_lengths(document_ids: torch.Tensor) -> torch.Tensor:
@@ -390,6 +436,10 @@ def refuse_packed(model_name: str, reason: str, instead: str) -> None:
 __all__ = [
     "PACKING_KWARGS",
     "PackedBatch",
+    "PackedBatchKwargs",
+    "forward_keywords",
+    "marks_documents",
+    "packing_kwargs",
     "resolve_packed_batch",
     "document_ids_from_inputs",
     "document_lengths",

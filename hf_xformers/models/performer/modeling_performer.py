@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin
 from transformers import initialization as init
+from typing_extensions import Unpack
 
 from ...attention.favor import HfxFavorSelfAttention
 from ...attention.favor_decoding import FavorState
@@ -31,7 +32,7 @@ from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
 from ...ops.compat import CACHE_NAME, cache_field, resolve_cache_argument
 from ...ops.input_checks import unpadded_to_none
-from ...ops.packing import PackedBatch
+from ...ops.packing import PackedBatch, PackedBatchKwargs, marks_documents, packing_kwargs
 from .configuration_performer import HfxPerformerConfig
 
 
@@ -162,16 +163,12 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         past_key_values: HfxPerformerCache | None = None,
         use_cache: bool | None = None,
         cache: HfxPerformerCache | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
         packed_batch: PackedBatch | None = None,
+        **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxModelOutput | tuple:
         """As :meth:`HfxTextModel.forward`, after the scheduled redraw of the projections (training mode).
 
-        A packed batch (``position_ids`` restarting per document, ``seq_idx`` or ``cu_seq_lens_q/k``, as
+        A packed batch (``position_ids`` restarting per document, or ``kwargs``: ``seq_idx`` or ``cu_seq_lens_q/k``, as
         ``DataCollatorWithFlattening`` returns them; :mod:`~hf_xformers.ops.packing`) gives every document what its
         own forward gives, bidirectional or causal. It cannot be combined with a cache (``use_cache=True`` or a
         cache passed back): packing is for training and encoding, a cache for decoding one row at a time.
@@ -184,6 +181,7 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         position, counting the tokens that are not ``pad_token_id`` as the uncached model does.
         """
         past_key_values = resolve_cache_argument(past_key_values, cache)
+        packing = packing_kwargs(self, kwargs)
         interval = self.config.feature_redraw_interval
         if self.training and interval:
             if self.training_calls and self.training_calls % interval == 0:
@@ -191,22 +189,14 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
             self.training_calls += 1
         if use_cache or past_key_values is not None:
             self._refuse_packed_with_cache(
-                input_ids,
-                inputs_embeds,
-                attention_mask,
-                position_ids,
-                seq_idx,
-                cu_seq_lens_q,
-                cu_seq_lens_k,
-                packed_batch,
+                input_ids, inputs_embeds, attention_mask, position_ids, packing, packed_batch
             )
         if use_cache and past_key_values is None:
             past_key_values = HfxPerformerCache()
         if past_key_values is None:
             return super().forward(
                 input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
-                output_attentions, output_hidden_states, return_dict, seq_idx, cu_seq_lens_q, cu_seq_lens_k,
-                max_length_q, max_length_k, packed_batch,
+                output_attentions, output_hidden_states, return_dict, packed_batch, **packing,
             )  # fmt: skip
         return self._cached_forward(
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -214,17 +204,11 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         )  # fmt: skip
 
     def _refuse_packed_with_cache(
-        self,
-        input_ids,
-        inputs_embeds,
-        attention_mask,
-        position_ids,
-        seq_idx,
-        cu_seq_lens_q,
-        cu_seq_lens_k,
-        packed_batch=None,
+        self, input_ids, inputs_embeds, attention_mask, position_ids, packing: PackedBatchKwargs, packed_batch=None
     ) -> None:
-        """A ``ValueError`` if a call with a cache is given a packed batch (a cache holds one state per row).
+        """A ``ValueError`` if a call with a cache is given a packed batch (a cache holds one state per row): in
+        ``packing`` (the forward's :class:`~hf_xformers.ops.packing.PackedBatchKwargs`), ``packed_batch`` or
+        ``position_ids``.
 
         Positions are read as document boundaries only where nothing is padded: generate() numbers a left-padded
         prompt's padding with ``padding_idx`` too, a restart that is padding, not a second document.
@@ -232,14 +216,12 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         ref = input_ids if input_ids is not None else inputs_embeds
         if ref is None or ref.dim() != (2 if input_ids is not None else 3):
             return  # the shape checks of the forward name the problem
-        explicit = seq_idx is not None or cu_seq_lens_q is not None or cu_seq_lens_k is not None
-        explicit = explicit or packed_batch is not None
+        explicit = packed_batch is not None or marks_documents(packing)
         # Restarting positions mark documents only in a single row of several tokens (a decoding step has one).
         if not explicit and (position_ids is None or ref.shape[0] != 1 or ref.shape[1] < 2):
             return
         if not explicit and unpadded_to_none(attention_mask) is not None:
             return
-        packing = dict(seq_idx=seq_idx, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k)
         if packed_batch is not None or self.packed_batch(tuple(ref.shape[:2]), ref.device, position_ids, None, packing):
             raise ValueError(
                 "A packed (padding-free) batch cannot be decoded with a cache: the cache keeps one running state per "

@@ -38,6 +38,7 @@ from torch import nn
 from transformers import GenerationMixin
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import ModelOutput
+from typing_extensions import Unpack
 
 from ...attention.chunked_local import DocumentLayout, HfxLocalSelfAttention, decode_padded_length
 from ...attention.lsh import HfxLSHSelfAttention
@@ -50,10 +51,11 @@ from ...layers.heads import (
     HfxSequenceClassificationHeadMixin,
     causal_lm_loss,
 )
+from ...layers.losses import next_token_labels
 from ...layers.pretrained import HfxPreTrainedModel
 from ...ops.fast_dropout import HfxDropout, fast_dropout
 from ...ops.input_checks import check_not_empty, check_token_ids, reads_values, unpadded_to_none
-from ...ops.packing import PackedBatch, resolve_packed_batch
+from ...ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs, resolve_packed_batch
 from ...ops.shapes import ceil_div, cut_to_length
 from .configuration_reformer import HfxReformerConfig
 from .reversible import reversible_sequence
@@ -679,12 +681,8 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         return_dict: bool | None = None,
         global_attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
         packed_batch: PackedBatch | None = None,
+        **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxReformerModelOutput | tuple:
         """Encode (or decode) a batch, or a packed batch of documents (transformers' ``DataCollatorWithFlattening``
         with ``position_ids_start=0``).
@@ -697,28 +695,26 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             num_hashes: hashing rounds for this call (None: ``config.num_hashes``).
             past_buckets_states: cache from an earlier call (decoders): the input is then one new position.
             use_cache: return a cache (decoders in eval; default ``config.use_cache``).
-            seq_idx: the boundaries of a packed batch (:mod:`~hf_xformers.ops.packing`; ``cu_seq_lens_q/k`` or
-                restarting ``position_ids`` alone mark them too, in eager mode): every document then gets what its own
-                forward gives, and each may be up to ``max_position_embeddings`` long; padding (``attention_mask``)
-                is never part of a document. Traced graphs need ``cu_seq_lens_q/k``; packed batches take no cache.
-            cu_seq_lens_q: the same boundaries as ``(num_documents + 1,)`` cumulative lengths of one row.
-            cu_seq_lens_k: equal to ``cu_seq_lens_q``.
-            max_length_q: the longest document (checked against the position table where the positions are not
-                read).
-            max_length_k: equal to ``max_length_q``.
             packed_batch: the batch's :class:`~hf_xformers.ops.packing.PackedBatch`, as the heads resolve it once
-                (None: resolved here from the arguments above and ``attention_mask``).
+                (None: resolved here from ``kwargs``, ``position_ids`` and ``attention_mask``).
+            **kwargs: the boundaries of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
+                ``seq_idx``, or ``cu_seq_lens_q/k`` as ``(num_documents + 1,)`` cumulative lengths of one row, and
+                ``max_length_q/k``, the longest document, checked against the position table where the positions are
+                not read; restarting ``position_ids`` alone mark them too, in eager mode): every document then gets
+                what its own forward gives, and each may be up to ``max_position_embeddings`` long; padding
+                (``attention_mask``) is never part of a document. Traced graphs need ``cu_seq_lens_q/k``; packed
+                batches take no cache.
         Returns:
             :class:`HfxReformerModelOutput`, ``last_hidden_state`` ``(batch, seq_len, 2 * hidden_size)``.
         """
         cache = past_buckets_states
+        packing = packing_kwargs(self, kwargs)
         reference = input_ids if input_ids is not None else inputs_embeds
         packed = packed_batch
         if packed is None and reference is not None and reference.dim() == (2 if input_ids is not None else 3):
             packed = self._resolve_packed(
-                reference, attention_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
-                max_length_k, cached=bool(use_cache) or cache is not None,
-            )  # fmt: skip
+                reference, attention_mask, position_ids, packing, cached=bool(use_cache) or cache is not None
+            )
         if packed is not None:
             position_ids = self._packed_position_ids(packed, position_ids, cache, use_cache)
             use_cache = False
@@ -768,16 +764,18 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         return _cut_output(hidden, all_hidden, all_attn, cache, seq_len, start)
 
     @staticmethod
-    def _resolve_packed(reference, attention_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
-                        max_length_k, cached: bool) -> PackedBatch | None:  # fmt: skip
-        """The documents of a packed batch (``reference``: ``input_ids`` or ``inputs_embeds``), or None, resolved as
+    def _resolve_packed(
+        reference, attention_mask, position_ids, packing: PackedBatchKwargs, cached: bool
+    ) -> PackedBatch | None:
+        """The documents of a packed batch (``reference``: ``input_ids`` or ``inputs_embeds``; ``packing``: the
+        forward's :class:`~hf_xformers.ops.packing.PackedBatchKwargs`), or None, resolved as
         the heads resolve them: with the mask (padding restarts generate()'s positions, and a padded row is never read
         as documents from its positions), and positions continuing a cache (``cached``) are positions."""
         shape = tuple(reference.shape[:2])
         return resolve_packed_batch(
-            shape, reference.device, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q,
-            max_length_k, attention_mask if attention_mask is None or attention_mask.shape == shape else None,
-            positions_while_tracing=not cached,
+            shape, reference.device, position_ids,
+            attention_mask=attention_mask if attention_mask is None or attention_mask.shape == shape else None,
+            positions_while_tracing=not cached, **packing,
         )  # fmt: skip
 
     def _padded_to_chunks(
@@ -987,34 +985,27 @@ class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel, G
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
+        **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxReformerCausalLMOutput | tuple:
         """Returns ``logits`` ``(batch, seq_len, vocab)``; the mean next-token cross-entropy with ``labels`` or
         ``shift_labels`` (summed and divided by ``num_items_in_batch`` when given, as Trainer does).
 
-        A packed batch (``DataCollatorWithFlattening(position_ids_start=0)``: restarting ``position_ids``,
-        ``seq_idx`` or ``cu_seq_lens_q/k``) is read as documents that never see each other (see
+        A packed batch (``DataCollatorWithFlattening(position_ids_start=0)``: restarting ``position_ids``, or
+        ``kwargs``, :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) is read as documents that never see each other (see
         :class:`HfxReformerModel`), and no document's last token is scored against the next document's first."""
+        packing = packing_kwargs(self, kwargs)
         documents = None
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference is not None and reference.dim() == (2 if input_ids is not None else 3):
-            documents = self._packed_batch(
-                input_ids, inputs_embeds, position_ids, attention_mask, seq_idx, cu_seq_lens_q, cu_seq_lens_k,
-                max_length_q, max_length_k, cached=bool(use_cache) or past_buckets_states is not None,
-            )  # fmt: skip
+            cached = bool(use_cache) or past_buckets_states is not None
+            documents = self._packed_batch(input_ids, inputs_embeds, position_ids, attention_mask, packing, cached)
         out = self.reformer(
             input_ids, attention_mask, position_ids, inputs_embeds, num_hashes, past_buckets_states, use_cache,
             output_attentions, output_hidden_states, return_dict=True, packed_batch=documents,
         )  # fmt: skip
         logits = self.lm_head(out.last_hidden_state)
         if documents is not None and shift_labels is None and labels is not None:
-            shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
-            next_starts = nn.functional.pad(documents.starts, (0, 1))[:, 1:]
-            shift_labels = shift_labels.masked_fill(next_starts, -100)
+            shift_labels = next_token_labels(labels, documents.starts)
         loss = causal_lm_loss(logits, labels, shift_labels, num_items_in_batch)
         result = HfxReformerCausalLMOutput(
             loss=loss, logits=logits, past_buckets_states=out.past_buckets_states,

@@ -401,6 +401,13 @@ class HfxSwinPreTrainedModel(HfxPreTrainedModel):
             if module.position_embeddings is not None:
                 init.zeros_(module.position_embeddings)
 
+    def _head_result(self, output_class: type, base_output, loss: torch.Tensor | None, **fields):
+        """A head's output (:meth:`HfxPreTrainedModel._head_result`) with the base model's
+        ``reshaped_hidden_states`` too, the hidden states as ``(batch, channels, h, w)`` maps."""
+        return super()._head_result(
+            output_class, base_output, loss, reshaped_hidden_states=base_output.reshaped_hidden_states, **fields
+        )
+
     def _check_pixel_values(self, pixel_values: torch.Tensor | None, bool_masked_pos: torch.Tensor | None = None):
         """Raise a ``ValueError`` naming the fix for inputs the model cannot take."""
         if pixel_values is None:
@@ -550,13 +557,7 @@ class HfxSwinForImageClassification(HfxSwinPreTrainedModel):
         )
         logits = self.classifier(out.pooler_output)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
-        result = HfxSwinImageClassifierOutput(
-            loss=loss,
-            logits=logits,
-            hidden_states=out.hidden_states,
-            attentions=out.attentions,
-            reshaped_hidden_states=out.reshaped_hidden_states,
-        )
+        result = self._head_result(HfxSwinImageClassifierOutput, out, loss, logits=logits)
         return self._finish(result, return_dict)
 
 
@@ -621,13 +622,7 @@ class HfxSwinForMaskedImageModeling(HfxSwinPreTrainedModel):
             error = F.l1_loss(pixel_values.float(), reconstruction.float(), reduction="none")
             loss = (error * mask).sum() / (mask.sum() + 1e-5) / self.config.num_channels
 
-        result = HfxSwinMaskedImageModelingOutput(
-            loss=loss,
-            reconstruction=reconstruction,
-            hidden_states=out.hidden_states,
-            attentions=out.attentions,
-            reshaped_hidden_states=out.reshaped_hidden_states,
-        )
+        result = self._head_result(HfxSwinMaskedImageModelingOutput, out, loss, reconstruction=reconstruction)
         return self._finish(result, return_dict)
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
+from typing_extensions import Unpack
 
 from ...attention.relative_memory import (
     HfxRelativeMemoryAttention,
@@ -32,7 +33,14 @@ from ...layers.losses import sequence_classification_loss
 from ...layers.pooling import pool_tokens
 from ...layers.pretrained import HfxPreTrainedModel
 from ...ops.input_checks import check_not_empty, check_token_ids, is_tracing, token_shape, unpadded_to_none
-from ...ops.packing import document_ids_from_inputs, refuse_packed
+from ...ops.packing import (
+    PackedBatch,
+    PackedBatchKwargs,
+    marks_documents,
+    packing_kwargs,
+    refuse_packed,
+    resolve_packed_batch,
+)
 from .adaptive_softmax import HfxAdaptiveEmbedding, HfxAdaptiveLogSoftmax
 from .configuration_transfo_xl import HfxTransfoXLConfig
 
@@ -261,19 +269,22 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         device: torch.device,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
-        boundaries: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+        packing: PackedBatchKwargs,
         packed_batch=None,
     ) -> None:
         """Raise the ``ValueError`` of :func:`~hf_xformers.ops.packing.refuse_packed` for a packed batch (several
-        documents in a row, in any of ``DataCollatorWithFlattening``'s forms: ``boundaries`` is ``(seq_idx,
-        cu_seq_lens_q, cu_seq_lens_k)``, or a head's ``packed_batch``); an ordinary batch passes.
+        documents in a row, in any of ``DataCollatorWithFlattening``'s forms: restarting ``position_ids``, ``packing``
+        (the forward's :class:`~hf_xformers.ops.packing.PackedBatchKwargs`), or a head's ``packed_batch``); an
+        ordinary batch passes.
 
         ``position_ids`` mark documents only in eager mode and where nothing is padded: ``generate()`` passes
         positions that restart at left padding (and those of every step while tracing), which are no documents.
         """
         documents = packed_batch
-        if documents is None and (position_ids is not None or any(b is not None for b in boundaries)):
-            documents = document_ids_from_inputs(shape, device, position_ids, *boundaries, attention_mask)
+        if documents is None and (position_ids is not None or marks_documents(packing)):
+            documents = resolve_packed_batch(
+                shape, device, position_ids, attention_mask=attention_mask, positions_while_tracing=False, **packing
+            )
         if documents is not None:
             refuse_packed(type(self).__name__, *PACKING_REFUSAL)
 
@@ -287,12 +298,8 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         position_ids: torch.Tensor | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
-        packed_batch=None,
+        packed_batch: PackedBatch | None = None,
+        **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxTransfoXLModelOutput | tuple:
         """Encode one segment of each stream.
 
@@ -306,17 +313,19 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
                 masked. It may also cover earlier tokens (``(batch, past + seq_len)``, what ``generate()`` passes):
                 its last ``memory + seq_len`` columns then mask the memory too; memory it does not cover counts as
                 real, and ``attentions`` then cover all of its columns (0 for tokens no longer in the memory).
-            position_ids: accepted, with ``seq_idx``, ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``packed_batch``, so
-                that a packed (padding-free) batch from ``DataCollatorWithFlattening`` is refused with a ``ValueError``
-                instead of mixing its documents (positions are relative here: ``position_ids`` of an ordinary batch
-                are not used).
+            position_ids: accepted, with ``packed_batch`` and ``kwargs``, so that a packed (padding-free) batch from
+                ``DataCollatorWithFlattening`` is refused with a ``ValueError`` instead of mixing its documents
+                (positions are relative here: ``position_ids`` of an ordinary batch are not used).
+            packed_batch: a head's :class:`~hf_xformers.ops.packing.PackedBatch`, refused as well.
+            **kwargs: the collator's other boundaries (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`), refused
+                as well.
         Returns:
             :class:`HfxTransfoXLModelOutput`.
         """
         batch, query_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, mems)
         device = input_ids.device if input_ids is not None else inputs_embeds.device
-        boundaries = (seq_idx, cu_seq_lens_q, cu_seq_lens_k)
-        self._refuse_packed((batch, query_len), device, attention_mask, position_ids, boundaries, packed_batch)
+        packing = packing_kwargs(self, kwargs)
+        self._refuse_packed((batch, query_len), device, attention_mask, position_ids, packing, packed_batch)
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -489,27 +498,22 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         position_ids: torch.Tensor | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
+        **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxTransfoXLCausalLMOutput | tuple:
         """Returns ``logits`` (log-probabilities) ``(batch, seq_len, vocab_size)`` unless ``return_logits=False``
         (training needs only the loss, which the adaptive softmax computes for the target clusters alone), the
         new ``mems``, and with ``labels`` (shifted inside) or ``shift_labels`` (already aligned; they take precedence,
         as in transformers' causal LMs) the per-token ``losses`` and their mean ``loss`` (their sum over
         ``num_items_in_batch`` when Trainer passes it). ``use_cache`` is accepted for ``generate()`` and has no effect:
-        the memories are the cache. A packed batch (``position_ids`` restarting inside a row, ``seq_idx``,
-        ``cu_seq_lens_q/k``) is refused (see :meth:`HfxTransfoXLModel.forward`).
+        the memories are the cache. A packed batch (``position_ids`` restarting inside a row, or ``kwargs``:
+        :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) is refused (see :meth:`HfxTransfoXLModel.forward`).
         """
         if shift_labels is not None:
             labels = None
         out = self.transformer(
             input_ids, mems=mems, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
-            position_ids=position_ids, seq_idx=seq_idx, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
-            max_length_q=max_length_q, max_length_k=max_length_k,
+            position_ids=position_ids, **packing_kwargs(self, kwargs),
         )  # fmt: skip
         hidden = out.last_hidden_state
         logits = None
@@ -622,11 +626,7 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         position_ids: torch.Tensor | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
+        **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxTransfoXLSequenceClassifierOutput | tuple:
         """Returns ``logits`` ``(batch, num_labels)``, the loss when ``labels`` ``(batch,)`` (or multi-hot
         ``(batch, num_labels)``) are given, and the new ``mems``. A packed batch is refused (see
@@ -634,8 +634,7 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
         out = self.transformer(
             input_ids, mems=mems, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
-            position_ids=position_ids, seq_idx=seq_idx, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
-            max_length_q=max_length_q, max_length_k=max_length_k,
+            position_ids=position_ids, **packing_kwargs(self, kwargs),
         )  # fmt: skip
         logits = self.classifier(self.dropout(self._pool(out.last_hidden_state, input_ids, attention_mask)))
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None

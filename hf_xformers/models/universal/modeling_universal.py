@@ -29,6 +29,7 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.utils import ModelOutput
+from typing_extensions import Unpack
 
 from ...attention.multi_head import attention_groups, attention_mask_4d
 from ...layers.encoder import HfxPooler
@@ -52,7 +53,7 @@ from ...ops.input_checks import (
     reads_values,
     unpadded_to_none,
 )
-from ...ops.packing import PACKING_KWARGS, PackedBatch, refuse_packed, resolve_packed_batch
+from ...ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs, refuse_packed, resolve_packed_batch
 from ...ops.varlen import DocumentLayout, compute_dtype, document_layout, varlen_applies
 from .adaptive_computation_time import HfxHaltingUnit, ponder_loss
 from .configuration_universal import HfxUniversalConfig
@@ -345,17 +346,15 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         device: torch.device,
         key_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
-        seq_idx: torch.Tensor | None,
-        cu_seq_lens_q: torch.Tensor | None,
-        cu_seq_lens_k: torch.Tensor | None,
-        max_lengths: tuple[int | None, int | None],
+        packing: PackedBatchKwargs,
         uses_cache: bool,
         encoder_hidden_states: torch.Tensor | None,
         packed_batch: PackedBatch | None = None,
     ) -> tuple[PackedBatch | None, torch.Tensor | None]:
         """``(packed, position_ids)`` of a packed batch (:mod:`~hf_xformers.ops.packing`): the documents
         ``(batch, seq_len)`` long, and positions restarting at 0 in every document (the caller's, checked, or counted
-        here), as each document's solo forward numbers them; ``(None, position_ids)`` for an ordinary batch.
+        here), as each document's solo forward numbers them; ``(None, position_ids)`` for an ordinary batch. ``packing``:
+        the forward's :class:`~hf_xformers.ops.packing.PackedBatchKwargs`.
 
         ``position_ids`` mark documents only where nothing is padded and, while tracing, no cache is used: a padded
         row's positions restart at its padding and a cached step's continue earlier tokens (``generate()`` passes
@@ -366,15 +365,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
                 cross-attention, or whose positions do not start at 0 in every document.
         """
         packed = packed_batch or resolve_packed_batch(
-            shape,
-            device,
-            position_ids,
-            seq_idx,
-            cu_seq_lens_q,
-            cu_seq_lens_k,
-            *max_lengths,
-            attention_mask=key_mask,
-            positions_while_tracing=not uses_cache,
+            shape, device, position_ids, attention_mask=key_mask, positions_while_tracing=not uses_cache, **packing
         )
         if packed is None:
             return None, position_ids
@@ -483,12 +474,8 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         cache: HfxUniversalCache | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
         packed_batch: PackedBatch | None = None,
+        **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxUniversalModelOutput | tuple:
         """Encode (or, for a decoder, continue) a batch, or a packed batch of documents (transformers'
         ``DataCollatorWithFlattening``, positions from 0: ``position_ids_start=0``).
@@ -503,15 +490,14 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
                 ``encoder_attention_mask`` ``(batch, src_len)``.
             past_key_values: a :class:`HfxUniversalCache` to extend (decoders); ``use_cache=True`` starts one.
             cache: the same, under transformers 5.24's name (pass one of the two).
-            seq_idx: the boundaries of a packed batch, in any of the collator's forms (with ``cu_seq_lens_q/k`` or
-                restarting ``position_ids``; :mod:`~hf_xformers.ops.packing`): every document then gets what its own
-                forward gives (attention, separable convolutions and positions stay inside it; ACT halts per position
-                as always). No cache and no cross-attention then.
-            cu_seq_lens_q: the same boundaries as ``(num_documents + 1,)`` cumulative lengths of one row.
-            cu_seq_lens_k: equal to ``cu_seq_lens_q``.
-            max_length_q: the longest document, as the collator's flash form gives it (the length check and the
-                varlen kernel read it instead of the device).
-            max_length_k: equal to ``max_length_q``.
+            packed_batch: the :class:`~hf_xformers.ops.packing.PackedBatch` a head already resolved (None: resolved
+                here).
+            **kwargs: the boundaries of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
+                ``seq_idx``, or ``cu_seq_lens_q/k`` as ``(num_documents + 1,)`` cumulative lengths of one row, with
+                ``max_length_q/k``, the longest document, which the length check and the varlen kernel read instead
+                of the device; restarting ``position_ids`` mark them too; :mod:`~hf_xformers.ops.packing`): every
+                document then gets what its own forward gives (attention, separable convolutions and positions stay
+                inside it; ACT halts per position as always). No cache and no cross-attention then.
         Returns:
             :class:`HfxUniversalModelOutput`; for a packed batch ``pooler_output`` is ``(num_documents, hidden)``, one
             row per document in order, and ``ponder_loss`` the mean over all real tokens of the batch (as for a
@@ -529,9 +515,8 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         # padding, and the attention gets no mask (or is_causal) so that SDPA can use its fused kernels.
         key_mask = unpadded_to_none(attention_mask.bool()) if attention_mask is not None else None
         packed, position_ids = self._packed_inputs(
-            (batch, length), device, key_mask, position_ids, seq_idx, cu_seq_lens_q, cu_seq_lens_k,
-            (max_length_q, max_length_k), past_key_values is not None or bool(use_cache), encoder_hidden_states,
-            packed_batch,
+            (batch, length), device, key_mask, position_ids, packing_kwargs(self, kwargs),
+            past_key_values is not None or bool(use_cache), encoder_hidden_states, packed_batch,
         )  # fmt: skip
         self._check_length(past_len, length, packed, position_ids)
         real_mask, position_ids = self._real_and_positions(key_mask, position_ids, (batch, length), past_len, device)
@@ -776,22 +761,18 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, 
         return_dict: bool | None = None,
         cache: HfxUniversalCache | None = None,
         position_ids: torch.Tensor | None = None,
-        seq_idx: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
+        **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxUniversalSeq2SeqLMOutput | tuple:
         """Returns ``logits`` ``(batch, tgt_len, vocab)``, the decoder cache when one is used, and with ``labels`` the
         cross-entropy (mean over labelled tokens, or sum over ``num_items_in_batch``) plus the ponder loss.
 
         ``input_ids``/``attention_mask`` ``(batch, src_len)`` feed the encoder unless ``encoder_outputs`` are given
         (``generate()`` encodes once); ``decoder_attention_mask`` is ``(batch, past + tgt_len)`` with a cache.
-        ``position_ids`` and the padding-free collator's boundaries (``seq_idx``, ``cu_seq_lens_q/k``,
-        ``max_length_q/k``) are accepted only to refuse them with a ``ValueError``: packed batches are not supported
-        here.
+        ``position_ids`` and the padding-free collator's boundaries (``kwargs``:
+        :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) are accepted only to refuse them with a ``ValueError``:
+        packed batches are not supported here.
         """
-        self._refuse_packing(position_ids, (seq_idx, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k))
+        self._refuse_packing(position_ids, packing_kwargs(self, kwargs))
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
                 input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
@@ -826,11 +807,10 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, 
         )
         return self._finish(result, return_dict)
 
-    def _refuse_packing(self, position_ids: torch.Tensor | None, packing: tuple) -> None:
+    def _refuse_packing(self, position_ids: torch.Tensor | None, packing: PackedBatchKwargs) -> None:
         """Raise the ``ValueError`` of :func:`~hf_xformers.ops.packing.refuse_packed` when ``position_ids`` or any of
-        the padding-free collator's boundaries (``packing``: the values of ``PACKING_KWARGS``, in order) is given."""
-        named = dict(zip(PACKING_KWARGS, packing))
-        given = [name for name, value in {"position_ids": position_ids, **named}.items() if value is not None]
+        the padding-free collator's boundaries (``packing``) is given."""
+        given = [name for name, value in {"position_ids": position_ids, **packing}.items() if value is not None]
         if given:
             refuse_packed(
                 type(self).__name__,

@@ -99,19 +99,12 @@ class HfxUniversalAttentionBlock(nn.Module):
         self.self = HfxUniversalAttention(config)
         self.output = HfxDenseResidual(config.hidden_size, config)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        key_value_states: torch.Tensor | None = None,
-        step: int = 0,
-        cache: HfxUniversalCache | None = None,
-        output_attentions: bool = False,
-        is_causal: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        context, probs, _ = self.self(
-            hidden_states, attention_mask, key_value_states, step, cache, output_attentions, is_causal
-        )
+    def forward(self, hidden_states: torch.Tensor, *attention_args, **attention_kwargs):
+        """``hidden_states`` ``(batch, query, hidden)`` -> (the block's output, same shape, and the attention
+        probabilities or None); the attention (:class:`~hf_xformers.attention.multi_head.HfxUniversalAttention`) gets
+        the rest of the arguments as they came (``attention_mask``, ``key_value_states``, ``step``, ``cache``,
+        ``output_attentions``, ``is_causal``)."""
+        context, probs, _ = self.self(hidden_states, *attention_args, **attention_kwargs)
         return self.output(context, hidden_states), probs
 
 
