@@ -156,10 +156,7 @@ class PackedBatch:
         ids = self.document_ids
         if ids.shape[0] != 1 or self.padded or is_tracing() or not on_host(ids.device):
             return None
-        if self.cu_seq_lens is not None:
-            ends = self.cu_seq_lens.tolist()[1:]
-            return tuple(zip([0, *ends[:-1]], ends))
-        return document_spans(ids)
+        return document_spans(ids, self.cu_seq_lens)
 
     def num_documents(self, what: str = "this head") -> int:
         """``count``, or a ``ValueError`` when it is unknown (a traced graph given restarting positions only)."""
@@ -397,10 +394,16 @@ def document_lengths(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(counts)
 
 
-def document_spans(document_ids: torch.Tensor) -> tuple[tuple[int, int], ...]:
+def document_spans(
+    document_ids: torch.Tensor, cu_seq_lens: torch.Tensor | None = None
+) -> tuple[tuple[int, int], ...]:
     """The ``(start, end)`` token spans of the documents of a single packed row ``(1, seq_len)`` (a host read: eager
-    only), for mechanisms that run each document as its own forward would (SDPA, FAVOR+ per document)."""
-    ends = torch.cumsum(document_lengths(document_ids[:1]), 0).tolist()
+    only), for mechanisms that run each document as its own forward would (SDPA, FAVOR+, BigBird per document);
+    from the row's ``cu_seq_lens`` when given (the same spans), else counted from ``document_ids``."""
+    if cu_seq_lens is not None:
+        ends = cu_seq_lens.tolist()[1:]
+    else:
+        ends = torch.cumsum(document_lengths(document_ids[:1]), 0).tolist()
     return tuple(zip([0, *ends[:-1]], ends))
 
 
