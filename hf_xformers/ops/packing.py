@@ -399,11 +399,12 @@ def document_spans(
 ) -> tuple[tuple[int, int], ...]:
     """The ``(start, end)`` token spans of the documents of a single packed row ``(1, seq_len)`` (a host read: eager
     only), for mechanisms that run each document as its own forward would (SDPA, FAVOR+, BigBird per document);
-    from the row's ``cu_seq_lens`` when given (the same spans), else counted from ``document_ids``."""
+    from the row's ``cu_seq_lens`` when given (the same spans), else the runs of equal ids in ``document_ids`` (any
+    ids: a group of padding slots is a run like a document)."""
     if cu_seq_lens is not None:
         ends = cu_seq_lens.tolist()[1:]
     else:
-        ends = torch.cumsum(document_lengths(document_ids[:1]), 0).tolist()
+        ends = torch.unique_consecutive(document_ids[0], return_counts=True)[1].cumsum(0).tolist()
     return tuple(zip([0, *ends[:-1]], ends))
 
 

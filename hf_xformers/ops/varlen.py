@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .attention_switch import flex_attention, make_block_mask
 from .input_checks import is_tracing, on_host
+from .packing import document_spans
 
 # FlashAttention's limits: 16-bit inputs, head sizes that are multiples of 8 up to 256.
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -153,17 +154,8 @@ def document_layout(
     if flex:
         return DocumentLayout(document_ids, causal, block_mask=document_block_mask(document_ids, causal))
     if document_ids.shape[0] == 1 and on_host(document_ids.device) and not is_tracing():
-        return DocumentLayout(document_ids, causal, spans=_spans(document_ids, cu_seq_lens))
+        return DocumentLayout(document_ids, causal, spans=document_spans(document_ids, cu_seq_lens))
     return DocumentLayout(document_ids, causal, mask=document_mask(document_ids, causal))
-
-
-def _spans(document_ids: torch.Tensor, cu_seq_lens: torch.Tensor | None) -> tuple[tuple[int, int], ...]:
-    """The ``(start, end)`` of every group of a single row ``(1, seq_len)`` in host memory (reads are free there)."""
-    if cu_seq_lens is not None:
-        ends = cu_seq_lens.tolist()[1:]
-    else:
-        ends = torch.unique_consecutive(document_ids[0], return_counts=True)[1].cumsum(0).tolist()
-    return tuple(zip([0, *ends[:-1]], ends))
 
 
 def document_attention(
