@@ -37,6 +37,7 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import itertools
 import json
@@ -343,9 +344,30 @@ def timed_passes(one_pass: Callable[[], None], spec: dict) -> dict:
     }
 
 
-def run_cell_here(spec: dict) -> dict:
-    """Measure one cell in this process: build documents, batches and model, check the loss in eval mode, then time
-    training passes. Returns the result row (``status`` ``ok``, ``error``, ``OOM`` or ``n/a``)."""
+class PreparedCell(SimpleNamespace):
+    """One cell ready to train: ``row`` (what was measured so far; ``status`` set when the cell cannot train),
+    ``step(batch)`` one training step, ``batches`` and ``sync()`` (CUDA: wait for the device)."""
+
+    def one_pass(self) -> None:
+        self.sync()
+        for batch in self.batches:
+            self.step(batch)
+        self.sync()
+
+    def warm_up(self, spec: dict) -> None:
+        """The untimed steps before timing (``spec["warmup_batches"]``, None: a whole pass)."""
+        count = len(self.batches) if spec["warmup_batches"] is None else min(spec["warmup_batches"], len(self.batches))
+        t0 = time.perf_counter()
+        self.sync()
+        for batch in self.batches[:count]:
+            self.step(batch)
+        self.sync()
+        self.row["warmup_s"] = time.perf_counter() - t0
+
+
+def prepare_cell(spec: dict) -> PreparedCell:
+    """Build one cell's documents, batches and model (seeded: the same weights in every scheme), check each
+    document's loss in eval mode, and make its optimizer. A cell that cannot train has ``row["status"]`` set."""
     device, dtype, scheme, batch_size = spec["device"], spec["dtype"], spec["scheme"], spec["batch_size"]
     if device == "cpu":
         torch.set_num_threads(spec["threads"])
@@ -360,37 +382,43 @@ def run_cell_here(spec: dict) -> dict:
         "documents": len(documents),
         "batch_lengths": [],
     }
+    cell = PreparedCell(
+        row=row, batches=[], step=None, sync=lambda: torch.cuda.synchronize() if device == "cuda" else None
+    )
     if device == "cpu" and spec["attn_implementation"] == "flex_attention":
         # FlexAttention has no CPU backward: training would run the "sdpa" path (ops/attention_switch.flex_applies).
-        return {**row, "status": "n/a", "error": "no CPU backward (trains on sdpa)"}
+        row.update(status="n/a", error="no CPU backward (trains on sdpa)")
+        return cell
     torch.manual_seed(spec["seed"])
     model = build_model(spec["arch"], spec["config"], table)
     try:
         model.set_attn_implementation(spec["attn_implementation"])
     except (ValueError, ImportError) as error:
-        return {**row, "status": "n/a", "error": _short(error)}
+        row.update(status="n/a", error=_short(error))
+        return cell
     model.to(device)
     row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
     row["hfx_model_src"] = hfx_source_hash(model)
     start = first_position_id(model)
     pad_id = model.config.pad_token_id
-    batches = []
     for indices in order:
         batch = collate(
             scheme, [documents[i] for i in indices], pad_id, spec["pad_multiple"], start, spec["packed_form"]
         )
-        batches.append({k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()})
+        cell.batches.append({k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()})
         row["batch_lengths"].append(list(batch["input_ids"].shape))
-    row["computed_tokens"] = sum(b["input_ids"].numel() for b in batches)
+    row["computed_tokens"] = sum(b["input_ids"].numel() for b in cell.batches)
     row["position_ids_start"] = start
 
     t0 = time.perf_counter()
     try:
-        losses = document_losses(model, batches, order, documents, device, dtype)
+        losses = document_losses(model, cell.batches, order, documents, device, dtype)
     except torch.OutOfMemoryError as error:
-        return {**row, "status": "OOM", "error": _short(error)}
+        row.update(status="OOM", error=_short(error))
+        return cell
     except Exception as error:  # noqa: BLE001 - a packed forward an architecture does not support yet
-        return {**row, "status": "error", "error": _short(error)}
+        row.update(status="error", error=_short(error))
+        return cell
     row["loss_pass_s"] = time.perf_counter() - t0
     scored = [int((labels != -100).sum()) for _, (_, labels) in sorted(documents.items())]
     row.update(
@@ -409,31 +437,27 @@ def run_cell_here(spec: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
+    cell.step = step
+    return cell
 
-    def one_pass() -> None:
-        sync()
-        for batch in batches:
-            step(batch)
-        sync()
 
+def run_cell_here(spec: dict) -> dict:
+    """Measure one cell in this process: :func:`prepare_cell`, then time training passes. Returns the result row
+    (``status`` ``ok``, ``error``, ``OOM`` or ``n/a``)."""
+    device = spec["device"]
+    cell = prepare_cell(spec)
+    row = cell.row
+    if "status" in row:
+        return row
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     base = rss_kib() * 1024
     peak = PeakRSS() if device == "cpu" else None
-    warmup = len(batches) if spec["warmup_batches"] is None else min(spec["warmup_batches"], len(batches))
     try:
-        t0 = time.perf_counter()
-        sync()
-        for batch in batches[:warmup]:
-            step(batch)
-        sync()
-        row["warmup_s"] = time.perf_counter() - t0
-        row.update(timed_passes(one_pass, spec))
+        cell.warm_up(spec)
+        row.update(timed_passes(cell.one_pass, spec))
     except torch.OutOfMemoryError as error:
         return {**row, "status": "OOM", "error": _short(error)}
     except Exception as error:  # noqa: BLE001 - training failures are reported in the table
@@ -449,17 +473,98 @@ def run_cell_here(spec: dict) -> dict:
     return row
 
 
-def run_worker_and_report(spec_json: str) -> None:
-    """The worker process's whole job: run one cell and print its row as a ``RESULT`` line."""
+def release_freed_memory() -> None:
+    """glibc's ``malloc_trim(0)``: hand the heap's free pages back to the OS (elsewhere nothing), so that peak-RSS
+    growth measured next counts what the next step allocates, not what the allocator kept from before."""
     try:
-        row = run_cell_here(json.loads(spec_json))
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def run_row_interleaved(spec: dict) -> list[dict]:
+    """Measure the three schemes of one row in this process, their passes interleaved (``--interleave``).
+
+    Each scheme is prepared (:func:`prepare_cell`) and warmed up, its memory measured over the warm-up (growth of
+    peak RSS above the RSS before it); then ``spec["repeats"]`` rounds each time one pass of every scheme, back to
+    back, in an order that rotates from round to round. A round during which other processes used more than
+    ``max_background`` of the CPU is redone (at most 3 x repeats rounds; the quietest are kept otherwise). On a
+    shared machine whose speed drifts by tens of percent over minutes, the schemes of one round meet the same
+    conditions, so their ratios hold where cells timed minutes apart do not. Returns one row per scheme (as
+    :func:`run_cell_here`), ``round_ratios`` on the packed row: packed / padded and packed / grouped per round."""
+    cells = {}
+    for scheme in SCHEMES:
+        cell = prepare_cell({**spec, "scheme": scheme})
+        if "status" not in cell.row:
+            gc.collect()
+            release_freed_memory()  # what earlier schemes freed goes back to the OS: each warm-up starts alike
+            base = rss_kib() * 1024
+            peak = PeakRSS()
+            try:
+                cell.warm_up(spec)
+            except Exception as error:  # noqa: BLE001 - training failures are reported in the table
+                cell.row.update(status="error", error=_short(error))
+            else:
+                cell.row["peak_mib"] = max(0, peak.peak_bytes() - base) / 2**20
+                cell.row["mem_method"] = f"RSS growth over the warm-up ({peak.mode}), schemes in one process"
+        cells[scheme] = cell
+    ready = [s for s in SCHEMES if "status" not in cells[s].row]
+    load = BackgroundLoad()
+    rounds: list[tuple[dict[str, float], float]] = []  # (seconds per scheme, busiest other-process CPU share)
+    waited = 0.0
+
+    def quiet_rounds() -> int:
+        return sum(other <= spec["max_background"] for _, other in rounds)
+
+    while ready and quiet_rounds() < spec["repeats"] and len(rounds) < 3 * spec["repeats"]:
+        if spec["max_background"] < 1 and waited < spec["quiet_wait"]:
+            t0 = time.perf_counter()
+            load.wait_quiet(spec["max_background"], spec["quiet_wait"] - waited)
+            waited += time.perf_counter() - t0
+        shift = len(rounds) % len(ready)
+        times, busiest = {}, 0.0
+        for scheme in ready[shift:] + ready[:shift]:
+            times[scheme], other = load.measure(cells[scheme].one_pass)
+            busiest = max(busiest, other)
+        rounds.append((times, busiest))
+    kept = [r for r in rounds if r[1] <= spec["max_background"]][: spec["repeats"]]
+    if len(kept) < spec["repeats"]:
+        kept = sorted(rounds, key=lambda r: r[1])[: spec["repeats"]]
+    for scheme in ready:
+        row = cells[scheme].row
+        times = [r[0][scheme] for r in kept]
+        row.update(
+            time_s=statistics.median(times),
+            times_s=times,
+            background_cpu=[r[1] for r in kept],
+            attempts=len(rounds),
+            waited_s=waited,
+            status="ok",
+        )
+        row["tokens_per_s"] = row["real_tokens"] / row["time_s"]
+    if len(ready) == len(SCHEMES):
+        tokens = {s: cells[s].row["real_tokens"] for s in SCHEMES}
+        cells["packed"].row["round_ratios"] = {
+            other: [(tokens["packed"] / r[0]["packed"]) / (tokens[other] / r[0][other]) for r in kept]
+            for other in ("padded", "group_by_length")
+        }
+    return [{"scheme": s, **cells[s].row} for s in SCHEMES]
+
+
+def run_worker_and_report(spec_json: str) -> None:
+    """The worker process's whole job: run one cell (or, ``--interleave``, one row) and print its row (rows) as a
+    ``RESULT`` line."""
+    spec = json.loads(spec_json)
+    try:
+        row = run_row_interleaved(spec) if spec.get("interleave") else run_cell_here(spec)
     except MemoryError as error:
         row = {"status": "OOM", "error": _short(error)}
     print("RESULT " + json.dumps(row), flush=True)
 
 
-def run_cell_in_worker(spec: dict, timeout: float, mem_limit_gib: float) -> dict:
-    """Run one cell in a fresh process (``--worker``), killed past ``timeout`` seconds or ``mem_limit_gib`` RSS."""
+def run_cell_in_worker(spec: dict, timeout: float, mem_limit_gib: float) -> dict | list[dict]:
+    """Run one cell (``--interleave``: one row, a list of three cells) in a fresh process (``--worker``), killed past
+    ``timeout`` seconds or ``mem_limit_gib`` RSS."""
     import psutil
 
     cmd = [sys.executable, "-m", "benchmarks.benchmark_packing", "--worker", json.dumps(spec)]
@@ -487,7 +592,10 @@ def run_cell_in_worker(spec: dict, timeout: float, mem_limit_gib: float) -> dict
         return {"status": killed, "error": f"killed after {wall:.0f} s", "wall_s": wall}
     for line in reversed(stdout.splitlines()):
         if line.startswith("RESULT "):
-            return {**json.loads(line[len("RESULT ") :]), "wall_s": wall}
+            result = json.loads(line[len("RESULT ") :])
+            if isinstance(result, list):  # --interleave: the row's three cells
+                return [{**r, "wall_s": wall} for r in result]
+            return {**result, "wall_s": wall}
     tail = " | ".join(stderr.strip().splitlines()[-3:])
     status = "OOM" if proc.returncode in (-9, 137) else "error"
     return {"status": status, "error": tail[-300:] or f"exit code {proc.returncode}", "wall_s": wall}
@@ -514,7 +622,9 @@ def _ratio(a: dict | None, b: dict | None, goal: float) -> str:
     if not (a and b and a["status"] == "ok" and b["status"] == "ok"):
         return "-"
     ratio = a["tokens_per_s"] / b["tokens_per_s"]
-    return f"{ratio:.2f}x" + ("" if ratio >= goal else " (below goal)")
+    rounds = a.get("round_ratios", {}).get(b["scheme"])
+    spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if rounds and len(rounds) > 1 else ""
+    return f"{ratio:.2f}x{spread}" + ("" if ratio >= goal else " (below goal)")
 
 
 def _triple(cells: dict, field: str, fmt: str) -> str:
@@ -548,7 +658,14 @@ def render_markdown(meta: dict, results: list[dict]) -> str:
         "# Packed (padding-free) training against padded batches",
         "",
         f"Real (unpadded) tokens per second of a training step (forward + backward + AdamW step, masked-LM head), "
-        f"median of {meta['repeats']} passes over the same {meta['num_batches']} batches per scheme. Documents: "
+        f"median of {meta['repeats']} passes over the same {meta['num_batches']} batches per scheme"
+        + (
+            " (the three schemes of a row in one process, their passes interleaved round by round; a ratio's range "
+            "over the rounds in brackets)"
+            if meta.get("interleave")
+            else ""
+        )
+        + ". Documents: "
         f"lengths log-uniform in [{meta['min_length']}, {meta['max_length']}] (seed {meta['seed']}), "
         f"{MASK_FRACTION:.0%} masked. Padded batches are padded to a multiple of {meta['pad_multiple']}; "
         f"group_by_length batches come from transformers' get_length_grouped_indices with mega-batches of "
@@ -702,6 +819,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="start no row (arch x dtype x attention x batch size) that would end past this many seconds "
         "(estimated from the slowest row so far); left-out rows show as skipped",
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="CPU: the three schemes of a row in one fresh process, their timed passes interleaved round by round "
+        "(ratios measured under the same machine conditions)",
+    )
     p.add_argument("--in-process", action="store_true", help="run cells in this process (default on cuda and --quick)")
     p.add_argument("--workers", action="store_true", help="with --quick: a fresh process per cell all the same")
     p.add_argument(
@@ -741,6 +864,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.warmup_batches is None and not cuda:
         args.warmup_batches = 1
     args.in_process = args.in_process or cuda
+    if args.interleave and cuda:
+        p.error("--interleave is for the CPU (on CUDA every cell already runs in one process, back to back)")
     if cuda:
         args.max_background = 1.0  # other processes' CPU load does not slow a GPU down; do not wait for quiet
     return args
@@ -807,6 +932,21 @@ def run_cell(spec: dict, args: argparse.Namespace) -> dict:
     return {**row, "wall_s": time.perf_counter() - t0}
 
 
+def run_row(spec: dict, args: argparse.Namespace) -> list[dict]:
+    """``--interleave``: the three cells of one row, measured together (:func:`run_row_interleaved`) in a fresh
+    process (this one with ``--in-process``); each row has ``status`` and ``wall_s`` (the row's)."""
+    spec = {**spec, "interleave": True}
+    t0 = time.perf_counter()
+    if args.in_process:
+        try:
+            return [{**r, "wall_s": time.perf_counter() - t0} for r in run_row_interleaved(spec)]
+        except Exception as error:  # noqa: BLE001 - one failing row must not end the run
+            result = {"status": "error", "error": _short(error), "wall_s": time.perf_counter() - t0}
+    else:
+        result = run_cell_in_worker(spec, args.timeout, args.mem_limit_gib)
+    return result if isinstance(result, list) else [{"scheme": s, **result} for s in SCHEMES]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -842,7 +982,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cuda"
         else "growth of peak RSS above the RSS once model and batches are built, "
         + (
-            "cells in one process: later cells reuse memory the allocator kept"
+            "over each scheme's warm-up pass, the row's schemes in one process (the heap trimmed before each)"
+            if args.interleave
+            else "cells in one process: later cells reuse memory the allocator kept"
             if args.in_process
             else "one fresh process per cell"
         ),
@@ -862,6 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
                 "warmup_batches",
                 "lr",
                 "threads",
+                "interleave",
             )
         },
         "simulated_batches": 400,
@@ -908,16 +1051,20 @@ def main(argv: list[str] | None = None) -> int:
             # cache keeps recompiling shapes it has seen cheap).
             torch._dynamo.reset()
         row_start = time.perf_counter()
-        # The schemes of one row back to back, so that drifts of machine load hit all three alike.
-        for scheme in SCHEMES:
-            spec = {
-                **identity,
-                "scheme": scheme,
-                "device": args.device,
-                "config": {**config, "window": args.windows[arch]},
-                **{k: getattr(args, k) for k in CELL_ARGS},
-            }
-            row = {**identity, "scheme": scheme, **run_cell(spec, args)}
+        spec = {
+            **identity,
+            "device": args.device,
+            "config": {**config, "window": args.windows[arch]},
+            **{k: getattr(args, k) for k in CELL_ARGS},
+        }
+        # The schemes of one row back to back (--interleave: pass by pass), so that drifts of machine load hit all
+        # three alike.
+        if args.interleave:
+            cells = run_row(spec, args)
+        else:
+            cells = (run_cell({**spec, "scheme": scheme}, args) for scheme in SCHEMES)  # each printed when done
+        for scheme, cell in zip(SCHEMES, cells):
+            row = {**identity, **cell, "scheme": scheme}
             results.append(row)
             summary = (
                 f"{row['tokens_per_s']:,.0f} tok/s, loss {row['mean_loss']:.4f}, {row['peak_mib']:,.0f} MiB"

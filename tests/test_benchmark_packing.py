@@ -71,3 +71,26 @@ def test_rows_past_the_time_budget_are_left_out(tmp_path):
 def test_position_ids_start_at_zero_without_a_roberta_offset(arch):
     config = dict(hidden=32, layers=1, heads=2, intermediate=64, vocab=50, window=8, dropout=0.0)
     assert bp.first_position_id(bp.build_model(arch, config, table=64)) == 0
+
+
+def test_interleaved_row_times_the_three_schemes_round_by_round(tmp_path):
+    """`--interleave` measures a row's three schemes in one process, pass by pass: every scheme trains, the packed
+    row carries its per-round ratios (one round in --quick: the table's ratio of the medians), memory is measured
+    per scheme, and the table says how it was timed."""
+    argv = ["--quick", "--interleave", "--arch", "performer", "--out", str(tmp_path), "--name", "inter"]
+    assert bp.main(argv) == 0
+    saved = json.loads((tmp_path / "inter.json").read_text())
+    assert saved["meta"]["interleave"] is True
+    rows = {r["scheme"]: r for r in saved["results"]}
+    assert sorted(rows) == sorted(bp.SCHEMES)
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["peak_mib"] >= 0 for r in rows.values()), rows
+    assert all(len(r["times_s"]) == 1 for r in rows.values())
+    rounds = rows["packed"]["round_ratios"]
+    for other in ("padded", "group_by_length"):
+        assert rounds[other] == pytest.approx([rows["packed"]["tokens_per_s"] / rows[other]["tokens_per_s"]])
+    assert "passes interleaved round by round" in (tmp_path / "inter.md").read_text()
+
+
+def test_interleave_is_refused_on_cuda():
+    with pytest.raises(SystemExit):
+        bp.parse_args(["--device", "cuda", "--interleave"])
