@@ -485,8 +485,8 @@ def release_freed_memory() -> None:
 def run_row_interleaved(spec: dict) -> list[dict]:
     """Measure the three schemes of one row in this process, their passes interleaved (``--interleave``).
 
-    Each scheme is prepared (:func:`prepare_cell`) and warmed up, its memory measured over the warm-up (growth of
-    peak RSS above the RSS before it); then ``spec["repeats"]`` rounds each time one pass of every scheme, back to
+    Each scheme is prepared (:func:`prepare_cell`) and warmed up by a whole pass over its batches, its memory measured
+    over that pass (growth of peak RSS above the RSS before it); then ``spec["repeats"]`` rounds each time one pass of every scheme, back to
     back, in an order that rotates from round to round. A round during which other processes used more than
     ``max_background`` of the CPU is redone (at most 3 x repeats rounds; the quietest are kept otherwise). On a
     shared machine whose speed drifts by tens of percent over minutes, the schemes of one round meet the same
@@ -501,7 +501,7 @@ def run_row_interleaved(spec: dict) -> list[dict]:
             base = rss_kib() * 1024
             peak = PeakRSS()
             try:
-                cell.warm_up(spec)
+                cell.warm_up({**spec, "warmup_batches": None})  # a whole pass: every batch's shape, every batch's peak
             except Exception as error:  # noqa: BLE001 - training failures are reported in the table
                 cell.row.update(status="error", error=_short(error))
             else:
