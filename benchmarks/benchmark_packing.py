@@ -486,8 +486,8 @@ def run_row_interleaved(spec: dict) -> list[dict]:
     """Measure the three schemes of one row in this process, their passes interleaved (``--interleave``).
 
     Each scheme is prepared (:func:`prepare_cell`) and warmed up by a whole pass over its batches, its memory measured
-    over that pass (growth of peak RSS above the RSS before it); then ``spec["repeats"]`` rounds each time one pass of every scheme, back to
-    back, in an order that rotates from round to round. A round during which other processes used more than
+    over that pass (growth of peak RSS above the RSS before it); then ``spec["repeats"]`` rounds each time one pass
+    of every scheme, back to back, in an order that rotates from round to round. A round during which other processes used more than
     ``max_background`` of the CPU is redone (at most 3 x repeats rounds; the quietest are kept otherwise). On a
     shared machine whose speed drifts by tens of percent over minutes, the schemes of one round meet the same
     conditions, so their ratios hold where cells timed minutes apart do not. Returns one row per scheme (as
