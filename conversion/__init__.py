@@ -1,11 +1,5 @@
-"""Checkpoint conversion tools.
+"""The repository's conversion scripts: thin wrappers of :mod:`hf_xformers.conversion`, kept beside the library as
+transformers keeps its ``convert_*`` scripts (``python -m conversion.<name> --help`` from the repository root).
 
-* :func:`conversion.convert_roberta_to_long.convert_roberta_to_long` turns a short-context RoBERTa/BERT encoder
-  into a long-context hf_xformers model (Longformer recipe: tiled position table, copied global projections).
-* :func:`conversion.convert_from_transformers.convert_from_transformers` imports a checkpoint of one of
-  ``transformers``' own efficient architectures into the matching hf_xformers class.
-
-Both are also command-line scripts, run from the repository root (``python -m conversion.<name> --help``).
-The package imports neither on its own: ``python -m`` would otherwise find the script already imported under its
-package name and run a second copy of it as ``__main__``.
+``conversion.<name>`` is the same module object as ``hf_xformers.conversion.<name>``, so old imports keep working.
 """

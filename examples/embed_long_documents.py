@@ -51,7 +51,7 @@ import torch  # noqa: E402
 from sentence_transformers import SentenceTransformer  # noqa: E402
 
 import hf_xformers  # noqa: E402, F401  (registers the hfx-* model types SentenceTransformer loads through AutoModel)
-from conversion.convert_roberta_to_long import TARGETS, convert_roberta_to_long  # noqa: E402
+from hf_xformers.conversion.convert_roberta_to_long import TARGETS, convert_roberta_to_long  # noqa: E402
 
 logger = logging.getLogger("embed_long_documents")
 

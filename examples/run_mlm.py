@@ -78,7 +78,7 @@ from transformers import (  # noqa: E402
 )
 
 import hf_xformers  # noqa: E402, F401  (registers the hfx-* model types with the Auto classes)
-from conversion.convert_roberta_to_long import copy_proj_layers  # noqa: E402
+from hf_xformers.conversion.convert_roberta_to_long import copy_proj_layers  # noqa: E402
 from examples.utils_examples import (  # noqa: E402
     LOCAL_FORMATS,
     RunArguments,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import BigBirdConfig, BigBirdForMaskedLM, BigBirdModel
 
-from conversion.convert_from_transformers import rename_bigbird_weights
+from hf_xformers.conversion.convert_from_transformers import rename_bigbird_weights
 from hf_xformers import (
     HfxBigBirdConfig,
     HfxBigBirdForMaskedLM,

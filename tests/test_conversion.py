@@ -37,8 +37,8 @@ from transformers import (  # noqa: E402
 )
 
 import hf_xformers  # noqa: E402
-from conversion.convert_from_transformers import convert_from_transformers  # noqa: E402
-from conversion.convert_roberta_to_long import convert_roberta_to_long, extend_position_table  # noqa: E402
+from hf_xformers.conversion.convert_from_transformers import convert_from_transformers  # noqa: E402
+from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long, extend_position_table  # noqa: E402
 from tests.tiny_tokenizers import SENTENCES, bert_tokenizer, roberta_tokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -443,7 +443,7 @@ def test_linformer_with_k_covering_the_input_reproduces_the_source(roberta_dir):
 def test_linformer_pooling_init_beats_random_projections(roberta_dir):
     """k < n: E and F average blocks of n / k positions. Against the source's logits that is much closer than the
     random init (measured on this tiny model, k = 16, n = 64: 0.21 against 1.1 largest logit difference)."""
-    from conversion.convert_roberta_to_long import pooling_projection
+    from hf_xformers.conversion.convert_roberta_to_long import pooling_projection
     from hf_xformers.attention.low_rank import HfxSequenceProjection
 
     pooling = pooling_projection(10, 4)

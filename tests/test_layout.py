@@ -67,9 +67,10 @@ def imports_of(name: str) -> list[tuple[int, str]]:
 
 def floor_of(name: str) -> tuple[int, str]:
     """``(floor, room)``: imports may go to a lower floor, or within the same room, never up or sideways."""
-    if name in TOP_LEVEL:
-        return 3, "top"
     parts = name.split(".")
+    # the converters (hf_xformers/conversion/) assemble whole models, as the top floor does
+    if name in TOP_LEVEL or parts[1] == "conversion":
+        return 3, "top"
     if parts[1] in ("ops", "configs"):
         return 0, parts[1]
     if parts[1] in ("attention", "layers"):

@@ -16,7 +16,7 @@ import transformers  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
-from conversion.convert_from_transformers import convert_from_transformers, reformer_lm_bias_as_ours  # noqa: E402
+from hf_xformers.conversion.convert_from_transformers import convert_from_transformers, reformer_lm_bias_as_ours  # noqa: E402
 from hf_xformers import (  # noqa: E402
     HfxReformerConfig,
     HfxReformerForCausalLM,

@@ -38,9 +38,9 @@ from transformers import (  # noqa: E402
 )
 
 import hf_xformers  # noqa: E402, F401  (registers the hfx-* model types SentenceTransformer loads through AutoModel)
-from conversion.convert_from_transformers import convert_from_transformers  # noqa: E402
-from conversion.convert_roberta_to_long import convert_roberta_to_long  # noqa: E402
-from conversion.sentence_transformers_modules import (  # noqa: E402
+from hf_xformers.conversion.convert_from_transformers import convert_from_transformers  # noqa: E402
+from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long  # noqa: E402
+from hf_xformers.conversion.sentence_transformers_modules import (  # noqa: E402
     carry_sentence_transformers_modules,
     read_sentence_transformers_modules,
 )

@@ -24,7 +24,7 @@ from transformers import (
     pipeline,
 )
 
-from conversion.convert_from_transformers import convert_from_transformers, rename_swin_weights
+from hf_xformers.conversion.convert_from_transformers import convert_from_transformers, rename_swin_weights
 from hf_xformers import (
     HfxSwinBackbone,
     HfxSwinConfig,

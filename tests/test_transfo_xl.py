@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, TrainingArguments  # noqa: E402
 
-from conversion.convert_from_transformers import convert_from_transformers  # noqa: E402
+from hf_xformers.conversion.convert_from_transformers import convert_from_transformers  # noqa: E402
 from hf_xformers import (  # noqa: E402
     HfxRecurrentTrainer,
     HfxStreamSegments,

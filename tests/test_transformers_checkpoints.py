@@ -27,7 +27,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import hf_xformers  # noqa: E402
-from conversion.convert_from_transformers import convert_from_transformers  # noqa: E402
+from hf_xformers.conversion.convert_from_transformers import convert_from_transformers  # noqa: E402
 from hf_xformers.models import ARCHITECTURES  # noqa: E402
 
 from .test_conversion import perturb_  # noqa: E402

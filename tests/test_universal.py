@@ -578,7 +578,7 @@ def _albert_checkpoint(cls, tmp_path: Path, **extra) -> tuple[nn.Module, Path]:
 
 
 def _convert(path: Path, output: Path | None = None):
-    from conversion.convert_from_transformers import convert_from_transformers
+    from hf_xformers.conversion.convert_from_transformers import convert_from_transformers
 
     return convert_from_transformers(path, output)[0]
 

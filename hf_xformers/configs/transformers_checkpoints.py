@@ -23,7 +23,7 @@ from typing import Any
 from .text_config import drop_runtime_keys
 
 # The module that imports a transformers checkpoint once and saves it in our format (errors name it).
-IMPORTER = "conversion.convert_from_transformers"
+IMPORTER = "hf_xformers.conversion.convert_from_transformers"
 
 # Keys of a saved transformers config that describe the source class or library, not the model
 # (`attention_mode` and `ignore_attention_mask` are left in the original allenai/longformer-* configs).
