@@ -43,8 +43,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForMaskedLM, AutoTokenizer  # noqa: E402
 
-from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long  # noqa: E402
 from examples import run_mlm  # noqa: E402
+from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

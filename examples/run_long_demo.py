@@ -34,8 +34,8 @@ from datasets import Dataset, load_dataset  # noqa: E402
 from sklearn.metrics import accuracy_score, f1_score  # noqa: E402
 from transformers import DataCollatorWithPadding, EvalPrediction, Trainer, TrainingArguments, set_seed  # noqa: E402
 
-from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long  # noqa: E402
 from hf_xformers import HfxLongformerForSequenceClassification  # noqa: E402
+from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long  # noqa: E402
 
 logger = logging.getLogger("run_long_demo")
 

@@ -78,7 +78,6 @@ from transformers import (  # noqa: E402
 )
 
 import hf_xformers  # noqa: E402, F401  (registers the hfx-* model types with the Auto classes)
-from hf_xformers.conversion.convert_roberta_to_long import copy_proj_layers  # noqa: E402
 from examples.utils_examples import (  # noqa: E402
     LOCAL_FORMATS,
     RunArguments,
@@ -93,6 +92,7 @@ from examples.utils_examples import (  # noqa: E402
     resume_checkpoint,
     setup_logging,
 )
+from hf_xformers.conversion.convert_roberta_to_long import copy_proj_layers  # noqa: E402
 from hf_xformers.padding_free import DataCollatorForPackedDocuments  # noqa: E402
 
 logger = logging.getLogger("run_mlm")

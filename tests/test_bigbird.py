@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import BigBirdConfig, BigBirdForMaskedLM, BigBirdModel
 
-from hf_xformers.conversion.convert_from_transformers import rename_bigbird_weights
 from hf_xformers import (
     HfxBigBirdConfig,
     HfxBigBirdForMaskedLM,
@@ -17,6 +16,7 @@ from hf_xformers import (
     HfxBigBirdForTokenClassification,
     HfxBigBirdModel,
 )
+from hf_xformers.conversion.convert_from_transformers import rename_bigbird_weights
 
 from .conformance import TextModelConformance
 

@@ -443,8 +443,8 @@ def test_linformer_with_k_covering_the_input_reproduces_the_source(roberta_dir):
 def test_linformer_pooling_init_beats_random_projections(roberta_dir):
     """k < n: E and F average blocks of n / k positions. Against the source's logits that is much closer than the
     random init (measured on this tiny model, k = 16, n = 64: 0.21 against 1.1 largest logit difference)."""
-    from hf_xformers.conversion.convert_roberta_to_long import pooling_projection
     from hf_xformers.attention.low_rank import HfxSequenceProjection
+    from hf_xformers.conversion.convert_roberta_to_long import pooling_projection
 
     pooling = pooling_projection(10, 4)
     torch.testing.assert_close(pooling.sum(0), torch.ones(4))

@@ -17,11 +17,11 @@ from huggingface_hub import ModelCard
 from transformers import LongformerConfig, LongformerForMaskedLM, RobertaConfig, RobertaForMaskedLM, TrainingArguments
 
 import hf_xformers
-from hf_xformers.conversion.convert_from_transformers import convert_from_transformers
-from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long
 from examples import run_clm, run_glue, run_image_classification, run_mlm, run_wikihop, utils_examples
 from hf_xformers import card
 from hf_xformers.card import CARD_DATA_FILE, build_model_card, save_card_data, template_path, write_model_card
+from hf_xformers.conversion.convert_from_transformers import convert_from_transformers
+from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long
 from hf_xformers.export import export_for_hub, exported_modules
 from hf_xformers.registration import REGISTRY
 from tests.tiny_tokenizers import SENTENCES, roberta_tokenizer

@@ -16,7 +16,6 @@ import transformers  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
-from hf_xformers.conversion.convert_from_transformers import convert_from_transformers, reformer_lm_bias_as_ours  # noqa: E402
 from hf_xformers import (  # noqa: E402
     HfxReformerConfig,
     HfxReformerForCausalLM,
@@ -28,6 +27,7 @@ from hf_xformers import (  # noqa: E402
 from hf_xformers.attention.chunked_local import HfxLocalSelfAttention, decode_padded_length  # noqa: E402
 from hf_xformers.attention.lsh import SELF_MASK_VALUE, HfxLSHSelfAttention, self_mask_value  # noqa: E402
 from hf_xformers.attention.lsh_hashing import draw_rotations, hash_buckets  # noqa: E402
+from hf_xformers.conversion.convert_from_transformers import convert_from_transformers, reformer_lm_bias_as_ours  # noqa: E402
 from hf_xformers.models.reformer import reversible as reversible_module  # noqa: E402
 from hf_xformers.ops.fast_dropout import fast_dropout  # noqa: E402
 from hf_xformers.ops.precision import mask_value  # noqa: E402

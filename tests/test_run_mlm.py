@@ -21,8 +21,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForMaskedLM, AutoTokenizer, RobertaConfig, RobertaForMaskedLM  # noqa: E402
 
 import hf_xformers  # noqa: E402
-from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long, copy_proj_layers  # noqa: E402
 from examples import run_mlm  # noqa: E402
+from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long, copy_proj_layers  # noqa: E402
 from tests.tiny_tokenizers import SENTENCES, roberta_tokenizer  # noqa: E402
 
 SOURCE_TOKENS = 32

@@ -24,7 +24,6 @@ from transformers import (
     pipeline,
 )
 
-from hf_xformers.conversion.convert_from_transformers import convert_from_transformers, rename_swin_weights
 from hf_xformers import (
     HfxSwinBackbone,
     HfxSwinConfig,
@@ -34,6 +33,7 @@ from hf_xformers import (
     HfxSwinModel,
 )
 from hf_xformers.attention.shifted_window import HfxShiftedWindowSelfAttention
+from hf_xformers.conversion.convert_from_transformers import convert_from_transformers, rename_swin_weights
 from hf_xformers.models.swin.modeling_swin import stage_grids
 
 from .conformance_vision import HostReadCounter, VisionModelConformance, pixel_values, random_images

@@ -21,7 +21,6 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, TrainingArguments  # noqa: E402
 
-from hf_xformers.conversion.convert_from_transformers import convert_from_transformers  # noqa: E402
 from hf_xformers import (  # noqa: E402
     HfxRecurrentTrainer,
     HfxStreamSegments,
@@ -31,6 +30,7 @@ from hf_xformers import (  # noqa: E402
     HfxTransfoXLModel,
 )
 from hf_xformers.attention.relative_memory import sinusoid_positions  # noqa: E402
+from hf_xformers.conversion.convert_from_transformers import convert_from_transformers  # noqa: E402
 from hf_xformers.models.transfo_xl.adaptive_softmax import HfxAdaptiveLogSoftmax  # noqa: E402
 from hf_xformers.ops.compat import CACHE_NAME  # noqa: E402
 from tests.conformance import NUM_LABELS, SEQ_LEN, VOCAB, TextModelConformance, _ids  # noqa: E402
