@@ -48,8 +48,10 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
 # The documentation site (mkdocs.yml, docs/): into site/, failing on any warning (a broken link, a docstring that
-# does not match its signature). tests/test_docs.py runs the same build.
+# does not match its signature). tests/test_docs.py runs the same build. First the architecture pages' attention
+# pictures (docs/images/attention_*.png) are drawn again from tiny models (scripts/draw_attention.py, ~15 s).
 docs: $(VENV)/.installed
+	$(PY) scripts/draw_attention.py
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: $(VENV)/.installed
