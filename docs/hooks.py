@@ -3,6 +3,12 @@
 * The benchmark plots stay where the benchmarks write them (``benchmarks/results/**/*.png``); this hook adds them to
   the site at the same relative path, so a page links ``benchmarks/results/<name>.png`` and ``--strict`` checks the
   link like any other, without a second copy of the plots in git.
+* Benchmark result pages show every committed table beside its plot without a copy: a line
+  ``<!-- benchmark-result: NAME -->`` (``NAME`` relative to ``benchmarks/results/``, without ``.md``) becomes the
+  plot ``NAME.png``, when there is one, followed by the table ``NAME.md`` without its title and with its sections one
+  level down, under the page's own ``##`` heading.
+* The header shows the package's version (pyproject.toml's ``version``) after the site name, so a reader knows which
+  release a page describes; CHANGELOG.md, shown as the Changelog page, says what each release holds.
 * griffe cannot read the architectures' ``__all__`` (``["ARCHITECTURE", *ARCHITECTURE.exports]``, built from each
   declaration) and warns once per architecture; under ``--strict`` that would fail every build although nothing in
   the documentation is wrong. Only that message, for those modules, is dropped: every other griffe warning (a
@@ -12,6 +18,7 @@
 from __future__ import annotations
 
 import logging
+import posixpath
 import re
 from pathlib import Path
 
@@ -19,6 +26,15 @@ from mkdocs.structure.files import File, Files
 
 REPO = Path(__file__).resolve().parents[1]
 PLOTS = REPO / "benchmarks" / "results"
+
+
+def package_version() -> str:
+    """``version`` of pyproject.toml's ``[project]`` table (read as text: tomllib is Python 3.11+)."""
+    text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    match = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M)
+    if match is None:
+        raise ValueError('pyproject.toml has no version = "..." line; the docs header shows it')
+    return match.group(1)
 
 
 class _DynamicAllFilter(logging.Filter):
@@ -44,6 +60,11 @@ def benchmark_plots() -> list[Path]:
     return sorted(PLOTS.rglob("*.png"))
 
 
+def on_config(config):
+    config.site_name = f"{config.site_name} {package_version()}"
+    return config
+
+
 def on_files(files: Files, config) -> Files:
     for path in benchmark_plots():
         uri = path.relative_to(REPO).as_posix()
@@ -60,6 +81,36 @@ _SPHINX_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|data|attr|exc|obj):<
 def _role(match: re.Match) -> str:
     name = match.group(2).rsplit(".", 1)[-1] if match.group(1) else match.group(2)
     return f"<code>{name}</code>"
+
+
+RESULT_MARKER = re.compile(r"^<!-- benchmark-result: ([\w./-]+) -->$", re.M)
+
+
+def result_markers(markdown: str) -> list[str]:
+    """The result names that ``markdown``'s ``<!-- benchmark-result: NAME -->`` lines show."""
+    return RESULT_MARKER.findall(markdown)
+
+
+def _result_block(name: str, page_uri: str) -> str:
+    table = PLOTS / f"{name}.md"
+    if not table.is_file():
+        raise ValueError(f"{page_uri} shows benchmark result {name!r}, but benchmarks/results/{name}.md does not exist")
+    parts = []
+    plot = PLOTS / f"{name}.png"
+    if plot.is_file():
+        link = posixpath.relpath(plot.relative_to(REPO).as_posix(), posixpath.dirname(page_uri) or ".")
+        parts.append(f"![{posixpath.basename(name)}]({link})")
+    body = table.read_text(encoding="utf-8")
+    # The page's own `## ` heading names the result: the table's title goes, its sections move one level down.
+    body = re.sub(r"\A# [^\n]*\n", "", body)
+    body = re.sub(r"^(#{2,5}) ", lambda m: m.group(1) + "# ", body, flags=re.M)
+    parts.append(body.strip())
+    parts.append(f"*Source: `benchmarks/results/{name}.md`.*")
+    return "\n\n".join(parts)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    return RESULT_MARKER.sub(lambda m: _result_block(m.group(1), page.file.src_uri), markdown)
 
 
 def on_page_content(html: str, page, config, files) -> str:
