@@ -166,6 +166,38 @@ def test_every_benchmark_plot_is_shown(site):
         assert copy.resolve() in shown, f"no page shows {plot.relative_to(REPO)}"
 
 
+def test_every_benchmark_table_is_shown(site):
+    """Every committed result table (``benchmarks/results/**/*.md``) is on a results page, beside its plot, through
+    a ``<!-- benchmark-result: NAME -->`` line that docs/hooks.py expands."""
+    results = REPO / "benchmarks" / "results"
+    shown = {}
+    for page in (REPO / "docs").rglob("*.md"):
+        for name in re.findall(r"^<!-- benchmark-result: ([\w./-]+) -->$", page.read_text(encoding="utf-8"), re.M):
+            shown[name] = page.relative_to(REPO / "docs")
+    tables = sorted(path.relative_to(results).with_suffix("").as_posix() for path in results.rglob("*.md"))
+    assert tables
+    missing = [name for name in tables if name not in shown]
+    assert not missing, f"benchmark results on no page (add a benchmark-result line to docs/results/): {missing}"
+    for name, page in shown.items():
+        html = (site / page.with_suffix(".html")).read_text(encoding="utf-8")
+        # The table's first data row is on the built page, and the marker itself is gone.
+        first_row = next(
+            line for line in (results / f"{name}.md").read_text(encoding="utf-8").splitlines() if line.startswith("| ")
+        )
+        first_cell = first_row.strip("|").split("|")[0].strip().strip("`")
+        assert first_cell in html, f"{page}: the table of {name} is not on the page"
+        assert f"benchmark-result: {name}" not in html
+
+
+def test_header_shows_the_version(site):
+    version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    index = (site / "index.html").read_text(encoding="utf-8")
+    assert f"hf_xformers {version}" in index
+    # The changelog page is CHANGELOG.md, included (one source).
+    changelog = (site / "changelog.html").read_text(encoding="utf-8")
+    assert "Unreleased" in changelog and version in changelog
+
+
 def test_strict_build_fails_on_a_docstring_that_does_not_match_its_signature(tmp_path):
     """The repository's mkdocstrings settings and hooks, on a module whose docstring documents a parameter the
     function does not have: the strict build must fail and name it (so such docstrings in hf_xformers fail the site
