@@ -5,8 +5,8 @@
   link like any other, without a second copy of the plots in git.
 * Benchmark result pages show every committed table beside its plot without a copy: a line
   ``<!-- benchmark-result: NAME -->`` (``NAME`` relative to ``benchmarks/results/``, without ``.md``) becomes the
-  plot ``NAME.png``, when there is one, followed by the table ``NAME.md`` without its title and with its sections one
-  level down, under the page's own ``##`` heading.
+  plot ``NAME.png``, when there is one, followed by the table ``NAME.md`` without its title and with its sections two
+  levels down (h4), under the page's own ``##`` heading.
 * The header shows the package's version (pyproject.toml's ``version``) after the site name, so a reader knows which
   release a page describes; CHANGELOG.md, shown as the Changelog page, says what each release holds.
 * griffe cannot read the architectures' ``__all__`` (``["ARCHITECTURE", *ARCHITECTURE.exports]``, built from each
@@ -101,9 +101,10 @@ def _result_block(name: str, page_uri: str) -> str:
         link = posixpath.relpath(plot.relative_to(REPO).as_posix(), posixpath.dirname(page_uri) or ".")
         parts.append(f"![{posixpath.basename(name)}]({link})")
     body = table.read_text(encoding="utf-8")
-    # The page's own `## ` heading names the result: the table's title goes, its sections move one level down.
+    # The page's own `## ` heading names the result: the table's title goes, and its sections move two levels down
+    # (h4: out of the table of contents, which lists the results, not every mode of each).
     body = re.sub(r"\A# [^\n]*\n", "", body)
-    body = re.sub(r"^(#{2,5}) ", lambda m: m.group(1) + "# ", body, flags=re.M)
+    body = re.sub(r"^(#{2,4}) ", lambda m: m.group(1) + "## ", body, flags=re.M)
     parts.append(body.strip())
     parts.append(f"*Source: `benchmarks/results/{name}.md`.*")
     return "\n\n".join(parts)
