@@ -110,13 +110,14 @@ class HfxBigBirdModel(HfxTextModel, HfxBigBirdPreTrainedModel):
         >>> import torch
         >>> from hf_xformers import HfxBigBirdConfig, HfxBigBirdModel
         >>> config = HfxBigBirdConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     block_size=4, num_random_blocks=1, max_position_embeddings=64,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, block_size=4,
+        ...     num_random_blocks=1, max_position_embeddings=64,
         ... )
         >>> model = HfxBigBirdModel(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
         >>> attention_mask = torch.ones(2, 40, dtype=torch.long)
-        >>> attention_mask[1, 30:] = 0  # the second sequence has 30 tokens, then padding
+        >>> attention_mask[1, 30:] = 0  # the second sequence: 30 tokens, then padding
         >>> out = model(input_ids, attention_mask=attention_mask)
         >>> out.last_hidden_state.shape, out.pooler_output.shape
         (torch.Size([2, 40, 32]), torch.Size([2, 32]))
@@ -160,8 +161,9 @@ class HfxBigBirdForMaskedLM(HfxMaskedLMHeadMixin, HfxBigBirdPreTrainedModel):
         >>> import torch
         >>> from hf_xformers import HfxBigBirdConfig, HfxBigBirdForMaskedLM
         >>> config = HfxBigBirdConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     block_size=4, num_random_blocks=1, max_position_embeddings=64,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, block_size=4,
+        ...     num_random_blocks=1, max_position_embeddings=64,
         ... )
         >>> model = HfxBigBirdForMaskedLM(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
@@ -185,20 +187,24 @@ class HfxBigBirdForSequenceClassification(HfxSequenceClassificationHeadMixin, Hf
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxBigBirdConfig, HfxBigBirdForSequenceClassification
+        >>> from hf_xformers import HfxBigBirdConfig
+        >>> from hf_xformers import HfxBigBirdForSequenceClassification
         >>> config = HfxBigBirdConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     block_size=4, num_random_blocks=1, max_position_embeddings=64, num_labels=3,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, block_size=4,
+        ...     num_random_blocks=1, max_position_embeddings=64, num_labels=3,
         ... )
         >>> model = HfxBigBirdForSequenceClassification(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
         >>> model(input_ids, labels=torch.tensor([0, 2])).logits.shape
         torch.Size([2, 3])
-        >>> # Two documents of 25 and 15 tokens packed in one row, as DataCollatorForPackedDocuments sends them:
+        >>> # Two documents of 25 and 15 tokens packed in one row, as
+        >>> # DataCollatorForPackedDocuments sends them: one row of logits each
         >>> cu_seq_lens = torch.tensor([0, 25, 40], dtype=torch.int32)
-        >>> out = model(input_ids[:1], cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=25,
-        ...             max_length_k=25, labels=torch.tensor([1, 0]))
-        >>> out.logits.shape  # one row per document
+        >>> out = model(input_ids[:1], labels=torch.tensor([1, 0]),
+        ...             cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens,
+        ...             max_length_q=25, max_length_k=25)
+        >>> out.logits.shape
         torch.Size([2, 3])
     """
 
@@ -213,11 +219,12 @@ class HfxBigBirdForMultipleChoice(HfxMultipleChoiceHeadMixin, HfxBigBirdPreTrain
         >>> import torch
         >>> from hf_xformers import HfxBigBirdConfig, HfxBigBirdForMultipleChoice
         >>> config = HfxBigBirdConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     block_size=4, num_random_blocks=1, max_position_embeddings=64,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, block_size=4,
+        ...     num_random_blocks=1, max_position_embeddings=64,
         ... )
         >>> model = HfxBigBirdForMultipleChoice(config).eval()
-        >>> input_ids = torch.randint(5, 100, (2, 4, 24))  # 2 examples of 4 (context, choice) pairs
+        >>> input_ids = torch.randint(5, 100, (2, 4, 24))  # 2 examples, 4 choices
         >>> input_ids[..., 16:18] = config.sep_token_id  # context </s></s> choice
         >>> model(input_ids, labels=torch.tensor([3, 0])).logits.shape
         torch.Size([2, 4])
@@ -233,13 +240,15 @@ class HfxBigBirdForQuestionAnswering(HfxQuestionAnsweringHeadMixin, HfxBigBirdPr
         >>> import torch
         >>> from hf_xformers import HfxBigBirdConfig, HfxBigBirdForQuestionAnswering
         >>> config = HfxBigBirdConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     block_size=4, num_random_blocks=1, max_position_embeddings=64,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, block_size=4,
+        ...     num_random_blocks=1, max_position_embeddings=64,
         ... )
         >>> model = HfxBigBirdForQuestionAnswering(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
         >>> input_ids[:, 6:8] = config.sep_token_id  # question </s></s> context
-        >>> out = model(input_ids, start_positions=torch.tensor([12, 20]), end_positions=torch.tensor([14, 25]))
+        >>> start, end = torch.tensor([12, 20]), torch.tensor([14, 25])
+        >>> out = model(input_ids, start_positions=start, end_positions=end)
         >>> out.start_logits.shape, out.end_logits.shape
         (torch.Size([2, 40]), torch.Size([2, 40]))
     """
@@ -254,8 +263,9 @@ class HfxBigBirdForTokenClassification(HfxTokenClassificationHeadMixin, HfxBigBi
         >>> import torch
         >>> from hf_xformers import HfxBigBirdConfig, HfxBigBirdForTokenClassification
         >>> config = HfxBigBirdConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     block_size=4, num_random_blocks=1, max_position_embeddings=64, num_labels=5,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, block_size=4,
+        ...     num_random_blocks=1, max_position_embeddings=64, num_labels=5,
         ... )
         >>> model = HfxBigBirdForTokenClassification(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))

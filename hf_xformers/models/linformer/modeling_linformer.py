@@ -50,13 +50,14 @@ class HfxLinformerModel(HfxTextModel, HfxLinformerPreTrainedModel):
         >>> import torch
         >>> from hf_xformers import HfxLinformerConfig, HfxLinformerModel
         >>> config = HfxLinformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     linformer_k=16, max_position_embeddings=66,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, linformer_k=16,
+        ...     max_position_embeddings=66,
         ... )
         >>> model = HfxLinformerModel(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
         >>> attention_mask = torch.ones(2, 40, dtype=torch.long)
-        >>> attention_mask[1, 30:] = 0  # the second sequence has 30 tokens, then padding
+        >>> attention_mask[1, 30:] = 0  # the second sequence: 30 tokens, then padding
         >>> out = model(input_ids, attention_mask=attention_mask)
         >>> out.last_hidden_state.shape, out.pooler_output.shape
         (torch.Size([2, 40, 32]), torch.Size([2, 32]))
@@ -103,8 +104,9 @@ class HfxLinformerForMaskedLM(HfxMaskedLMHeadMixin, HfxLinformerPreTrainedModel)
         >>> import torch
         >>> from hf_xformers import HfxLinformerConfig, HfxLinformerForMaskedLM
         >>> config = HfxLinformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     linformer_k=16, max_position_embeddings=66,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, linformer_k=16,
+        ...     max_position_embeddings=66,
         ... )
         >>> model = HfxLinformerForMaskedLM(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
@@ -127,10 +129,12 @@ class HfxLinformerForSequenceClassification(HfxSequenceClassificationHeadMixin, 
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxLinformerConfig, HfxLinformerForSequenceClassification
+        >>> from hf_xformers import HfxLinformerConfig
+        >>> from hf_xformers import HfxLinformerForSequenceClassification
         >>> config = HfxLinformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     linformer_k=16, max_position_embeddings=66, num_labels=3,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, linformer_k=16,
+        ...     max_position_embeddings=66, num_labels=3,
         ... )
         >>> model = HfxLinformerForSequenceClassification(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
@@ -149,11 +153,12 @@ class HfxLinformerForMultipleChoice(HfxMultipleChoiceHeadMixin, HfxLinformerPreT
         >>> import torch
         >>> from hf_xformers import HfxLinformerConfig, HfxLinformerForMultipleChoice
         >>> config = HfxLinformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     linformer_k=16, max_position_embeddings=66,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, linformer_k=16,
+        ...     max_position_embeddings=66,
         ... )
         >>> model = HfxLinformerForMultipleChoice(config).eval()
-        >>> input_ids = torch.randint(5, 100, (2, 4, 24))  # 2 examples of 4 (context, choice) pairs
+        >>> input_ids = torch.randint(5, 100, (2, 4, 24))  # 2 examples, 4 choices
         >>> input_ids[..., 16:18] = config.sep_token_id  # context </s></s> choice
         >>> model(input_ids, labels=torch.tensor([3, 0])).logits.shape
         torch.Size([2, 4])
@@ -167,15 +172,18 @@ class HfxLinformerForQuestionAnswering(HfxQuestionAnsweringHeadMixin, HfxLinform
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxLinformerConfig, HfxLinformerForQuestionAnswering
+        >>> from hf_xformers import HfxLinformerConfig
+        >>> from hf_xformers import HfxLinformerForQuestionAnswering
         >>> config = HfxLinformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     linformer_k=16, max_position_embeddings=66,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, linformer_k=16,
+        ...     max_position_embeddings=66,
         ... )
         >>> model = HfxLinformerForQuestionAnswering(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
         >>> input_ids[:, 6:8] = config.sep_token_id  # question </s></s> context
-        >>> out = model(input_ids, start_positions=torch.tensor([12, 20]), end_positions=torch.tensor([14, 25]))
+        >>> start, end = torch.tensor([12, 20]), torch.tensor([14, 25])
+        >>> out = model(input_ids, start_positions=start, end_positions=end)
         >>> out.start_logits.shape, out.end_logits.shape
         (torch.Size([2, 40]), torch.Size([2, 40]))
     """
@@ -188,10 +196,12 @@ class HfxLinformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxLin
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxLinformerConfig, HfxLinformerForTokenClassification
+        >>> from hf_xformers import HfxLinformerConfig
+        >>> from hf_xformers import HfxLinformerForTokenClassification
         >>> config = HfxLinformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     linformer_k=16, max_position_embeddings=66, num_labels=5,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, linformer_k=16,
+        ...     max_position_embeddings=66, num_labels=5,
         ... )
         >>> model = HfxLinformerForTokenClassification(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))

@@ -117,13 +117,14 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
         >>> import torch
         >>> from hf_xformers import HfxLongformerConfig, HfxLongformerModel
         >>> config = HfxLongformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     attention_window=8, max_position_embeddings=66,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, attention_window=8,
+        ...     max_position_embeddings=66,
         ... )
         >>> model = HfxLongformerModel(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
         >>> attention_mask = torch.ones(2, 40, dtype=torch.long)
-        >>> attention_mask[1, 30:] = 0  # the second sequence has 30 tokens, then padding
+        >>> attention_mask[1, 30:] = 0  # the second sequence: 30 tokens, then padding
         >>> out = model(input_ids, attention_mask=attention_mask)
         >>> out.last_hidden_state.shape, out.pooler_output.shape
         (torch.Size([2, 40, 32]), torch.Size([2, 32]))
@@ -181,8 +182,9 @@ class HfxLongformerForMaskedLM(HfxMaskedLMHeadMixin, HfxLongformerPreTrainedMode
         >>> import torch
         >>> from hf_xformers import HfxLongformerConfig, HfxLongformerForMaskedLM
         >>> config = HfxLongformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     attention_window=8, max_position_embeddings=66,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, attention_window=8,
+        ...     max_position_embeddings=66,
         ... )
         >>> model = HfxLongformerForMaskedLM(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
@@ -205,20 +207,24 @@ class HfxLongformerForSequenceClassification(HfxSequenceClassificationHeadMixin,
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxLongformerConfig, HfxLongformerForSequenceClassification
+        >>> from hf_xformers import HfxLongformerConfig
+        >>> from hf_xformers import HfxLongformerForSequenceClassification
         >>> config = HfxLongformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     attention_window=8, max_position_embeddings=66, num_labels=3,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, attention_window=8,
+        ...     max_position_embeddings=66, num_labels=3,
         ... )
         >>> model = HfxLongformerForSequenceClassification(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
         >>> model(input_ids, labels=torch.tensor([0, 2])).logits.shape
         torch.Size([2, 3])
-        >>> # Two documents of 25 and 15 tokens packed in one row, as DataCollatorForPackedDocuments sends them:
+        >>> # Two documents of 25 and 15 tokens packed in one row, as
+        >>> # DataCollatorForPackedDocuments sends them: one row of logits each
         >>> cu_seq_lens = torch.tensor([0, 25, 40], dtype=torch.int32)
-        >>> out = model(input_ids[:1], cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=25,
-        ...             max_length_k=25, labels=torch.tensor([1, 0]))
-        >>> out.logits.shape  # one row per document
+        >>> out = model(input_ids[:1], labels=torch.tensor([1, 0]),
+        ...             cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens,
+        ...             max_length_q=25, max_length_k=25)
+        >>> out.logits.shape
         torch.Size([2, 3])
     """
 
@@ -245,13 +251,15 @@ class HfxLongformerForMultipleChoice(HfxMultipleChoiceHeadMixin, HfxLongformerPr
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxLongformerConfig, HfxLongformerForMultipleChoice
+        >>> from hf_xformers import HfxLongformerConfig
+        >>> from hf_xformers import HfxLongformerForMultipleChoice
         >>> config = HfxLongformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     attention_window=8, max_position_embeddings=66,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, attention_window=8,
+        ...     max_position_embeddings=66,
         ... )
         >>> model = HfxLongformerForMultipleChoice(config).eval()
-        >>> input_ids = torch.randint(5, 100, (2, 4, 24))  # 2 examples of 4 (context, choice) pairs
+        >>> input_ids = torch.randint(5, 100, (2, 4, 24))  # 2 examples, 4 choices
         >>> input_ids[..., 16:18] = config.sep_token_id  # context </s></s> choice
         >>> model(input_ids, labels=torch.tensor([3, 0])).logits.shape
         torch.Size([2, 4])
@@ -266,15 +274,18 @@ class HfxLongformerForQuestionAnswering(HfxQuestionAnsweringHeadMixin, HfxLongfo
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxLongformerConfig, HfxLongformerForQuestionAnswering
+        >>> from hf_xformers import HfxLongformerConfig
+        >>> from hf_xformers import HfxLongformerForQuestionAnswering
         >>> config = HfxLongformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     attention_window=8, max_position_embeddings=66,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, attention_window=8,
+        ...     max_position_embeddings=66,
         ... )
         >>> model = HfxLongformerForQuestionAnswering(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
         >>> input_ids[:, 6:8] = config.sep_token_id  # question </s></s> context
-        >>> out = model(input_ids, start_positions=torch.tensor([12, 20]), end_positions=torch.tensor([14, 25]))
+        >>> start, end = torch.tensor([12, 20]), torch.tensor([14, 25])
+        >>> out = model(input_ids, start_positions=start, end_positions=end)
         >>> out.start_logits.shape, out.end_logits.shape
         (torch.Size([2, 40]), torch.Size([2, 40]))
     """
@@ -287,10 +298,12 @@ class HfxLongformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxLo
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxLongformerConfig, HfxLongformerForTokenClassification
+        >>> from hf_xformers import HfxLongformerConfig
+        >>> from hf_xformers import HfxLongformerForTokenClassification
         >>> config = HfxLongformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     attention_window=8, max_position_embeddings=66, num_labels=5,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, attention_window=8,
+        ...     max_position_embeddings=66, num_labels=5,
         ... )
         >>> model = HfxLongformerForTokenClassification(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))

@@ -133,13 +133,14 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         >>> import torch
         >>> from hf_xformers import HfxPerformerConfig, HfxPerformerModel
         >>> config = HfxPerformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     num_random_features=16, max_position_embeddings=66,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66,
         ... )
         >>> model = HfxPerformerModel(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
         >>> attention_mask = torch.ones(2, 40, dtype=torch.long)
-        >>> attention_mask[1, 30:] = 0  # the second sequence has 30 tokens, then padding
+        >>> attention_mask[1, 30:] = 0  # the second sequence: 30 tokens, then padding
         >>> out = model(input_ids, attention_mask=attention_mask)
         >>> out.last_hidden_state.shape, out.pooler_output.shape
         (torch.Size([2, 40, 32]), torch.Size([2, 32]))
@@ -357,8 +358,9 @@ class HfxPerformerForMaskedLM(HfxMaskedLMHeadMixin, HfxPerformerPreTrainedModel)
         >>> import torch
         >>> from hf_xformers import HfxPerformerConfig, HfxPerformerForMaskedLM
         >>> config = HfxPerformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     num_random_features=16, max_position_embeddings=66,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66,
         ... )
         >>> model = HfxPerformerForMaskedLM(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
@@ -381,20 +383,24 @@ class HfxPerformerForSequenceClassification(HfxSequenceClassificationHeadMixin, 
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxPerformerConfig, HfxPerformerForSequenceClassification
+        >>> from hf_xformers import HfxPerformerConfig
+        >>> from hf_xformers import HfxPerformerForSequenceClassification
         >>> config = HfxPerformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     num_random_features=16, max_position_embeddings=66, num_labels=3,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66, num_labels=3,
         ... )
         >>> model = HfxPerformerForSequenceClassification(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
         >>> model(input_ids, labels=torch.tensor([0, 2])).logits.shape
         torch.Size([2, 3])
-        >>> # Two documents of 25 and 15 tokens packed in one row, as DataCollatorForPackedDocuments sends them:
+        >>> # Two documents of 25 and 15 tokens packed in one row, as
+        >>> # DataCollatorForPackedDocuments sends them: one row of logits each
         >>> cu_seq_lens = torch.tensor([0, 25, 40], dtype=torch.int32)
-        >>> out = model(input_ids[:1], cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=25,
-        ...             max_length_k=25, labels=torch.tensor([1, 0]))
-        >>> out.logits.shape  # one row per document
+        >>> out = model(input_ids[:1], labels=torch.tensor([1, 0]),
+        ...             cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens,
+        ...             max_length_q=25, max_length_k=25)
+        >>> out.logits.shape
         torch.Size([2, 3])
     """
 
@@ -409,11 +415,12 @@ class HfxPerformerForMultipleChoice(HfxMultipleChoiceHeadMixin, HfxPerformerPreT
         >>> import torch
         >>> from hf_xformers import HfxPerformerConfig, HfxPerformerForMultipleChoice
         >>> config = HfxPerformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     num_random_features=16, max_position_embeddings=66,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66,
         ... )
         >>> model = HfxPerformerForMultipleChoice(config).eval()
-        >>> input_ids = torch.randint(5, 100, (2, 4, 24))  # 2 examples of 4 (context, choice) pairs
+        >>> input_ids = torch.randint(5, 100, (2, 4, 24))  # 2 examples, 4 choices
         >>> input_ids[..., 16:18] = config.sep_token_id  # context </s></s> choice
         >>> model(input_ids, labels=torch.tensor([3, 0])).logits.shape
         torch.Size([2, 4])
@@ -427,15 +434,18 @@ class HfxPerformerForQuestionAnswering(HfxQuestionAnsweringHeadMixin, HfxPerform
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxPerformerConfig, HfxPerformerForQuestionAnswering
+        >>> from hf_xformers import HfxPerformerConfig
+        >>> from hf_xformers import HfxPerformerForQuestionAnswering
         >>> config = HfxPerformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     num_random_features=16, max_position_embeddings=66,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66,
         ... )
         >>> model = HfxPerformerForQuestionAnswering(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
         >>> input_ids[:, 6:8] = config.sep_token_id  # question </s></s> context
-        >>> out = model(input_ids, start_positions=torch.tensor([12, 20]), end_positions=torch.tensor([14, 25]))
+        >>> start, end = torch.tensor([12, 20]), torch.tensor([14, 25])
+        >>> out = model(input_ids, start_positions=start, end_positions=end)
         >>> out.start_logits.shape, out.end_logits.shape
         (torch.Size([2, 40]), torch.Size([2, 40]))
     """
@@ -448,10 +458,12 @@ class HfxPerformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxPer
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxPerformerConfig, HfxPerformerForTokenClassification
+        >>> from hf_xformers import HfxPerformerConfig
+        >>> from hf_xformers import HfxPerformerForTokenClassification
         >>> config = HfxPerformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     num_random_features=16, max_position_embeddings=66, num_labels=5,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66, num_labels=5,
         ... )
         >>> model = HfxPerformerForTokenClassification(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 40))
@@ -483,15 +495,16 @@ class HfxPerformerForCausalLM(HfxCausalLMHeadMixin, HfxPerformerPreTrainedModel,
         >>> import torch
         >>> from hf_xformers import HfxPerformerConfig, HfxPerformerForCausalLM
         >>> config = HfxPerformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        ...     num_random_features=16, max_position_embeddings=66,
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66,
         ... )
         >>> model = HfxPerformerForCausalLM(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 12))
         >>> out = model(input_ids, labels=input_ids)  # shifted inside
         >>> out.logits.shape
         torch.Size([2, 12, 100])
-        >>> model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=1).shape
+        >>> model.generate(input_ids, max_new_tokens=4, do_sample=False).shape
         torch.Size([2, 16])
     """
 

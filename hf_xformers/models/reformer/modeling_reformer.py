@@ -619,9 +619,11 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         >>> import torch
         >>> from hf_xformers import HfxReformerConfig, HfxReformerModel
         >>> config = HfxReformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_attention_heads=2, attention_head_size=16, feed_forward_size=64,
-        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8, lsh_attn_chunk_length=8, num_buckets=4,
-        ...     axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     attention_head_size=16, feed_forward_size=64,
+        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8,
+        ...     lsh_attn_chunk_length=8, num_buckets=4, axial_pos_shape=[8, 8],
+        ...     axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
         ... )
         >>> model = HfxReformerModel(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 32))
@@ -943,9 +945,11 @@ class HfxReformerForMaskedLM(_ReformerHeadSizes, HfxMaskedLMHeadMixin, HfxReform
         >>> import torch
         >>> from hf_xformers import HfxReformerConfig, HfxReformerForMaskedLM
         >>> config = HfxReformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_attention_heads=2, attention_head_size=16, feed_forward_size=64,
-        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8, lsh_attn_chunk_length=8, num_buckets=4,
-        ...     axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     attention_head_size=16, feed_forward_size=64,
+        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8,
+        ...     lsh_attn_chunk_length=8, num_buckets=4, axial_pos_shape=[8, 8],
+        ...     axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
         ... )
         >>> model = HfxReformerForMaskedLM(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 32))
@@ -977,11 +981,15 @@ class HfxReformerForSequenceClassification(
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxReformerConfig, HfxReformerForSequenceClassification
+        >>> from hf_xformers import HfxReformerConfig
+        >>> from hf_xformers import HfxReformerForSequenceClassification
         >>> config = HfxReformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_attention_heads=2, attention_head_size=16, feed_forward_size=64,
-        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8, lsh_attn_chunk_length=8, num_buckets=4,
-        ...     axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16], max_position_embeddings=64, num_labels=3,
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     attention_head_size=16, feed_forward_size=64,
+        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8,
+        ...     lsh_attn_chunk_length=8, num_buckets=4, axial_pos_shape=[8, 8],
+        ...     axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
+        ...     num_labels=3,
         ... )
         >>> model = HfxReformerForSequenceClassification(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 32))
@@ -999,13 +1007,16 @@ class HfxReformerForQuestionAnswering(_ReformerHeadSizes, HfxQuestionAnsweringHe
         >>> import torch
         >>> from hf_xformers import HfxReformerConfig, HfxReformerForQuestionAnswering
         >>> config = HfxReformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_attention_heads=2, attention_head_size=16, feed_forward_size=64,
-        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8, lsh_attn_chunk_length=8, num_buckets=4,
-        ...     axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     attention_head_size=16, feed_forward_size=64,
+        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8,
+        ...     lsh_attn_chunk_length=8, num_buckets=4, axial_pos_shape=[8, 8],
+        ...     axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
         ... )
         >>> model = HfxReformerForQuestionAnswering(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 32))
-        >>> out = model(input_ids, start_positions=torch.tensor([3, 9]), end_positions=torch.tensor([5, 12]))
+        >>> start, end = torch.tensor([3, 9]), torch.tensor([5, 12])
+        >>> out = model(input_ids, start_positions=start, end_positions=end)
         >>> out.start_logits.shape, out.end_logits.shape
         (torch.Size([2, 32]), torch.Size([2, 32]))
     """
@@ -1029,16 +1040,18 @@ class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel, G
         >>> import torch
         >>> from hf_xformers import HfxReformerConfig, HfxReformerForCausalLM
         >>> config = HfxReformerConfig(
-        ...     vocab_size=100, hidden_size=32, num_attention_heads=2, attention_head_size=16, feed_forward_size=64,
-        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8, lsh_attn_chunk_length=8, num_buckets=4,
-        ...     axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     attention_head_size=16, feed_forward_size=64,
+        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8,
+        ...     lsh_attn_chunk_length=8, num_buckets=4, axial_pos_shape=[8, 8],
+        ...     axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
         ... )
         >>> model = HfxReformerForCausalLM(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 32))
         >>> out = model(input_ids, labels=input_ids)  # shifted inside
         >>> out.logits.shape
         torch.Size([2, 32, 100])
-        >>> model.generate(input_ids[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0).shape
+        >>> model.generate(input_ids[:, :8], max_new_tokens=4, do_sample=False).shape
         torch.Size([2, 12])
     """
 

@@ -452,13 +452,13 @@ class HfxSwinModel(HfxSwinPreTrainedModel):
         >>> import torch
         >>> from hf_xformers import HfxSwinConfig, HfxSwinModel
         >>> config = HfxSwinConfig(
-        ...     image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
-        ...     encoder_stride=8,
+        ...     image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+        ...     num_heads=[2, 4], window_size=4, encoder_stride=8,
         ... )
         >>> model = HfxSwinModel(config).eval()
         >>> pixel_values = torch.randn(2, 3, 32, 32)
-        >>> out = model(pixel_values)
-        >>> out.last_hidden_state.shape, out.pooler_output.shape  # 4 x 4 tokens of the last stage, their mean
+        >>> out = model(pixel_values)  # the last stage's 4 x 4 tokens, and their mean
+        >>> out.last_hidden_state.shape, out.pooler_output.shape
         (torch.Size([2, 16, 32]), torch.Size([2, 32]))
     """
 
@@ -549,8 +549,8 @@ class HfxSwinForImageClassification(HfxSwinPreTrainedModel):
         >>> import torch
         >>> from hf_xformers import HfxSwinConfig, HfxSwinForImageClassification
         >>> config = HfxSwinConfig(
-        ...     image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
-        ...     encoder_stride=8, num_labels=5,
+        ...     image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+        ...     num_heads=[2, 4], window_size=4, encoder_stride=8, num_labels=5,
         ... )
         >>> model = HfxSwinForImageClassification(config).eval()
         >>> pixel_values = torch.randn(2, 3, 32, 32)
@@ -610,8 +610,8 @@ class HfxSwinForMaskedImageModeling(HfxSwinPreTrainedModel):
         >>> import torch
         >>> from hf_xformers import HfxSwinConfig, HfxSwinForMaskedImageModeling
         >>> config = HfxSwinConfig(
-        ...     image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
-        ...     encoder_stride=8,
+        ...     image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+        ...     num_heads=[2, 4], window_size=4, encoder_stride=8,
         ... )
         >>> model = HfxSwinForMaskedImageModeling(config).eval()
         >>> pixel_values = torch.randn(2, 3, 32, 32)
@@ -701,8 +701,9 @@ class HfxSwinBackbone(BackboneMixin, HfxSwinPreTrainedModel):
         >>> import torch
         >>> from hf_xformers import HfxSwinConfig, HfxSwinBackbone
         >>> config = HfxSwinConfig(
-        ...     image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
-        ...     encoder_stride=8, out_features=["stage1", "stage2"],
+        ...     image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+        ...     num_heads=[2, 4], window_size=4, encoder_stride=8,
+        ...     out_features=["stage1", "stage2"],
         ... )
         >>> model = HfxSwinBackbone(config).eval()
         >>> pixel_values = torch.randn(2, 3, 32, 32)

@@ -220,13 +220,13 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         >>> import torch
         >>> from hf_xformers import HfxTransfoXLConfig, HfxTransfoXLModel
         >>> config = HfxTransfoXLConfig(
-        ...     vocab_size=100, cutoffs=[20, 50], d_model=32, d_embed=32, n_head=2, d_head=16, d_inner=64, n_layer=2,
-        ...     mem_len=16,
+        ...     vocab_size=100, cutoffs=[20, 50], d_model=32, d_embed=32, n_head=2,
+        ...     d_head=16, d_inner=64, n_layer=2, mem_len=16,
         ... )
         >>> model = HfxTransfoXLModel(config).eval()
-        >>> segment_1, segment_2 = torch.randint(0, 100, (2, 2, 12))  # two segments of 2 streams
+        >>> segment_1, segment_2 = torch.randint(0, 100, (2, 2, 12))  # 2 streams each
         >>> out = model(segment_1)
-        >>> out = model(segment_2, mems=out.mems)  # attends to the first segment through the memory
+        >>> out = model(segment_2, mems=out.mems)  # sees segment 1 through the memory
         >>> out.last_hidden_state.shape, len(out.mems), out.mems[0].shape
         (torch.Size([2, 12, 32]), 2, torch.Size([2, 16, 32]))
     """
@@ -467,11 +467,11 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
         >>> import torch
         >>> from hf_xformers import HfxTransfoXLConfig, HfxTransfoXLForCausalLM
         >>> config = HfxTransfoXLConfig(
-        ...     vocab_size=100, cutoffs=[20, 50], d_model=32, d_embed=32, n_head=2, d_head=16, d_inner=64, n_layer=2,
-        ...     mem_len=16,
+        ...     vocab_size=100, cutoffs=[20, 50], d_model=32, d_embed=32, n_head=2,
+        ...     d_head=16, d_inner=64, n_layer=2, mem_len=16,
         ... )
         >>> model = HfxTransfoXLForCausalLM(config).eval()
-        >>> segment_1, segment_2 = torch.randint(0, 100, (2, 2, 12))  # two segments of 2 streams
+        >>> segment_1, segment_2 = torch.randint(0, 100, (2, 2, 12))  # 2 streams each
         >>> out = model(segment_1, labels=segment_1)  # shifted inside
         >>> out = model(segment_2, mems=out.mems, labels=segment_2)
         >>> out.logits.shape, out.losses.shape  # log-probabilities; per-token losses
@@ -642,14 +642,15 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxTransfoXLConfig, HfxTransfoXLForSequenceClassification
+        >>> from hf_xformers import HfxTransfoXLConfig
+        >>> from hf_xformers import HfxTransfoXLForSequenceClassification
         >>> config = HfxTransfoXLConfig(
-        ...     vocab_size=100, cutoffs=[20, 50], d_model=32, d_embed=32, n_head=2, d_head=16, d_inner=64, n_layer=2,
-        ...     mem_len=16, num_labels=3,
+        ...     vocab_size=100, cutoffs=[20, 50], d_model=32, d_embed=32, n_head=2,
+        ...     d_head=16, d_inner=64, n_layer=2, mem_len=16, num_labels=3,
         ... )
         >>> model = HfxTransfoXLForSequenceClassification(config).eval()
-        >>> segment_1, segment_2 = torch.randint(0, 100, (2, 2, 12))  # two segments of 2 streams
-        >>> out = model(segment_1, labels=torch.tensor([0, 2]))
+        >>> input_ids = torch.randint(0, 100, (2, 12))
+        >>> out = model(input_ids, labels=torch.tensor([0, 2]))  # from the last tokens
         >>> out.logits.shape
         torch.Size([2, 3])
     """

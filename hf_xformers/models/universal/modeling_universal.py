@@ -264,12 +264,13 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         >>> import torch
         >>> from hf_xformers import HfxUniversalConfig, HfxUniversalModel
         >>> config = HfxUniversalConfig(
-        ...     vocab_size=100, hidden_size=32, num_attention_heads=2, intermediate_size=64, act_max_steps=4,
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     intermediate_size=64, act_max_steps=4,
         ... )
         >>> model = HfxUniversalModel(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 20))
         >>> out = model(input_ids, attention_mask=torch.ones_like(input_ids))
-        >>> out.last_hidden_state.shape, out.ponder_steps.shape  # ACT's steps per position come with the output
+        >>> out.last_hidden_state.shape, out.ponder_steps.shape  # ACT's steps
         (torch.Size([2, 20, 32]), torch.Size([2, 20]))
     """
 
@@ -609,13 +610,14 @@ class HfxUniversalForMaskedLM(HfxMaskedLMHeadMixin, HfxUniversalPreTrainedModel)
         >>> import torch
         >>> from hf_xformers import HfxUniversalConfig, HfxUniversalForMaskedLM
         >>> config = HfxUniversalConfig(
-        ...     vocab_size=100, hidden_size=32, num_attention_heads=2, intermediate_size=64, act_max_steps=4,
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     intermediate_size=64, act_max_steps=4,
         ... )
         >>> model = HfxUniversalForMaskedLM(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 20))
         >>> labels = torch.full_like(input_ids, -100)
         >>> labels[:, 5] = input_ids[:, 5]
-        >>> out = model(input_ids, labels=labels)  # cross-entropy plus the ponder loss
+        >>> out = model(input_ids, labels=labels)  # cross-entropy + ponder loss
         >>> out.logits.shape
         torch.Size([2, 20, 100])
     """
@@ -631,9 +633,11 @@ class HfxUniversalForSequenceClassification(HfxSequenceClassificationHeadMixin, 
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxUniversalConfig, HfxUniversalForSequenceClassification
+        >>> from hf_xformers import HfxUniversalConfig
+        >>> from hf_xformers import HfxUniversalForSequenceClassification
         >>> config = HfxUniversalConfig(
-        ...     vocab_size=100, hidden_size=32, num_attention_heads=2, intermediate_size=64, act_max_steps=4, num_labels=3,
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     intermediate_size=64, act_max_steps=4, num_labels=3,
         ... )
         >>> model = HfxUniversalForSequenceClassification(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 20))
@@ -649,9 +653,11 @@ class HfxUniversalForTokenClassification(HfxTokenClassificationHeadMixin, HfxUni
 
     Examples:
         >>> import torch
-        >>> from hf_xformers import HfxUniversalConfig, HfxUniversalForTokenClassification
+        >>> from hf_xformers import HfxUniversalConfig
+        >>> from hf_xformers import HfxUniversalForTokenClassification
         >>> config = HfxUniversalConfig(
-        ...     vocab_size=100, hidden_size=32, num_attention_heads=2, intermediate_size=64, act_max_steps=4, num_labels=5,
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     intermediate_size=64, act_max_steps=4, num_labels=5,
         ... )
         >>> model = HfxUniversalForTokenClassification(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 20))
@@ -678,13 +684,14 @@ class HfxUniversalForCausalLM(HfxCausalLMHeadMixin, HfxUniversalPreTrainedModel,
         >>> import torch
         >>> from hf_xformers import HfxUniversalConfig, HfxUniversalForCausalLM
         >>> config = HfxUniversalConfig(
-        ...     vocab_size=100, hidden_size=32, num_attention_heads=2, intermediate_size=64, act_max_steps=4,
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     intermediate_size=64, act_max_steps=4,
         ... )
         >>> model = HfxUniversalForCausalLM(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 20))
         >>> model(input_ids, labels=input_ids).logits.shape  # labels shifted inside
         torch.Size([2, 20, 100])
-        >>> model.generate(input_ids[:, :6], max_new_tokens=4, do_sample=False, pad_token_id=1).shape
+        >>> model.generate(input_ids[:, :6], max_new_tokens=4, do_sample=False).shape
         torch.Size([2, 10])
     """
 
@@ -732,11 +739,12 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, 
         >>> import torch
         >>> from hf_xformers import HfxUniversalConfig, HfxUniversalForSeq2SeqLM
         >>> config = HfxUniversalConfig(
-        ...     vocab_size=100, hidden_size=32, num_attention_heads=2, intermediate_size=64, act_max_steps=4,
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     intermediate_size=64, act_max_steps=4,
         ... )
         >>> model = HfxUniversalForSeq2SeqLM(config).eval()
         >>> input_ids = torch.randint(5, 100, (2, 20))
-        >>> labels = torch.randint(5, 100, (2, 7))  # targets; the decoder reads them shifted right
+        >>> labels = torch.randint(5, 100, (2, 7))  # read shifted right
         >>> out = model(input_ids, labels=labels)
         >>> out.logits.shape
         torch.Size([2, 7, 100])
