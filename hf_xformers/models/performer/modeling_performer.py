@@ -220,7 +220,7 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
                 ``seq_idx``, or ``cu_seq_lens_q/k`` with ``max_length_q/k``).
 
         Returns:
-            :class:`HfxPerformerModelOutput`: ``last_hidden_state`` ``(batch, seq_len, hidden)``, ``pooler_output``
+            ``HfxPerformerModelOutput``: ``last_hidden_state`` ``(batch, seq_len, hidden)``, ``pooler_output``
             ``(batch, hidden)`` (``(num_documents, hidden)`` for a packed batch; None without a pooler), the cache when
             one is used, ``hidden_states`` and ``attentions`` when asked.
         """

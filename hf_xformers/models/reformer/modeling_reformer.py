@@ -1112,7 +1112,7 @@ class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel, G
                 ``seq_idx``, or ``cu_seq_lens_q/k`` with ``max_length_q/k``).
 
         Returns:
-            :class:`HfxReformerCausalLMOutput`: ``loss``, ``logits`` ``(batch, seq_len, vocab_size)``,
+            ``HfxReformerCausalLMOutput``: ``loss``, ``logits`` ``(batch, seq_len, vocab_size)``,
             ``past_buckets_states`` (with ``use_cache``), ``hidden_states`` and ``attentions`` when asked.
         """
         packing = packing_kwargs(self, kwargs)

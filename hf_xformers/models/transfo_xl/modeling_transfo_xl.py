@@ -559,7 +559,7 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
                 refused.
 
         Returns:
-            :class:`HfxTransfoXLCausalLMOutput`.
+            ``HfxTransfoXLCausalLMOutput``: ``loss``, ``logits``, the per-token ``losses``, the new ``mems``.
         """
         if shift_labels is not None:
             labels = None
