@@ -712,6 +712,11 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             num_hashes: hashing rounds for this call (None: ``config.num_hashes``).
             past_buckets_states: cache from an earlier call (decoders): the input is then one new position.
             use_cache: return a cache (decoders in eval; default ``config.use_cache``).
+            output_attentions: also return every layer's attention probabilities ``(batch, heads, seq_len, seq_len)``.
+            output_hidden_states: also return the ``x2`` stream before every layer and after the last.
+            return_dict: an :class:`HfxReformerModelOutput` (None: ``config.return_dict``) or a plain tuple.
+            global_attention_mask: refused (Reformer has no global tokens).
+            token_type_ids: refused (Reformer has no token types).
             packed_batch: the batch's :class:`~hf_xformers.ops.packing.PackedBatch`, as the heads resolve it once
                 (None: resolved here from ``kwargs``, ``position_ids`` and ``attention_mask``).
             **kwargs: the boundaries of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:

@@ -518,6 +518,9 @@ class HfxSwinModel(HfxSwinPreTrainedModel):
             pixel_values: ``(batch, num_channels, height, width)``, any height and width.
             bool_masked_pos: ``(batch, num_patches)``, True for patches to replace by the mask token (needs
                 ``use_mask_token``).
+            output_attentions: also return every block's window attention probabilities.
+            output_hidden_states: also return the tokens after the embeddings and after every stage.
+            return_dict: an :class:`HfxSwinModelOutput` (None: ``config.return_dict``) or a plain tuple.
             interpolate_pos_encoding: accepted for compatibility with transformers; absolute position tables
                 are always resized to the input's grid.
         Returns:

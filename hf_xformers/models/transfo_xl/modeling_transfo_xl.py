@@ -328,6 +328,11 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
                 masked. It may also cover earlier tokens (``(batch, past + seq_len)``, what ``generate()`` passes):
                 its last ``memory + seq_len`` columns then mask the memory too; memory it does not cover counts as
                 real, and ``attentions`` then cover all of its columns (0 for tokens no longer in the memory).
+            inputs_embeds: ``(batch, seq_len, d_model)``, instead of ``input_ids``.
+            output_attentions: also return every layer's attention probabilities
+                ``(batch, n_head, seq_len, memory_len + seq_len)``.
+            output_hidden_states: also return the hidden states after the embeddings and after every layer.
+            return_dict: an :class:`HfxTransfoXLModelOutput` (None: ``config.return_dict``) or a plain tuple.
             position_ids: accepted, with ``packed_batch`` and ``kwargs``, so that a packed (padding-free) batch from
                 ``DataCollatorWithFlattening`` is refused with a ``ValueError`` instead of mixing its documents
                 (positions are relative here: ``position_ids`` of an ordinary batch are not used).

@@ -497,11 +497,17 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             input_ids: ``(batch, seq_len)`` token ids (or ``inputs_embeds``, see :class:`HfxUniversalEmbeddings`).
             attention_mask: ``(batch, seq_len)`` 1 for real tokens, 0 for padding; for a decoder with a cache,
                 ``(batch, past + seq_len)``. Padding never runs under ACT and is left out of the ponder loss.
+            token_type_ids: ``(batch, seq_len)`` segment ids.
             position_ids: ``(batch, seq_len)``; default: the count of real tokens before each token (from 0), so left
                 and right padding give a token the same position.
-            encoder_hidden_states: ``(batch, src_len, hidden)`` (decoders with cross-attention);
-                ``encoder_attention_mask`` ``(batch, src_len)``.
+            inputs_embeds: ``(batch, seq_len, embedding_size or hidden_size)``, instead of ``input_ids``.
+            encoder_hidden_states: ``(batch, src_len, hidden)`` (decoders with cross-attention).
+            encoder_attention_mask: ``(batch, src_len)``, 1 for real source tokens.
             past_key_values: a :class:`HfxUniversalCache` to extend (decoders); ``use_cache=True`` starts one.
+            use_cache: start or continue a cache and return it (decoders).
+            output_attentions: also return the attention probabilities of every step.
+            output_hidden_states: also return the states after the embeddings and after every step.
+            return_dict: an :class:`HfxUniversalModelOutput` (None: ``config.return_dict``) or a plain tuple.
             cache: the same, under transformers 5.24's name (pass one of the two).
             packed_batch: the :class:`~hf_xformers.ops.packing.PackedBatch` a head already resolved (None: resolved
                 here).
@@ -867,8 +873,9 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, 
             encoder_outputs: the encoder's output for ``input_ids``, to skip encoding it again.
             past_key_values: the decoder's :class:`HfxUniversalCache` from an earlier call (its name before
                 transformers 5.24).
-            inputs_embeds: ``(batch, src_len, embedding_size)``, instead of ``input_ids``.
-            decoder_inputs_embeds: ``(batch, tgt_len, embedding_size)``, instead of ``decoder_input_ids``.
+            inputs_embeds: ``(batch, src_len, embedding_size or hidden_size)``, instead of ``input_ids``.
+            decoder_inputs_embeds: ``(batch, tgt_len, embedding_size or hidden_size)``, instead of
+                ``decoder_input_ids``.
             labels: ``(batch, tgt_len)`` target ids, -100 at padding.
             use_cache: start or continue the decoder's cache and return it.
             num_items_in_batch: the number of labelled tokens over the accumulated batch (Trainer).
