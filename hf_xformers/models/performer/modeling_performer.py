@@ -504,7 +504,7 @@ class HfxPerformerForCausalLM(HfxCausalLMHeadMixin, HfxPerformerPreTrainedModel,
         >>> out = model(input_ids, labels=input_ids)  # shifted inside
         >>> out.logits.shape
         torch.Size([2, 12, 100])
-        >>> model.generate(input_ids, max_new_tokens=4, do_sample=False).shape
+        >>> model.generate(input_ids, min_new_tokens=4, max_new_tokens=4).shape
         torch.Size([2, 16])
     """
 

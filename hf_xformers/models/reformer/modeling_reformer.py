@@ -1056,7 +1056,8 @@ class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel, G
         >>> out = model(input_ids, labels=input_ids)  # shifted inside
         >>> out.logits.shape
         torch.Size([2, 32, 100])
-        >>> model.generate(input_ids[:, :8], max_new_tokens=4, do_sample=False).shape
+        >>> prompt = input_ids[:, :8]
+        >>> model.generate(prompt, min_new_tokens=4, max_new_tokens=4).shape
         torch.Size([2, 12])
     """
 

@@ -481,7 +481,7 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
         >>> out = model(segment_2, mems=out.mems, labels=segment_2)
         >>> out.logits.shape, out.losses.shape  # log-probabilities; per-token losses
         (torch.Size([2, 12, 100]), torch.Size([2, 11]))
-        >>> model.generate(segment_1, max_new_tokens=4, do_sample=False).shape
+        >>> model.generate(segment_1, min_new_tokens=4, max_new_tokens=4).shape
         torch.Size([2, 16])
     """
 
@@ -655,7 +655,7 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
         ... )
         >>> model = HfxTransfoXLForSequenceClassification(config).eval()
         >>> input_ids = torch.randint(0, 100, (2, 12))
-        >>> out = model(input_ids, labels=torch.tensor([0, 2]))  # from the last tokens
+        >>> out = model(input_ids, labels=torch.tensor([0, 2]))  # last tokens
         >>> out.logits.shape
         torch.Size([2, 3])
     """

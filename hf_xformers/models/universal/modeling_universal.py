@@ -697,7 +697,8 @@ class HfxUniversalForCausalLM(HfxCausalLMHeadMixin, HfxUniversalPreTrainedModel,
         >>> input_ids = torch.randint(5, 100, (2, 20))
         >>> model(input_ids, labels=input_ids).logits.shape  # labels shifted inside
         torch.Size([2, 20, 100])
-        >>> model.generate(input_ids[:, :6], max_new_tokens=4, do_sample=False).shape
+        >>> prompt = input_ids[:, :6]
+        >>> model.generate(prompt, min_new_tokens=4, max_new_tokens=4).shape
         torch.Size([2, 10])
     """
 
@@ -754,8 +755,9 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, 
         >>> out = model(input_ids, labels=labels)
         >>> out.logits.shape
         torch.Size([2, 7, 100])
-        >>> model.generate(input_ids, max_new_tokens=5, do_sample=False).shape[0]
-        2
+        >>> # the decoder's start token, then 5 new ones
+        >>> model.generate(input_ids, min_new_tokens=5, max_new_tokens=5).shape
+        torch.Size([2, 6])
     """
 
     generation_cache_class = HfxUniversalCache
