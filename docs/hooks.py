@@ -74,13 +74,18 @@ def on_files(files: Files, config) -> Files:
 
 
 # The docstrings cross-reference in Sphinx's roles (":class:`X`", ":func:`~pkg.mod.f`"), which Markdown renders as
-# the role's name followed by the code span; the site shows the code span alone (with "~", the last name only).
+# the role's name followed by the code span; the site shows the code span alone (with "~", the last name only), as a
+# link where the role names a full path that the site documents (mkdocs-autorefs resolves `optional` references once
+# every page is built, and leaves the others plain text without a warning).
 _SPHINX_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|data|attr|exc|obj):<code>(~?)([^<]*)</code>")
 
 
 def _role(match: re.Match) -> str:
-    name = match.group(2).rsplit(".", 1)[-1] if match.group(1) else match.group(2)
-    return f"<code>{name}</code>"
+    target = match.group(2)
+    code = f"<code>{target.rsplit('.', 1)[-1] if match.group(1) else target}</code>"
+    if target.startswith("hf_xformers."):
+        return f'<autoref identifier="{target}" optional>{code}</autoref>'
+    return code
 
 
 RESULT_MARKER = re.compile(r"^<!-- benchmark-result: ([\w./-]+) -->$", re.M)

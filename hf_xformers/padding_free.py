@@ -176,6 +176,16 @@ class DataCollatorForPackedDocuments:
     Raises (on a call):
         ValueError: no features, an empty document, a feature with padding, examples with different numbers of
             choices, or labels on some features only.
+
+    Examples:
+        >>> from hf_xformers import DataCollatorForPackedDocuments
+        >>> collator = DataCollatorForPackedDocuments(position_ids_start=2)  # RoBERTa-style
+        >>> features = [{"input_ids": [0, 5, 6, 2], "label": 1}, {"input_ids": [0, 7, 2], "label": 0}]
+        >>> batch = collator(features)
+        >>> batch["input_ids"].shape, batch["labels"].tolist()
+        (torch.Size([1, 7]), [1, 0])
+        >>> batch["position_ids"].tolist(), batch["cu_seq_lens_q"].tolist(), batch["max_length_q"]
+        ([[2, 3, 4, 5, 2, 3, 4]], [0, 4, 7], 4)
     """
 
     position_ids_start: int | None = None
@@ -360,6 +370,11 @@ def pack_by_token_budget(lengths: Sequence[int], max_tokens: int, decreasing: bo
     Raises:
         ValueError: ``max_tokens`` below 1, an empty document, or a document longer than ``max_tokens`` (cut it
             first: a document never spans two rows).
+
+    Examples:
+        >>> from hf_xformers import pack_by_token_budget
+        >>> pack_by_token_budget([300, 100, 250, 60], max_tokens=400)
+        [[0, 1], [2, 3]]
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}.")

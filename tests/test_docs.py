@@ -27,6 +27,7 @@ from transformers import RobertaConfig, RobertaForMaskedLM  # noqa: E402
 
 import hf_xformers  # noqa: E402
 from tests.test_conversion import SOURCE_TOKENS, TINY, perturb_  # noqa: E402
+from tests.test_doc_examples import public_model_classes  # noqa: E402
 from tests.tiny_tokenizers import roberta_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,6 +100,17 @@ def _inventory(site: Path) -> set[str]:
     raw = (site / "objects.inv").read_bytes()
     body = zlib.decompress(raw.split(b"\n", 4)[4]).decode()
     return {line.split(" ", 1)[0] for line in body.splitlines() if line}
+
+
+def _inventory_urls(site: Path) -> dict[str, str]:
+    """``{object name: page#anchor}`` of the site's ``objects.inv`` (``$`` in a location stands for the name)."""
+    raw = (site / "objects.inv").read_bytes()
+    body = zlib.decompress(raw.split(b"\n", 4)[4]).decode()
+    urls = {}
+    for line in body.splitlines():
+        name, _role, _priority, location = line.split(" ", 4)[:4]
+        urls[name] = location.replace("$", name) if location.endswith("$") else location
+    return urls
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +238,41 @@ def test_strict_build_fails_on_a_docstring_that_does_not_match_its_signature(tmp
     )  # fmt: skip
     assert run.returncode != 0
     assert "Parameter 'width' does not appear in the function signature" in run.stderr
+
+
+# Helpers of a model's base class that its page must not show: they are how the model works, not how it is used.
+INTERNAL_METHODS = (
+    "prepare_attention_inputs", "attention_factory", "packed_batch", "packed_position_ids", "head_logits",
+    "head_loss", "head_input_size", "causal_config", "encode",
+)  # fmt: skip
+
+
+def test_every_model_and_head_page_shows_forward_and_an_example(site):
+    """Issue 47: each public model and head class documents its ``forward`` on its own page (inherited or not) and
+    shows an example there (the examples run in tests/test_doc_examples.py); internal helpers stay off the page."""
+    urls = _inventory_urls(site)
+    classes = public_model_classes()
+    for cls in classes:
+        path = f"{cls.__module__}.{cls.__qualname__}"
+        page, anchor = urls[path].split("#")
+        assert page.startswith("api/"), f"{path} is documented on {page}, not on an API page"
+        assert urls.get(f"{path}.forward", "").split("#")[0] == page, f"{page} shows no forward for {path}"
+        html = (site / page).read_text(encoding="utf-8")
+        start = html.index(f'id="{anchor}"')
+        end = html.find('class="doc doc-object doc-class"', start)
+        section = html[start : end if end > 0 else len(html)]
+        assert "Examples:" in section and "&gt;&gt;&gt;" in section, f"{page}: {path} shows no example"
+        assert "Parameters:" in section, f"{page}: the forward of {path} lists no parameters"
+        shown = [m for m in INTERNAL_METHODS if f"{path}.{m}" in urls]
+        assert not shown, f"{page} shows internal helpers of {path}: {shown}"
+
+
+def test_docstring_roles_link_to_documented_objects(site):
+    """A ``:class:`` role with a full path becomes a link where the site documents the target (docs/hooks.py), and
+    plain code where it does not; no role syntax is left on a page."""
+    html = (site / "api" / "longformer.html").read_text(encoding="utf-8")
+    # The heads' shared forward names the packed-batch keywords by their class, documented on the packing page.
+    assert 'href="packing.html#hf_xformers.ops.packing.PackedBatchKwargs"><code>PackedBatchKwargs</code></a>' in html
+    for page in (site / "api").glob("*.html"):
+        text = page.read_text(encoding="utf-8")
+        assert ":class:<code>" not in text and "<autoref" not in text, page.name

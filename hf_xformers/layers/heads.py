@@ -90,8 +90,37 @@ class HfxLogitsHeadMixin(HfxHeadMixin):
         return_dict: bool | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> ModelOutput | tuple:
-        """Returns ``logits`` (shapes in the task's class docstring) and the loss when ``labels`` are given;
-        ``kwargs`` mark the documents of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`)."""
+        """Score a batch (or a packed batch of documents): ``logits``, and the loss when ``labels`` are given.
+
+        Args:
+            input_ids: ``(batch, seq_len)`` token ids, or a packed row ``(1, total_tokens)``.
+            attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding (None: nothing is padded).
+            global_attention_mask: ``(batch, seq_len)``, 1 for tokens that attend to and are attended by every token
+                (Longformer only, the other architectures refuse it; None: the task's default, ``<s>`` for sequence
+                classification, none for the token-level tasks).
+            token_type_ids: ``(batch, seq_len)`` segment ids.
+            position_ids: ``(batch, seq_len)`` positions (None: counted from the model's first position); positions
+                that restart mark the documents of a packed batch.
+            inputs_embeds: ``(batch, seq_len, hidden)``, instead of ``input_ids``.
+            labels: masked LM and token classification: ``(batch, seq_len)`` ids or classes, -100 where no loss is
+                wanted; sequence classification: ``(batch,)`` class ids (``problem_type`` single-label), floats
+                (regression, ``num_labels=1``) or ``(batch, num_labels)`` multi-hot floats (multi-label); one per
+                document of a packed batch.
+            output_attentions: also return every layer's attention probabilities.
+            output_hidden_states: also return the hidden states after the embeddings and after every layer.
+            return_dict: a ``ModelOutput`` (None: ``config.return_dict``) or a plain tuple.
+            **kwargs: the boundaries of a packed batch as ``DataCollatorWithFlattening`` and
+                ``DataCollatorForPackedDocuments`` return them (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
+                ``seq_idx`` ``(1, total_tokens)``, or ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``(num_documents + 1,)``
+                with ``max_length_q`` / ``max_length_k``); every document then gets what its own forward gives.
+
+        Returns:
+            ``MaskedLMOutput``, ``SequenceClassifierOutput`` or ``TokenClassifierOutput`` (the head's
+            ``output_class``): ``loss`` (a scalar, with ``labels``), ``logits`` (masked LM ``(batch, seq_len,
+            vocab_size)``; sequence classification ``(batch, num_labels)``, a packed batch ``(num_documents,
+            num_labels)``; token classification ``(batch, seq_len, num_labels)``; a packed batch keeps its row
+            ``(1, total_tokens, ...)`` for the token-level tasks), ``hidden_states`` and ``attentions`` when asked.
+        """
         documents, out = self._encode_batch(
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
             output_attentions, output_hidden_states, kwargs,
@@ -222,7 +251,35 @@ class HfxCausalLMHeadMixin(HfxLMHeadMixin, HfxGenerationMixin):
         it). A packed batch (``position_ids`` restarting per document, ``seq_idx`` or ``cu_seq_lens_q/k``, as
         ``DataCollatorWithFlattening`` returns them; ``kwargs``: :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) is
         read as documents that never see each other, and no document's last token is scored against the next
-        document's first."""
+        document's first.
+
+        Args:
+            input_ids: ``(batch, seq_len)`` token ids (with a cache: the new tokens only), or a packed row
+                ``(1, total_tokens)``.
+            attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding; with a cache it may also cover the
+                cached positions ``(batch, past + seq_len)``, as ``generate()`` passes it.
+            token_type_ids: ``(batch, seq_len)`` segment ids.
+            position_ids: ``(batch, seq_len)`` (None: counted on from the cache); positions restarting per document
+                mark a packed batch.
+            inputs_embeds: ``(batch, seq_len, hidden)``, instead of ``input_ids``.
+            past_key_values: the cache an earlier call returned (its name before transformers 5.24).
+            use_cache: start or continue a cache and return it (None: ``config.use_cache``).
+            labels: ``(batch, seq_len)``, usually the input ids; -100 where no loss is wanted; shifted inside.
+            shift_labels: ``(batch, seq_len)`` labels already aligned with the positions (used instead of ``labels``).
+            num_items_in_batch: the number of scored tokens over the accumulated batch (Trainer): the loss is then
+                their sum over it.
+            output_attentions: also return every layer's attention probabilities.
+            output_hidden_states: also return the hidden states after the embeddings and after every layer.
+            return_dict: a ``CausalLMOutputWithPast`` (None: ``config.return_dict``) or a plain tuple.
+            cache: the cache an earlier call returned (its name from transformers 5.24; either name works).
+            **kwargs: the boundaries of a packed row (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
+                ``seq_idx``, or ``cu_seq_lens_q/k`` with ``max_length_q/k``).
+
+        Returns:
+            ``CausalLMOutputWithPast``: ``loss`` (with ``labels`` or ``shift_labels``), ``logits``
+            ``(batch, seq_len, vocab_size)``, the cache (``use_cache=True``; as ``cache`` from transformers 5.24, else
+            ``past_key_values``), ``hidden_states`` and ``attentions`` when asked.
+        """
         cached = bool(use_cache) or past_key_values is not None or cache is not None
         packing = packing_kwargs(self, kwargs)
         documents = self._packed_batch(input_ids, inputs_embeds, position_ids, attention_mask, packing, cached)
@@ -266,13 +323,35 @@ class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
         num_choices: int | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> MultipleChoiceModelOutput | tuple:
-        """Returns ``logits`` ``(batch, num_choices)``; ``labels`` ``(batch,)`` holds the right choice.
+        """Score every choice of every example: ``logits`` ``(batch, num_choices)``, and the loss with ``labels``.
 
         A packed batch is one row ``(1, total_tokens)`` whose documents are the (context, choice) pairs, example by
         example and choice by choice (``hf_xformers.padding_free.DataCollatorForPackedDocuments``), with the
         boundaries in any form of ``DataCollatorWithFlattening`` (``position_ids``, or ``kwargs``:
         :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) and ``num_choices`` (or ``labels``, one per example, from
-        which it follows)."""
+        which it follows).
+
+        Args:
+            input_ids: ``(batch, num_choices, seq_len)``: each (context, choice) pair tokenized, stacked per example;
+                or a packed row ``(1, total_tokens)``.
+            attention_mask: the shape of ``input_ids``, 1 for real tokens, 0 for padding.
+            global_attention_mask: the shape of ``input_ids`` (Longformer only, the other architectures refuse it;
+                None: the task's default, the choice's tokens after the first separator pair).
+            token_type_ids: the shape of ``input_ids``, segment ids.
+            position_ids: the shape of ``input_ids``; in a packed row, positions restarting per document.
+            inputs_embeds: ``input_ids``' shape plus ``hidden``, instead of ``input_ids``.
+            labels: ``(batch,)``, the index of the right choice of each example.
+            output_attentions: also return every layer's attention probabilities.
+            output_hidden_states: also return the hidden states after the embeddings and after every layer.
+            return_dict: a ``MultipleChoiceModelOutput`` (None: ``config.return_dict``) or a plain tuple.
+            num_choices: choices per example of a packed row (None: the number of documents over ``labels``').
+            **kwargs: the boundaries of a packed row (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
+                ``seq_idx``, or ``cu_seq_lens_q/k`` with ``max_length_q/k``).
+
+        Returns:
+            ``MultipleChoiceModelOutput``: ``loss`` (cross-entropy over the choices, with ``labels``), ``logits``
+            ``(batch, num_choices)``, ``hidden_states`` and ``attentions`` when asked.
+        """
         packing = packing_kwargs(self, kwargs)
         ref = input_ids if input_ids is not None else inputs_embeds
         documents = None
@@ -348,13 +427,37 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
         return_dict: bool | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> QuestionAnsweringModelOutput | tuple:
-        """Returns ``start_logits`` and ``end_logits``, each ``(batch, seq_len)``.
+        """Score every token as the start and the end of the answer span: ``start_logits`` and ``end_logits``,
+        each ``(batch, seq_len)``, and the loss with ``start_positions`` and ``end_positions``.
 
         For a packed batch (boundaries in any form of ``DataCollatorWithFlattening``: ``position_ids``, or ``kwargs``,
         :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) they are
         ``(num_documents, longest_document)``, one row per document as its own forward gives them (places beyond a
         document's end hold the dtype's lowest value, so no softmax picks them), and ``start_positions`` /
-        ``end_positions`` ``(num_documents,)`` count from each document's first token."""
+        ``end_positions`` ``(num_documents,)`` count from each document's first token.
+
+        Args:
+            input_ids: ``(batch, seq_len)``, question and context as a text pair, or a packed row
+                ``(1, total_tokens)``.
+            attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding.
+            global_attention_mask: ``(batch, seq_len)`` (Longformer only, the other architectures refuse it; None:
+                the task's default, the question's tokens before the first separator).
+            token_type_ids: ``(batch, seq_len)`` segment ids.
+            position_ids: ``(batch, seq_len)``; in a packed row, positions restarting per document.
+            inputs_embeds: ``(batch, seq_len, hidden)``, instead of ``input_ids``.
+            start_positions: ``(batch,)`` index of the answer's first token; a position outside the input is ignored
+                in the loss.
+            end_positions: ``(batch,)`` index of the answer's last token.
+            output_attentions: also return every layer's attention probabilities.
+            output_hidden_states: also return the hidden states after the embeddings and after every layer.
+            return_dict: a ``QuestionAnsweringModelOutput`` (None: ``config.return_dict``) or a plain tuple.
+            **kwargs: the boundaries of a packed row (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
+                ``seq_idx``, or ``cu_seq_lens_q/k`` with ``max_length_q/k``).
+
+        Returns:
+            ``QuestionAnsweringModelOutput``: ``loss`` (the mean of the start and end cross-entropies, with both
+            positions), ``start_logits`` and ``end_logits``, ``hidden_states`` and ``attentions`` when asked.
+        """
         documents, out = self._encode_batch(
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
             output_attentions, output_hidden_states, kwargs,

@@ -194,8 +194,8 @@ class HfxTextModel:
         Args:
             input_ids: ``(batch, seq_len)`` token ids (or ``inputs_embeds`` ``(batch, seq_len, hidden)``).
             attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding.
-            global_attention_mask: ``(batch, seq_len)``, 1 for tokens with global attention (architectures
-                with global attention only).
+            global_attention_mask: ``(batch, seq_len)``, 1 for tokens with global attention (Longformer only; the
+                other architectures refuse it).
             token_type_ids: ``(batch, seq_len)`` segment ids.
             position_ids: ``(batch, seq_len)`` positions; restarting ones mark the documents of a packed batch.
             inputs_embeds: ``(batch, seq_len, hidden)``, instead of ``input_ids``.

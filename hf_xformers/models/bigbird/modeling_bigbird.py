@@ -99,11 +99,28 @@ class HfxBigBirdPreTrainedModel(HfxPreTrainedModel):
 
 
 class HfxBigBirdModel(HfxTextModel, HfxBigBirdPreTrainedModel):
-    """BigBird encoder. See :class:`~hf_xformers.layers.text_model.HfxTextModel` for inputs and outputs.
+    """BigBird encoder: embeddings and layers with block-sparse attention (a window of blocks, global first and last
+    blocks, random blocks), and a pooler (``add_pooling_layer``). Its inputs and outputs: ``forward``.
 
     Any length up to ``max_position_embeddings`` works: each layer pads to its block size and cuts back. With
     ``output_attentions=True`` the block-sparse layers return ``(batch, heads, seq_len, seq_len)`` probabilities
     (zero outside the pattern) from their dense masked path, which gives the same outputs.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxBigBirdConfig, HfxBigBirdModel
+        >>> config = HfxBigBirdConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, block_size=4,
+        ...     num_random_blocks=1, max_position_embeddings=64,
+        ... )
+        >>> model = HfxBigBirdModel(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> attention_mask = torch.ones(2, 40, dtype=torch.long)
+        >>> attention_mask[1, 30:] = 0  # the second sequence: 30 tokens, then padding
+        >>> out = model(input_ids, attention_mask=attention_mask)
+        >>> out.last_hidden_state.shape, out.pooler_output.shape
+        (torch.Size([2, 40, 32]), torch.Size([2, 32]))
     """
 
     attention_class = HfxBlockSparseSelfAttention
@@ -138,22 +155,122 @@ class HfxBigBirdModel(HfxTextModel, HfxBigBirdPreTrainedModel):
 
 
 class HfxBigBirdForMaskedLM(HfxMaskedLMHeadMixin, HfxBigBirdPreTrainedModel):
+    """BigBird with a masked-language-modelling head, its decoder tied to the input embeddings.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxBigBirdConfig, HfxBigBirdForMaskedLM
+        >>> config = HfxBigBirdConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, block_size=4,
+        ...     num_random_blocks=1, max_position_embeddings=64,
+        ... )
+        >>> model = HfxBigBirdForMaskedLM(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> labels = torch.full_like(input_ids, -100)  # -100: no loss
+        >>> labels[:, 7] = input_ids[:, 7]
+        >>> input_ids[:, 7] = 4  # <mask> in RoBERTa's vocabulary
+        >>> out = model(input_ids, labels=labels)
+        >>> out.logits.shape, out.loss.dim()
+        (torch.Size([2, 40, 100]), 0)
+    """
+
     base_model_class = HfxBigBirdModel
     lm_head_class = HfxBigBirdLMHead
     _tied_weights_keys = {"lm_head.decoder.weight": "bigbird.embeddings.word_embeddings.weight"}
 
 
 class HfxBigBirdForSequenceClassification(HfxSequenceClassificationHeadMixin, HfxBigBirdPreTrainedModel):
+    """BigBird with a classification or regression head on the first token (``<s>``), or on the mean of the tokens with
+    ``config.classifier_pooling = "mean"``; the loss follows ``config.problem_type``. A packed batch is classified per
+    document.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxBigBirdConfig
+        >>> from hf_xformers import HfxBigBirdForSequenceClassification
+        >>> config = HfxBigBirdConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, block_size=4,
+        ...     num_random_blocks=1, max_position_embeddings=64, num_labels=3,
+        ... )
+        >>> model = HfxBigBirdForSequenceClassification(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> model(input_ids, labels=torch.tensor([0, 2])).logits.shape
+        torch.Size([2, 3])
+        >>> # Two documents of 25 and 15 tokens packed in one row, as
+        >>> # DataCollatorForPackedDocuments sends them: one row of logits each
+        >>> cu_seq_lens = torch.tensor([0, 25, 40], dtype=torch.int32)
+        >>> out = model(input_ids[:1], labels=torch.tensor([1, 0]),
+        ...             cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens,
+        ...             max_length_q=25, max_length_k=25)
+        >>> out.logits.shape
+        torch.Size([2, 3])
+    """
+
     base_model_class = HfxBigBirdModel
 
 
 class HfxBigBirdForMultipleChoice(HfxMultipleChoiceHeadMixin, HfxBigBirdPreTrainedModel):
+    """BigBird for multiple choice: every (context, choice) pair of ``(batch, num_choices, seq_len)`` inputs is scored
+    from its pooled first token.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxBigBirdConfig, HfxBigBirdForMultipleChoice
+        >>> config = HfxBigBirdConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, block_size=4,
+        ...     num_random_blocks=1, max_position_embeddings=64,
+        ... )
+        >>> model = HfxBigBirdForMultipleChoice(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 4, 24))  # 2 examples, 4 choices
+        >>> input_ids[..., 16:18] = config.sep_token_id  # context </s></s> choice
+        >>> model(input_ids, labels=torch.tensor([3, 0])).logits.shape
+        torch.Size([2, 4])
+    """
+
     base_model_class = HfxBigBirdModel
 
 
 class HfxBigBirdForQuestionAnswering(HfxQuestionAnsweringHeadMixin, HfxBigBirdPreTrainedModel):
+    """BigBird for extractive question answering: a start and an end logit for every token.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxBigBirdConfig, HfxBigBirdForQuestionAnswering
+        >>> config = HfxBigBirdConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, block_size=4,
+        ...     num_random_blocks=1, max_position_embeddings=64,
+        ... )
+        >>> model = HfxBigBirdForQuestionAnswering(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> input_ids[:, 6:8] = config.sep_token_id  # question </s></s> context
+        >>> start, end = torch.tensor([12, 20]), torch.tensor([14, 25])
+        >>> out = model(input_ids, start_positions=start, end_positions=end)
+        >>> out.start_logits.shape, out.end_logits.shape
+        (torch.Size([2, 40]), torch.Size([2, 40]))
+    """
+
     base_model_class = HfxBigBirdModel
 
 
 class HfxBigBirdForTokenClassification(HfxTokenClassificationHeadMixin, HfxBigBirdPreTrainedModel):
+    """BigBird with a per-token classification head (named entities, parts of speech).
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxBigBirdConfig, HfxBigBirdForTokenClassification
+        >>> config = HfxBigBirdConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, block_size=4,
+        ...     num_random_blocks=1, max_position_embeddings=64, num_labels=5,
+        ... )
+        >>> model = HfxBigBirdForTokenClassification(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> model(input_ids, labels=torch.randint(0, 5, (2, 40))).logits.shape
+        torch.Size([2, 40, 5])
+    """
+
     base_model_class = HfxBigBirdModel

@@ -41,9 +41,26 @@ class HfxLinformerPreTrainedModel(HfxPreTrainedModel):
 
 
 class HfxLinformerModel(HfxTextModel, HfxLinformerPreTrainedModel):
-    """Linformer encoder. See :class:`~hf_xformers.layers.text_model.HfxTextModel` for inputs and outputs.
+    """Linformer encoder: RoBERTa's embeddings and layers with keys and values projected along the sequence to
+    ``linformer_k`` rows, and a pooler (``add_pooling_layer``). Its inputs and outputs: ``forward``.
 
     Inputs may be up to ``max_position_embeddings - pad_token_id - 1`` tokens long (the rows of the projections).
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxLinformerConfig, HfxLinformerModel
+        >>> config = HfxLinformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, linformer_k=16,
+        ...     max_position_embeddings=66,
+        ... )
+        >>> model = HfxLinformerModel(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> attention_mask = torch.ones(2, 40, dtype=torch.long)
+        >>> attention_mask[1, 30:] = 0  # the second sequence: 30 tokens, then padding
+        >>> out = model(input_ids, attention_mask=attention_mask)
+        >>> out.last_hidden_state.shape, out.pooler_output.shape
+        (torch.Size([2, 40, 32]), torch.Size([2, 32]))
     """
 
     attention_class = HfxLowRankSelfAttention
@@ -81,21 +98,115 @@ class HfxLinformerModel(HfxTextModel, HfxLinformerPreTrainedModel):
 
 
 class HfxLinformerForMaskedLM(HfxMaskedLMHeadMixin, HfxLinformerPreTrainedModel):
+    """Linformer with a masked-language-modelling head, its decoder tied to the input embeddings.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxLinformerConfig, HfxLinformerForMaskedLM
+        >>> config = HfxLinformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, linformer_k=16,
+        ...     max_position_embeddings=66,
+        ... )
+        >>> model = HfxLinformerForMaskedLM(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> labels = torch.full_like(input_ids, -100)  # -100: no loss
+        >>> labels[:, 7] = input_ids[:, 7]
+        >>> input_ids[:, 7] = 4  # <mask> in RoBERTa's vocabulary
+        >>> out = model(input_ids, labels=labels)
+        >>> out.logits.shape, out.loss.dim()
+        (torch.Size([2, 40, 100]), 0)
+    """
+
     base_model_class = HfxLinformerModel
     _tied_weights_keys = {"lm_head.decoder.weight": "linformer.embeddings.word_embeddings.weight"}
 
 
 class HfxLinformerForSequenceClassification(HfxSequenceClassificationHeadMixin, HfxLinformerPreTrainedModel):
+    """Linformer with a classification or regression head on the first token (``<s>``), or on the mean of the tokens
+    with ``config.classifier_pooling = "mean"``; the loss follows ``config.problem_type``. Packed batches are refused:
+    the projections mix every document of a row.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxLinformerConfig
+        >>> from hf_xformers import HfxLinformerForSequenceClassification
+        >>> config = HfxLinformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, linformer_k=16,
+        ...     max_position_embeddings=66, num_labels=3,
+        ... )
+        >>> model = HfxLinformerForSequenceClassification(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> model(input_ids, labels=torch.tensor([0, 2])).logits.shape
+        torch.Size([2, 3])
+    """
+
     base_model_class = HfxLinformerModel
 
 
 class HfxLinformerForMultipleChoice(HfxMultipleChoiceHeadMixin, HfxLinformerPreTrainedModel):
+    """Linformer for multiple choice: every (context, choice) pair of ``(batch, num_choices, seq_len)`` inputs is scored
+    from its pooled first token.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxLinformerConfig, HfxLinformerForMultipleChoice
+        >>> config = HfxLinformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, linformer_k=16,
+        ...     max_position_embeddings=66,
+        ... )
+        >>> model = HfxLinformerForMultipleChoice(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 4, 24))  # 2 examples, 4 choices
+        >>> input_ids[..., 16:18] = config.sep_token_id  # context </s></s> choice
+        >>> model(input_ids, labels=torch.tensor([3, 0])).logits.shape
+        torch.Size([2, 4])
+    """
+
     base_model_class = HfxLinformerModel
 
 
 class HfxLinformerForQuestionAnswering(HfxQuestionAnsweringHeadMixin, HfxLinformerPreTrainedModel):
+    """Linformer for extractive question answering: a start and an end logit for every token.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxLinformerConfig
+        >>> from hf_xformers import HfxLinformerForQuestionAnswering
+        >>> config = HfxLinformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, linformer_k=16,
+        ...     max_position_embeddings=66,
+        ... )
+        >>> model = HfxLinformerForQuestionAnswering(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> input_ids[:, 6:8] = config.sep_token_id  # question </s></s> context
+        >>> start, end = torch.tensor([12, 20]), torch.tensor([14, 25])
+        >>> out = model(input_ids, start_positions=start, end_positions=end)
+        >>> out.start_logits.shape, out.end_logits.shape
+        (torch.Size([2, 40]), torch.Size([2, 40]))
+    """
+
     base_model_class = HfxLinformerModel
 
 
 class HfxLinformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxLinformerPreTrainedModel):
+    """Linformer with a per-token classification head (named entities, parts of speech).
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxLinformerConfig
+        >>> from hf_xformers import HfxLinformerForTokenClassification
+        >>> config = HfxLinformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, linformer_k=16,
+        ...     max_position_embeddings=66, num_labels=5,
+        ... )
+        >>> model = HfxLinformerForTokenClassification(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> model(input_ids, labels=torch.randint(0, 5, (2, 40))).logits.shape
+        torch.Size([2, 40, 5])
+    """
+
     base_model_class = HfxLinformerModel

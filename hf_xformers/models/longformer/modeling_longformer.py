@@ -107,10 +107,27 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
 
 
 class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
-    """Longformer encoder. See :class:`~hf_xformers.layers.text_model.HfxTextModel` for inputs and outputs.
+    """Longformer encoder: RoBERTa's embeddings and layers with sliding-window attention plus global tokens, and a
+    pooler (``add_pooling_layer``). Its inputs and outputs: ``forward``.
 
     Inputs of any length up to the position table work: each layer pads internally to its block size and
     cuts the result back, so no caller-side padding to the window is needed.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxLongformerConfig, HfxLongformerModel
+        >>> config = HfxLongformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, attention_window=8,
+        ...     max_position_embeddings=66,
+        ... )
+        >>> model = HfxLongformerModel(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> attention_mask = torch.ones(2, 40, dtype=torch.long)
+        >>> attention_mask[1, 30:] = 0  # the second sequence: 30 tokens, then padding
+        >>> out = model(input_ids, attention_mask=attention_mask)
+        >>> out.last_hidden_state.shape, out.pooler_output.shape
+        (torch.Size([2, 40, 32]), torch.Size([2, 32]))
     """
 
     attention_class = HfxSlidingWindowSelfAttention
@@ -159,11 +176,58 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
 
 
 class HfxLongformerForMaskedLM(HfxMaskedLMHeadMixin, HfxLongformerPreTrainedModel):
+    """Longformer with a masked-language-modelling head, its decoder tied to the input embeddings.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxLongformerConfig, HfxLongformerForMaskedLM
+        >>> config = HfxLongformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, attention_window=8,
+        ...     max_position_embeddings=66,
+        ... )
+        >>> model = HfxLongformerForMaskedLM(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> labels = torch.full_like(input_ids, -100)  # -100: no loss
+        >>> labels[:, 7] = input_ids[:, 7]
+        >>> input_ids[:, 7] = 4  # <mask> in RoBERTa's vocabulary
+        >>> out = model(input_ids, labels=labels)
+        >>> out.logits.shape, out.loss.dim()
+        (torch.Size([2, 40, 100]), 0)
+    """
+
     base_model_class = HfxLongformerModel
     _tied_weights_keys = {"lm_head.decoder.weight": "longformer.embeddings.word_embeddings.weight"}
 
 
 class HfxLongformerForSequenceClassification(HfxSequenceClassificationHeadMixin, HfxLongformerPreTrainedModel):
+    """Longformer with a classification or regression head on the first token (``<s>``), or on the mean of the tokens
+    with ``config.classifier_pooling = "mean"``; the loss follows ``config.problem_type``. A packed batch is classified
+    per document. ``<s>`` (each document's first token) is global unless a ``global_attention_mask`` is given.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxLongformerConfig
+        >>> from hf_xformers import HfxLongformerForSequenceClassification
+        >>> config = HfxLongformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, attention_window=8,
+        ...     max_position_embeddings=66, num_labels=3,
+        ... )
+        >>> model = HfxLongformerForSequenceClassification(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> model(input_ids, labels=torch.tensor([0, 2])).logits.shape
+        torch.Size([2, 3])
+        >>> # Two documents of 25 and 15 tokens packed in one row, as
+        >>> # DataCollatorForPackedDocuments sends them: one row of logits each
+        >>> cu_seq_lens = torch.tensor([0, 25, 40], dtype=torch.int32)
+        >>> out = model(input_ids[:1], labels=torch.tensor([1, 0]),
+        ...             cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens,
+        ...             max_length_q=25, max_length_k=25)
+        >>> out.logits.shape
+        torch.Size([2, 3])
+    """
+
     base_model_class = HfxLongformerModel
 
     def _encode(
@@ -182,12 +246,69 @@ class HfxLongformerForSequenceClassification(HfxSequenceClassificationHeadMixin,
 
 
 class HfxLongformerForMultipleChoice(HfxMultipleChoiceHeadMixin, HfxLongformerPreTrainedModel):
+    """Longformer for multiple choice: every (context, choice) pair of ``(batch, num_choices, seq_len)`` inputs is
+    scored from its pooled first token. The choice's tokens (after the first separator pair) are global by default.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxLongformerConfig
+        >>> from hf_xformers import HfxLongformerForMultipleChoice
+        >>> config = HfxLongformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, attention_window=8,
+        ...     max_position_embeddings=66,
+        ... )
+        >>> model = HfxLongformerForMultipleChoice(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 4, 24))  # 2 examples, 4 choices
+        >>> input_ids[..., 16:18] = config.sep_token_id  # context </s></s> choice
+        >>> model(input_ids, labels=torch.tensor([3, 0])).logits.shape
+        torch.Size([2, 4])
+    """
+
     base_model_class = HfxLongformerModel
 
 
 class HfxLongformerForQuestionAnswering(HfxQuestionAnsweringHeadMixin, HfxLongformerPreTrainedModel):
+    """Longformer for extractive question answering: a start and an end logit for every token. The question's tokens
+    (before the first separator) are global by default.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxLongformerConfig
+        >>> from hf_xformers import HfxLongformerForQuestionAnswering
+        >>> config = HfxLongformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, attention_window=8,
+        ...     max_position_embeddings=66,
+        ... )
+        >>> model = HfxLongformerForQuestionAnswering(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> input_ids[:, 6:8] = config.sep_token_id  # question </s></s> context
+        >>> start, end = torch.tensor([12, 20]), torch.tensor([14, 25])
+        >>> out = model(input_ids, start_positions=start, end_positions=end)
+        >>> out.start_logits.shape, out.end_logits.shape
+        (torch.Size([2, 40]), torch.Size([2, 40]))
+    """
+
     base_model_class = HfxLongformerModel
 
 
 class HfxLongformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxLongformerPreTrainedModel):
+    """Longformer with a per-token classification head (named entities, parts of speech).
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxLongformerConfig
+        >>> from hf_xformers import HfxLongformerForTokenClassification
+        >>> config = HfxLongformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, attention_window=8,
+        ...     max_position_embeddings=66, num_labels=5,
+        ... )
+        >>> model = HfxLongformerForTokenClassification(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> model(input_ids, labels=torch.randint(0, 5, (2, 40))).logits.shape
+        torch.Size([2, 40, 5])
+    """
+
     base_model_class = HfxLongformerModel

@@ -120,13 +120,30 @@ class HfxPerformerPreTrainedModel(HfxPreTrainedModel):
 
 
 class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
-    """Performer encoder. See :class:`~hf_xformers.layers.text_model.HfxTextModel` for inputs and outputs.
+    """Performer encoder: RoBERTa's embeddings and layers with FAVOR+ attention (random features in place of the
+    softmax, linear in the sequence length), and a pooler (``add_pooling_layer``). Its inputs and outputs: ``forward``.
 
     With ``config.feature_redraw_interval = N``, forward calls in training mode number 0, 1, 2, ... and the
     projections are redrawn before calls N, 2N, ... (here, not inside the layers, so that gradient checkpointing,
     which reruns layer forwards, never sees a different projection in its recomputation). A redraw is the one thing
     in a forward that works on the CPU whatever the model's device: the new projections are drawn there from their
     seeds (reproducible, the same on every device) and copied to the model's device in one transfer per device.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxPerformerConfig, HfxPerformerModel
+        >>> config = HfxPerformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66,
+        ... )
+        >>> model = HfxPerformerModel(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> attention_mask = torch.ones(2, 40, dtype=torch.long)
+        >>> attention_mask[1, 30:] = 0  # the second sequence: 30 tokens, then padding
+        >>> out = model(input_ids, attention_mask=attention_mask)
+        >>> out.last_hidden_state.shape, out.pooler_output.shape
+        (torch.Size([2, 40, 32]), torch.Size([2, 32]))
     """
 
     attention_class = HfxFavorSelfAttention
@@ -179,6 +196,33 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         only the new tokens (``attention_mask`` is then ``(batch, new)`` or ``(batch, past + new)``, of which the last
         ``new`` columns are used). Without ``position_ids`` a cached call numbers the new tokens on from the last
         position, counting the tokens that are not ``pad_token_id`` as the uncached model does.
+
+        Args:
+            input_ids: ``(batch, seq_len)`` token ids (with a cache: the new tokens), or a packed row
+                ``(1, total_tokens)``.
+            attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding; with a cache also
+                ``(batch, past + seq_len)``.
+            global_attention_mask: refused (Performer has no global tokens).
+            token_type_ids: ``(batch, seq_len)`` segment ids.
+            position_ids: ``(batch, seq_len)`` positions on RoBERTa's table (None: counted from ``pad_token_id + 1``
+                over the real tokens); positions restarting per document mark a packed batch.
+            inputs_embeds: ``(batch, seq_len, hidden)``, instead of ``input_ids``.
+            output_attentions: also return every layer's attention probabilities ``(batch, heads, seq_len, keys)``
+                (computed densely from the random features).
+            output_hidden_states: also return the hidden states after the embeddings and after every layer.
+            return_dict: an :class:`HfxPerformerModelOutput` (None: ``config.return_dict``) or a plain tuple.
+            past_key_values: an :class:`HfxPerformerCache` from an earlier call (its name before transformers 5.24).
+            use_cache: start or continue a cache and return it (causal models only).
+            cache: the same as ``past_key_values``, under its name from transformers 5.24.
+            packed_batch: the :class:`~hf_xformers.ops.packing.PackedBatch` a head already resolved (then the
+                boundary keywords are not read again).
+            **kwargs: the boundaries of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
+                ``seq_idx``, or ``cu_seq_lens_q/k`` with ``max_length_q/k``).
+
+        Returns:
+            ``HfxPerformerModelOutput``: ``last_hidden_state`` ``(batch, seq_len, hidden)``, ``pooler_output``
+            ``(batch, hidden)`` (``(num_documents, hidden)`` for a packed batch; None without a pooler), the cache when
+            one is used, ``hidden_states`` and ``attentions`` when asked.
         """
         past_key_values = resolve_cache_argument(past_key_values, cache)
         packing = packing_kwargs(self, kwargs)
@@ -308,23 +352,125 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
 
 
 class HfxPerformerForMaskedLM(HfxMaskedLMHeadMixin, HfxPerformerPreTrainedModel):
+    """Performer with a masked-language-modelling head, its decoder tied to the input embeddings.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxPerformerConfig, HfxPerformerForMaskedLM
+        >>> config = HfxPerformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66,
+        ... )
+        >>> model = HfxPerformerForMaskedLM(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> labels = torch.full_like(input_ids, -100)  # -100: no loss
+        >>> labels[:, 7] = input_ids[:, 7]
+        >>> input_ids[:, 7] = 4  # <mask> in RoBERTa's vocabulary
+        >>> out = model(input_ids, labels=labels)
+        >>> out.logits.shape, out.loss.dim()
+        (torch.Size([2, 40, 100]), 0)
+    """
+
     base_model_class = HfxPerformerModel
     _tied_weights_keys = {"lm_head.decoder.weight": "performer.embeddings.word_embeddings.weight"}
 
 
 class HfxPerformerForSequenceClassification(HfxSequenceClassificationHeadMixin, HfxPerformerPreTrainedModel):
+    """Performer with a classification or regression head on the first token (``<s>``), or on the mean of the tokens
+    with ``config.classifier_pooling = "mean"``; the loss follows ``config.problem_type``. A packed batch is classified
+    per document.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxPerformerConfig
+        >>> from hf_xformers import HfxPerformerForSequenceClassification
+        >>> config = HfxPerformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66, num_labels=3,
+        ... )
+        >>> model = HfxPerformerForSequenceClassification(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> model(input_ids, labels=torch.tensor([0, 2])).logits.shape
+        torch.Size([2, 3])
+        >>> # Two documents of 25 and 15 tokens packed in one row, as
+        >>> # DataCollatorForPackedDocuments sends them: one row of logits each
+        >>> cu_seq_lens = torch.tensor([0, 25, 40], dtype=torch.int32)
+        >>> out = model(input_ids[:1], labels=torch.tensor([1, 0]),
+        ...             cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens,
+        ...             max_length_q=25, max_length_k=25)
+        >>> out.logits.shape
+        torch.Size([2, 3])
+    """
+
     base_model_class = HfxPerformerModel
 
 
 class HfxPerformerForMultipleChoice(HfxMultipleChoiceHeadMixin, HfxPerformerPreTrainedModel):
+    """Performer for multiple choice: every (context, choice) pair of ``(batch, num_choices, seq_len)`` inputs is scored
+    from its pooled first token.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxPerformerConfig, HfxPerformerForMultipleChoice
+        >>> config = HfxPerformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66,
+        ... )
+        >>> model = HfxPerformerForMultipleChoice(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 4, 24))  # 2 examples, 4 choices
+        >>> input_ids[..., 16:18] = config.sep_token_id  # context </s></s> choice
+        >>> model(input_ids, labels=torch.tensor([3, 0])).logits.shape
+        torch.Size([2, 4])
+    """
+
     base_model_class = HfxPerformerModel
 
 
 class HfxPerformerForQuestionAnswering(HfxQuestionAnsweringHeadMixin, HfxPerformerPreTrainedModel):
+    """Performer for extractive question answering: a start and an end logit for every token.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxPerformerConfig
+        >>> from hf_xformers import HfxPerformerForQuestionAnswering
+        >>> config = HfxPerformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66,
+        ... )
+        >>> model = HfxPerformerForQuestionAnswering(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> input_ids[:, 6:8] = config.sep_token_id  # question </s></s> context
+        >>> start, end = torch.tensor([12, 20]), torch.tensor([14, 25])
+        >>> out = model(input_ids, start_positions=start, end_positions=end)
+        >>> out.start_logits.shape, out.end_logits.shape
+        (torch.Size([2, 40]), torch.Size([2, 40]))
+    """
+
     base_model_class = HfxPerformerModel
 
 
 class HfxPerformerForTokenClassification(HfxTokenClassificationHeadMixin, HfxPerformerPreTrainedModel):
+    """Performer with a per-token classification head (named entities, parts of speech).
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxPerformerConfig
+        >>> from hf_xformers import HfxPerformerForTokenClassification
+        >>> config = HfxPerformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66, num_labels=5,
+        ... )
+        >>> model = HfxPerformerForTokenClassification(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 40))
+        >>> model(input_ids, labels=torch.randint(0, 5, (2, 40))).logits.shape
+        torch.Size([2, 40, 5])
+    """
+
     base_model_class = HfxPerformerModel
 
 
@@ -344,6 +490,22 @@ class HfxPerformerForCausalLM(HfxCausalLMHeadMixin, HfxPerformerPreTrainedModel,
     continues and accepts: pass those, not table indices), and :meth:`prepare_inputs_for_generation` moves them onto
     the table; left padding works, and ``generate(position_ids=...)`` with the positions ``generate()`` would infer
     gives the same tokens as without them.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxPerformerConfig, HfxPerformerForCausalLM
+        >>> config = HfxPerformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        ...     num_attention_heads=2, intermediate_size=64, num_random_features=16,
+        ...     max_position_embeddings=66,
+        ... )
+        >>> model = HfxPerformerForCausalLM(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 12))
+        >>> out = model(input_ids, labels=input_ids)  # shifted inside
+        >>> out.logits.shape
+        torch.Size([2, 12, 100])
+        >>> model.generate(input_ids, min_new_tokens=4, max_new_tokens=4).shape
+        torch.Size([2, 16])
     """
 
     base_model_class = HfxPerformerModel

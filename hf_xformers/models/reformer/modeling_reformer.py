@@ -613,7 +613,24 @@ class HfxReformerPreTrainedModel(HfxPreTrainedModel):
 
 
 class HfxReformerModel(HfxReformerPreTrainedModel):
-    """Reformer encoder (or decoder, with ``config.is_decoder``). Output width is ``2 * hidden_size``."""
+    """Reformer encoder (or decoder, with ``config.is_decoder``). Output width is ``2 * hidden_size``.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxReformerConfig, HfxReformerModel
+        >>> config = HfxReformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     attention_head_size=16, feed_forward_size=64,
+        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8,
+        ...     lsh_attn_chunk_length=8, num_buckets=4, axial_pos_shape=[8, 8],
+        ...     axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
+        ... )
+        >>> model = HfxReformerModel(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 32))
+        >>> out = model(input_ids, attention_mask=torch.ones_like(input_ids))
+        >>> out.last_hidden_state.shape  # the two reversible streams, concatenated
+        torch.Size([2, 32, 64])
+    """
 
     # Attention differs per layer (config.attn_layers); neither kind has global tokens.
     attention_class = None
@@ -695,6 +712,11 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             num_hashes: hashing rounds for this call (None: ``config.num_hashes``).
             past_buckets_states: cache from an earlier call (decoders): the input is then one new position.
             use_cache: return a cache (decoders in eval; default ``config.use_cache``).
+            output_attentions: also return every layer's attention probabilities ``(batch, heads, seq_len, seq_len)``.
+            output_hidden_states: also return the ``x2`` stream before every layer and after the last.
+            return_dict: an :class:`HfxReformerModelOutput` (None: ``config.return_dict``) or a plain tuple.
+            global_attention_mask: refused (Reformer has no global tokens).
+            token_type_ids: refused (Reformer has no token types).
             packed_batch: the batch's :class:`~hf_xformers.ops.packing.PackedBatch`, as the heads resolve it once
                 (None: resolved here from ``kwargs``, ``position_ids`` and ``attention_mask``).
             **kwargs: the boundaries of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
@@ -921,6 +943,28 @@ class _ReformerHeadSizes:
 
 
 class HfxReformerForMaskedLM(_ReformerHeadSizes, HfxMaskedLMHeadMixin, HfxReformerPreTrainedModel):
+    """Reformer with a masked-language-modelling head over both reversible streams (a decoder ``2 * hidden_size``
+    wide, plus a bias); bidirectional, so ``config.is_decoder`` must be False.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxReformerConfig, HfxReformerForMaskedLM
+        >>> config = HfxReformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     attention_head_size=16, feed_forward_size=64,
+        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8,
+        ...     lsh_attn_chunk_length=8, num_buckets=4, axial_pos_shape=[8, 8],
+        ...     axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
+        ... )
+        >>> model = HfxReformerForMaskedLM(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 32))
+        >>> labels = torch.full_like(input_ids, -100)
+        >>> labels[:, 5] = input_ids[:, 5]
+        >>> out = model(input_ids, labels=labels)
+        >>> out.logits.shape, out.loss.dim()
+        (torch.Size([2, 32, 100]), 0)
+    """
+
     base_model_class = HfxReformerModel
     lm_head_class = HfxReformerLMHead
 
@@ -936,10 +980,52 @@ class HfxReformerForMaskedLM(_ReformerHeadSizes, HfxMaskedLMHeadMixin, HfxReform
 class HfxReformerForSequenceClassification(
     _ReformerHeadSizes, HfxSequenceClassificationHeadMixin, HfxReformerPreTrainedModel
 ):
+    """Reformer with a classification or regression head on both streams' first token, or on the mean of the tokens with
+    ``config.classifier_pooling = "mean"``; the loss follows ``config.problem_type``. A packed batch is classified per
+    document.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxReformerConfig
+        >>> from hf_xformers import HfxReformerForSequenceClassification
+        >>> config = HfxReformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     attention_head_size=16, feed_forward_size=64,
+        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8,
+        ...     lsh_attn_chunk_length=8, num_buckets=4, axial_pos_shape=[8, 8],
+        ...     axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
+        ...     num_labels=3,
+        ... )
+        >>> model = HfxReformerForSequenceClassification(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 32))
+        >>> model(input_ids, labels=torch.tensor([0, 2])).logits.shape
+        torch.Size([2, 3])
+    """
+
     base_model_class = HfxReformerModel
 
 
 class HfxReformerForQuestionAnswering(_ReformerHeadSizes, HfxQuestionAnsweringHeadMixin, HfxReformerPreTrainedModel):
+    """Reformer for extractive question answering: a start and an end logit for every token.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxReformerConfig, HfxReformerForQuestionAnswering
+        >>> config = HfxReformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     attention_head_size=16, feed_forward_size=64,
+        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8,
+        ...     lsh_attn_chunk_length=8, num_buckets=4, axial_pos_shape=[8, 8],
+        ...     axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
+        ... )
+        >>> model = HfxReformerForQuestionAnswering(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 32))
+        >>> start, end = torch.tensor([3, 9]), torch.tensor([5, 12])
+        >>> out = model(input_ids, start_positions=start, end_positions=end)
+        >>> out.start_logits.shape, out.end_logits.shape
+        (torch.Size([2, 32]), torch.Size([2, 32]))
+    """
+
     base_model_class = HfxReformerModel
 
 
@@ -954,6 +1040,25 @@ class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel, G
     attention mask, so a left-padded batch decodes with the cache too (transformers' Reformer drops the mask in
     generate()). Positions count from the first slot, padding included, as in transformers' Reformer, unless
     ``position_ids`` are given.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxReformerConfig, HfxReformerForCausalLM
+        >>> config = HfxReformerConfig(
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     attention_head_size=16, feed_forward_size=64,
+        ...     attn_layers=["local", "lsh"], local_attn_chunk_length=8,
+        ...     lsh_attn_chunk_length=8, num_buckets=4, axial_pos_shape=[8, 8],
+        ...     axial_pos_embds_dim=[16, 16], max_position_embeddings=64,
+        ... )
+        >>> model = HfxReformerForCausalLM(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 32))
+        >>> out = model(input_ids, labels=input_ids)  # shifted inside
+        >>> out.logits.shape
+        torch.Size([2, 32, 100])
+        >>> prompt = input_ids[:, :8]
+        >>> model.generate(prompt, min_new_tokens=4, max_new_tokens=4).shape
+        torch.Size([2, 12])
     """
 
     base_model_class = HfxReformerModel
@@ -992,7 +1097,30 @@ class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel, G
 
         A packed batch (``DataCollatorWithFlattening(position_ids_start=0)``: restarting ``position_ids``, or
         ``kwargs``, :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) is read as documents that never see each other (see
-        :class:`HfxReformerModel`), and no document's last token is scored against the next document's first."""
+        :class:`HfxReformerModel`), and no document's last token is scored against the next document's first.
+
+        Args:
+            input_ids: ``(batch, seq_len)`` token ids (with a filled cache: one new position), or a packed row.
+            attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding; with a cache also
+                ``(batch, past + seq_len)``.
+            position_ids: ``(batch, seq_len)`` from 0 (None: ``0, 1, ...``, or each document's own count).
+            inputs_embeds: ``(batch, seq_len, hidden)``, instead of ``input_ids``.
+            num_hashes: hashing rounds for this call (None: ``config.num_hashes``).
+            past_buckets_states: the :class:`HfxReformerCache` an earlier call returned.
+            use_cache: start or continue a cache and return it (None: ``config.use_cache``).
+            labels: ``(batch, seq_len)``, usually the input ids; -100 where no loss is wanted; shifted inside.
+            shift_labels: ``(batch, seq_len)`` labels already aligned with the positions (used instead of ``labels``).
+            num_items_in_batch: the number of scored tokens over the accumulated batch (Trainer).
+            output_attentions: also return every layer's attention probabilities.
+            output_hidden_states: also return the hidden states before every layer and after the last.
+            return_dict: an :class:`HfxReformerCausalLMOutput` (None: ``config.return_dict``) or a plain tuple.
+            **kwargs: the boundaries of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
+                ``seq_idx``, or ``cu_seq_lens_q/k`` with ``max_length_q/k``).
+
+        Returns:
+            ``HfxReformerCausalLMOutput``: ``loss``, ``logits`` ``(batch, seq_len, vocab_size)``,
+            ``past_buckets_states`` (with ``use_cache``), ``hidden_states`` and ``attentions`` when asked.
+        """
         packing = packing_kwargs(self, kwargs)
         documents = None
         reference = input_ids if input_ids is not None else inputs_embeds

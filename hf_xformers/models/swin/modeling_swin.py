@@ -447,6 +447,19 @@ class HfxSwinModel(HfxSwinPreTrainedModel):
         add_pooling_layer: compute ``pooler_output`` (mean over tokens).
         use_mask_token: add SimMIM's learned mask token (used by ``bool_masked_pos``).
         add_layernorm: apply the final LayerNorm (the backbone normalises its own outputs instead).
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxSwinConfig, HfxSwinModel
+        >>> config = HfxSwinConfig(
+        ...     image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+        ...     num_heads=[2, 4], window_size=4, encoder_stride=8,
+        ... )
+        >>> model = HfxSwinModel(config).eval()
+        >>> pixel_values = torch.randn(2, 3, 32, 32)
+        >>> out = model(pixel_values)  # the last stage's 4 x 4 tokens, and their mean
+        >>> out.last_hidden_state.shape, out.pooler_output.shape
+        (torch.Size([2, 16, 32]), torch.Size([2, 32]))
     """
 
     def __init__(
@@ -505,6 +518,9 @@ class HfxSwinModel(HfxSwinPreTrainedModel):
             pixel_values: ``(batch, num_channels, height, width)``, any height and width.
             bool_masked_pos: ``(batch, num_patches)``, True for patches to replace by the mask token (needs
                 ``use_mask_token``).
+            output_attentions: also return every block's window attention probabilities.
+            output_hidden_states: also return the tokens after the embeddings and after every stage.
+            return_dict: an :class:`HfxSwinModelOutput` (None: ``config.return_dict``) or a plain tuple.
             interpolate_pos_encoding: accepted for compatibility with transformers; absolute position tables
                 are always resized to the input's grid.
         Returns:
@@ -529,8 +545,21 @@ class HfxSwinModel(HfxSwinPreTrainedModel):
 
 
 class HfxSwinForImageClassification(HfxSwinPreTrainedModel):
-    """Linear classifier on the pooled output. ``labels`` ``(batch,)`` (single label), ``(batch, num_labels)``
-    floats (multi-label) or regression values with ``num_labels == 1``; see ``sequence_classification_loss``."""
+    """Linear classifier on the pooled output. ``labels`` ``(batch,)`` (single label), ``(batch, num_labels)`` floats
+    (multi-label) or regression values with ``num_labels == 1``; see ``sequence_classification_loss``.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxSwinConfig, HfxSwinForImageClassification
+        >>> config = HfxSwinConfig(
+        ...     image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+        ...     num_heads=[2, 4], window_size=4, encoder_stride=8, num_labels=5,
+        ... )
+        >>> model = HfxSwinForImageClassification(config).eval()
+        >>> pixel_values = torch.randn(2, 3, 32, 32)
+        >>> model(pixel_values, labels=torch.tensor([0, 4])).logits.shape
+        torch.Size([2, 5])
+    """
 
     def __init__(self, config: HfxSwinConfig) -> None:
         super().__init__(config)
@@ -548,7 +577,22 @@ class HfxSwinForImageClassification(HfxSwinPreTrainedModel):
         return_dict: bool | None = None,
         interpolate_pos_encoding: bool = False,
     ) -> HfxSwinImageClassifierOutput | tuple:
-        """Returns ``logits`` ``(batch, num_labels)`` and the loss when ``labels`` are given."""
+        """Classify a batch of images: ``logits`` ``(batch, num_labels)``, and the loss when ``labels`` are given.
+
+        Args:
+            pixel_values: ``(batch, num_channels, height, width)``, any height and width.
+            labels: ``(batch,)`` class ids, regression values (``num_labels=1``) or ``(batch, num_labels)`` multi-hot
+                floats.
+            output_attentions: also return every block's window attention probabilities.
+            output_hidden_states: also return the tokens after the embeddings and after every stage.
+            return_dict: an ``HfxSwinImageClassifierOutput`` (None: ``config.return_dict``) or a plain tuple.
+            interpolate_pos_encoding: accepted for compatibility with transformers; absolute position tables are
+                always resized to the input's grid.
+
+        Returns:
+            ``HfxSwinImageClassifierOutput``: ``loss``, ``logits``, ``hidden_states``, ``reshaped_hidden_states``
+            and ``attentions`` when asked.
+        """
         out = self.swin(
             pixel_values,
             output_attentions=output_attentions,
@@ -562,8 +606,23 @@ class HfxSwinForImageClassification(HfxSwinPreTrainedModel):
 
 
 class HfxSwinForMaskedImageModeling(HfxSwinPreTrainedModel):
-    """SimMIM (Xie et al., 2022): masked patches become a learned mask token; a 1x1 convolution and a pixel shuffle
-    by ``encoder_stride`` decode the last map back to pixels; the loss is the L1 error on masked pixels only."""
+    """SimMIM (Xie et al., 2022): masked patches become a learned mask token; a 1x1 convolution and a pixel shuffle by
+    ``encoder_stride`` decode the last map back to pixels; the loss is the L1 error on masked pixels only.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxSwinConfig, HfxSwinForMaskedImageModeling
+        >>> config = HfxSwinConfig(
+        ...     image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+        ...     num_heads=[2, 4], window_size=4, encoder_stride=8,
+        ... )
+        >>> model = HfxSwinForMaskedImageModeling(config).eval()
+        >>> pixel_values = torch.randn(2, 3, 32, 32)
+        >>> bool_masked_pos = torch.rand(2, 64) < 0.5  # 8 x 8 patches of 4 x 4 pixels
+        >>> out = model(pixel_values, bool_masked_pos=bool_masked_pos)
+        >>> out.reconstruction.shape, out.loss.dim()
+        (torch.Size([2, 3, 32, 32]), 0)
+    """
 
     def __init__(self, config: HfxSwinConfig) -> None:
         super().__init__(config)
@@ -591,10 +650,18 @@ class HfxSwinForMaskedImageModeling(HfxSwinPreTrainedModel):
         return_dict: bool | None = None,
         interpolate_pos_encoding: bool = False,
     ) -> HfxSwinMaskedImageModelingOutput | tuple:
-        """Args:
+        """Reconstruct the masked patches of a batch of images (SimMIM).
+
+        Args:
             pixel_values: ``(batch, num_channels, H, W)``.
             bool_masked_pos: ``(batch, num_patches)``, True for masked patches (``num_patches`` =
                 ``ceil(H / patch) * ceil(W / patch)``).
+            output_attentions: also return every block's window attention probabilities.
+            output_hidden_states: also return the tokens after the embeddings and after every stage.
+            return_dict: an ``HfxSwinMaskedImageModelingOutput`` (None: ``config.return_dict``) or a plain tuple.
+            interpolate_pos_encoding: accepted for compatibility with transformers; absolute position tables are
+                always resized to the input's grid.
+
         Returns:
             ``reconstruction`` ``(batch, num_channels, H, W)`` and, with ``bool_masked_pos``, the loss (computed
             in float32 under autocast and with half-precision weights alike).
@@ -632,6 +699,19 @@ class HfxSwinBackbone(BackboneMixin, HfxSwinPreTrainedModel):
 
     As in transformers, stage maps are taken before patch merging and windows are never shrunk to small maps
     (``always_partition``: small maps are padded to the window and keep their shift).
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxSwinConfig, HfxSwinBackbone
+        >>> config = HfxSwinConfig(
+        ...     image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+        ...     num_heads=[2, 4], window_size=4, encoder_stride=8,
+        ...     out_features=["stage1", "stage2"],
+        ... )
+        >>> model = HfxSwinBackbone(config).eval()
+        >>> pixel_values = torch.randn(2, 3, 32, 32)
+        >>> [tuple(m.shape) for m in model(pixel_values).feature_maps]
+        [(2, 16, 8, 8), (2, 32, 4, 4)]
     """
 
     # The base model's final LayerNorm is not used by the backbone; checkpoints of other heads carry it.
@@ -656,8 +736,18 @@ class HfxSwinBackbone(BackboneMixin, HfxSwinPreTrainedModel):
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
     ) -> BackboneOutput | tuple:
-        """Returns ``feature_maps``: one ``(batch, channels, h, w)`` map per ``out_features`` entry;
-        ``hidden_states`` (when asked): the stem and every stage's map before merging."""
+        """The feature maps of a batch of images.
+
+        Args:
+            pixel_values: ``(batch, num_channels, height, width)``, any height and width.
+            output_hidden_states: also return the stem's and every stage's map before merging.
+            output_attentions: also return every block's window attention probabilities.
+            return_dict: a ``BackboneOutput`` (None: ``config.return_dict``) or a plain tuple.
+
+        Returns:
+            ``BackboneOutput``: ``feature_maps``, one ``(batch, channels, h, w)`` map per ``out_features`` entry;
+            ``hidden_states`` (when asked): the stem and every stage's map before merging; ``attentions``.
+        """
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states

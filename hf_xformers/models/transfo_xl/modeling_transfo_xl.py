@@ -214,7 +214,22 @@ class HfxTransfoXLLayer(GradientCheckpointingLayer):
 
 
 class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
-    """Adaptive embeddings -> ``n_layer`` :class:`HfxTransfoXLLayer` with memories. No pooler."""
+    """Adaptive embeddings -> ``n_layer`` :class:`HfxTransfoXLLayer` with memories. No pooler.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxTransfoXLConfig, HfxTransfoXLModel
+        >>> config = HfxTransfoXLConfig(
+        ...     vocab_size=100, cutoffs=[20, 50], d_model=32, d_embed=32, n_head=2,
+        ...     d_head=16, d_inner=64, n_layer=2, mem_len=16,
+        ... )
+        >>> model = HfxTransfoXLModel(config).eval()
+        >>> segment_1, segment_2 = torch.randint(0, 100, (2, 2, 12))  # 2 streams each
+        >>> out = model(segment_1)
+        >>> out = model(segment_2, mems=out.mems)  # sees segment 1 through the memory
+        >>> out.last_hidden_state.shape, len(out.mems), out.mems[0].shape
+        (torch.Size([2, 12, 32]), 2, torch.Size([2, 16, 32]))
+    """
 
     def __init__(self, config: HfxTransfoXLConfig, add_pooling_layer: bool = False) -> None:
         super().__init__(config)
@@ -313,6 +328,11 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
                 masked. It may also cover earlier tokens (``(batch, past + seq_len)``, what ``generate()`` passes):
                 its last ``memory + seq_len`` columns then mask the memory too; memory it does not cover counts as
                 real, and ``attentions`` then cover all of its columns (0 for tokens no longer in the memory).
+            inputs_embeds: ``(batch, seq_len, d_model)``, instead of ``input_ids``.
+            output_attentions: also return every layer's attention probabilities
+                ``(batch, n_head, seq_len, memory_len + seq_len)``.
+            output_hidden_states: also return the hidden states after the embeddings and after every layer.
+            return_dict: an :class:`HfxTransfoXLModelOutput` (None: ``config.return_dict``) or a plain tuple.
             position_ids: accepted, with ``packed_batch`` and ``kwargs``, so that a packed (padding-free) batch from
                 ``DataCollatorWithFlattening`` is refused with a ``ValueError`` instead of mixing its documents
                 (positions are relative here: ``position_ids`` of an ordinary batch are not used).
@@ -447,6 +467,22 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
     default: every query attends to the last ``mem_len`` positions either way); with ``same_length=False`` a longer
     sequence is seen through the last ``mem_len`` positions only, as in training, where full recomputation sees all.
     With ``mem_len=0`` there is no memory to carry: every step re-encodes the whole sequence and no cache is returned.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxTransfoXLConfig, HfxTransfoXLForCausalLM
+        >>> config = HfxTransfoXLConfig(
+        ...     vocab_size=100, cutoffs=[20, 50], d_model=32, d_embed=32, n_head=2,
+        ...     d_head=16, d_inner=64, n_layer=2, mem_len=16,
+        ... )
+        >>> model = HfxTransfoXLForCausalLM(config).eval()
+        >>> segment_1, segment_2 = torch.randint(0, 100, (2, 2, 12))  # 2 streams each
+        >>> out = model(segment_1, labels=segment_1)  # shifted inside
+        >>> out = model(segment_2, mems=out.mems, labels=segment_2)
+        >>> out.logits.shape, out.losses.shape  # log-probabilities; per-token losses
+        (torch.Size([2, 12, 100]), torch.Size([2, 11]))
+        >>> model.generate(segment_1, min_new_tokens=4, max_new_tokens=4).shape
+        torch.Size([2, 16])
     """
 
     generation_cache_argument = "mems"
@@ -507,6 +543,28 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
         ``num_items_in_batch`` when Trainer passes it). ``use_cache`` is accepted for ``generate()`` and has no effect:
         the memories are the cache. A packed batch (``position_ids`` restarting inside a row, or ``kwargs``:
         :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) is refused (see :meth:`HfxTransfoXLModel.forward`).
+
+        Args:
+            input_ids: ``(batch, seq_len)`` token ids of the segment.
+            mems: the previous segment's ``mems`` (per layer ``(batch, memory_len, d_model)``), or None.
+            attention_mask: ``(batch, seq_len)`` (or ``(batch, past + seq_len)``), 1 for real tokens, 0 for padding.
+            inputs_embeds: ``(batch, seq_len, d_model)``, instead of ``input_ids``.
+            labels: ``(batch, seq_len)``, usually the input ids; -100 where no loss is wanted; shifted inside.
+            shift_labels: ``(batch, seq_len)`` targets already aligned with the positions (used instead of
+                ``labels``; every position scored, the first included).
+            num_items_in_batch: the number of scored tokens over the accumulated batch (Trainer).
+            return_logits: compute the log-probabilities over the whole vocabulary (False: only the loss).
+            use_cache: accepted for ``generate()``; the memories are the cache.
+            output_attentions: also return every layer's attention probabilities
+                ``(batch, n_head, seq_len, memory_len + seq_len)``.
+            output_hidden_states: also return the hidden states after the embeddings and after every layer.
+            return_dict: an :class:`HfxTransfoXLCausalLMOutput` (None: ``config.return_dict``) or a plain tuple.
+            position_ids: accepted only to refuse a packed batch (positions are relative here).
+            **kwargs: the padding-free collator's boundaries (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`),
+                refused.
+
+        Returns:
+            ``HfxTransfoXLCausalLMOutput``: ``loss``, ``logits``, the per-token ``losses``, the new ``mems``.
         """
         if shift_labels is not None:
             labels = None
@@ -582,10 +640,25 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
 
 
 class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
-    """A linear classifier on the last real token's hidden state (the only one that has seen the whole input in a
-    causal model), or with ``config.classifier_pooling = "mean"`` on the mean over the real tokens. The last token
-    is found from ``attention_mask`` (right padding), else from ``pad_token_id``, else it is the last position.
-    Losses by ``problem_type`` as in every hf_xformers classification head."""
+    """A linear classifier on the last real token's hidden state (the only one that has seen the whole input in a causal
+    model), or with ``config.classifier_pooling = "mean"`` on the mean over the real tokens. The last token is found
+    from ``attention_mask`` (right padding), else from ``pad_token_id``, else it is the last position. Losses by
+    ``problem_type`` as in every hf_xformers classification head.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxTransfoXLConfig
+        >>> from hf_xformers import HfxTransfoXLForSequenceClassification
+        >>> config = HfxTransfoXLConfig(
+        ...     vocab_size=100, cutoffs=[20, 50], d_model=32, d_embed=32, n_head=2,
+        ...     d_head=16, d_inner=64, n_layer=2, mem_len=16, num_labels=3,
+        ... )
+        >>> model = HfxTransfoXLForSequenceClassification(config).eval()
+        >>> input_ids = torch.randint(0, 100, (2, 12))
+        >>> out = model(input_ids, labels=torch.tensor([0, 2]))  # last tokens
+        >>> out.logits.shape
+        torch.Size([2, 3])
+    """
 
     def __init__(self, config: HfxTransfoXLConfig) -> None:
         super().__init__(config)
@@ -630,7 +703,26 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
     ) -> HfxTransfoXLSequenceClassifierOutput | tuple:
         """Returns ``logits`` ``(batch, num_labels)``, the loss when ``labels`` ``(batch,)`` (or multi-hot
         ``(batch, num_labels)``) are given, and the new ``mems``. A packed batch is refused (see
-        :meth:`HfxTransfoXLModel.forward`)."""
+        :meth:`HfxTransfoXLModel.forward`).
+
+        Args:
+            input_ids: ``(batch, seq_len)`` token ids.
+            mems: the previous segment's ``mems`` (per layer ``(batch, memory_len, d_model)``), or None.
+            attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding; it finds the last real token.
+            inputs_embeds: ``(batch, seq_len, d_model)``, instead of ``input_ids``.
+            labels: ``(batch,)`` class ids, regression values (``num_labels=1``) or ``(batch, num_labels)`` multi-hot
+                floats.
+            output_attentions: also return every layer's attention probabilities.
+            output_hidden_states: also return the hidden states after the embeddings and after every layer.
+            return_dict: an ``HfxTransfoXLSequenceClassifierOutput`` (None: ``config.return_dict``) or a plain tuple.
+            position_ids: accepted only to refuse a packed batch.
+            **kwargs: the padding-free collator's boundaries (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`),
+                refused.
+
+        Returns:
+            ``HfxTransfoXLSequenceClassifierOutput``: ``loss``, ``logits`` ``(batch, num_labels)``, ``mems``,
+            ``hidden_states`` and ``attentions`` when asked.
+        """
         out = self.transformer(
             input_ids, mems=mems, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,

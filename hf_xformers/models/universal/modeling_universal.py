@@ -259,6 +259,19 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
     An encoder by default; with ``config.is_decoder`` a causal decoder that can keep a :class:`HfxUniversalCache`
     (``use_cache=True`` or ``past_key_values``), and with ``config.add_cross_attention`` it attends to
     ``encoder_hidden_states``.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxUniversalConfig, HfxUniversalModel
+        >>> config = HfxUniversalConfig(
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     intermediate_size=64, act_max_steps=4,
+        ... )
+        >>> model = HfxUniversalModel(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 20))
+        >>> out = model(input_ids, attention_mask=torch.ones_like(input_ids))
+        >>> out.last_hidden_state.shape, out.ponder_steps.shape  # ACT's steps
+        (torch.Size([2, 20, 32]), torch.Size([2, 20]))
     """
 
     def __init__(self, config: HfxUniversalConfig, add_pooling_layer: bool = True) -> None:
@@ -484,11 +497,17 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             input_ids: ``(batch, seq_len)`` token ids (or ``inputs_embeds``, see :class:`HfxUniversalEmbeddings`).
             attention_mask: ``(batch, seq_len)`` 1 for real tokens, 0 for padding; for a decoder with a cache,
                 ``(batch, past + seq_len)``. Padding never runs under ACT and is left out of the ponder loss.
+            token_type_ids: ``(batch, seq_len)`` segment ids.
             position_ids: ``(batch, seq_len)``; default: the count of real tokens before each token (from 0), so left
                 and right padding give a token the same position.
-            encoder_hidden_states: ``(batch, src_len, hidden)`` (decoders with cross-attention);
-                ``encoder_attention_mask`` ``(batch, src_len)``.
+            inputs_embeds: ``(batch, seq_len, embedding_size or hidden_size)``, instead of ``input_ids``.
+            encoder_hidden_states: ``(batch, src_len, hidden)`` (decoders with cross-attention).
+            encoder_attention_mask: ``(batch, src_len)``, 1 for real source tokens.
             past_key_values: a :class:`HfxUniversalCache` to extend (decoders); ``use_cache=True`` starts one.
+            use_cache: start or continue a cache and return it (decoders).
+            output_attentions: also return the attention probabilities of every step.
+            output_hidden_states: also return the states after the embeddings and after every step.
+            return_dict: an :class:`HfxUniversalModelOutput` (None: ``config.return_dict``) or a plain tuple.
             cache: the same, under transformers 5.24's name (pass one of the two).
             packed_batch: the :class:`~hf_xformers.ops.packing.PackedBatch` a head already resolved (None: resolved
                 here).
@@ -591,7 +610,23 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
 
 class HfxUniversalForMaskedLM(HfxMaskedLMHeadMixin, HfxUniversalPreTrainedModel):
     """Masked language modelling; the decoder is tied to the input embeddings. ``labels`` ``(batch, seq_len)``, -100
-    where no loss is wanted; the loss is the cross-entropy plus the ponder loss."""
+    where no loss is wanted; the loss is the cross-entropy plus the ponder loss.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxUniversalConfig, HfxUniversalForMaskedLM
+        >>> config = HfxUniversalConfig(
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     intermediate_size=64, act_max_steps=4,
+        ... )
+        >>> model = HfxUniversalForMaskedLM(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 20))
+        >>> labels = torch.full_like(input_ids, -100)
+        >>> labels[:, 5] = input_ids[:, 5]
+        >>> out = model(input_ids, labels=labels)  # cross-entropy + ponder loss
+        >>> out.logits.shape
+        torch.Size([2, 20, 100])
+    """
 
     base_model_class = HfxUniversalModel
     lm_head_class = HfxUniversalLMHead
@@ -600,13 +635,41 @@ class HfxUniversalForMaskedLM(HfxMaskedLMHeadMixin, HfxUniversalPreTrainedModel)
 
 class HfxUniversalForSequenceClassification(HfxSequenceClassificationHeadMixin, HfxUniversalPreTrainedModel):
     """Classification or regression from the first token (RoBERTa's head, which is BERT/ALBERT's pooler + classifier);
-    losses by ``config.problem_type``, plus the ponder loss."""
+    losses by ``config.problem_type``, plus the ponder loss.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxUniversalConfig
+        >>> from hf_xformers import HfxUniversalForSequenceClassification
+        >>> config = HfxUniversalConfig(
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     intermediate_size=64, act_max_steps=4, num_labels=3,
+        ... )
+        >>> model = HfxUniversalForSequenceClassification(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 20))
+        >>> model(input_ids, labels=torch.tensor([0, 2])).logits.shape
+        torch.Size([2, 3])
+    """
 
     base_model_class = HfxUniversalModel
 
 
 class HfxUniversalForTokenClassification(HfxTokenClassificationHeadMixin, HfxUniversalPreTrainedModel):
-    """Per-token labels ``(batch, seq_len)`` (-100 where no loss is wanted), plus the ponder loss."""
+    """Per-token labels ``(batch, seq_len)`` (-100 where no loss is wanted), plus the ponder loss.
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxUniversalConfig
+        >>> from hf_xformers import HfxUniversalForTokenClassification
+        >>> config = HfxUniversalConfig(
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     intermediate_size=64, act_max_steps=4, num_labels=5,
+        ... )
+        >>> model = HfxUniversalForTokenClassification(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 20))
+        >>> model(input_ids, labels=torch.randint(0, 5, (2, 20))).logits.shape
+        torch.Size([2, 20, 5])
+    """
 
     base_model_class = HfxUniversalModel
 
@@ -622,6 +685,21 @@ class HfxUniversalForCausalLM(HfxCausalLMHeadMixin, HfxUniversalPreTrainedModel,
     Inputs and labels as in :class:`~hf_xformers.layers.heads.HfxCausalLMHeadMixin`; the loss is the next-token
     cross-entropy plus the ponder loss. ``generate()`` keeps a :class:`HfxUniversalCache` (greedy, sampling and beam
     search).
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxUniversalConfig, HfxUniversalForCausalLM
+        >>> config = HfxUniversalConfig(
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     intermediate_size=64, act_max_steps=4,
+        ... )
+        >>> model = HfxUniversalForCausalLM(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 20))
+        >>> model(input_ids, labels=input_ids).logits.shape  # labels shifted inside
+        torch.Size([2, 20, 100])
+        >>> prompt = input_ids[:, :6]
+        >>> model.generate(prompt, min_new_tokens=4, max_new_tokens=4).shape
+        torch.Size([2, 10])
     """
 
     base_model_class = HfxUniversalModel
@@ -663,6 +741,23 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, 
     them shifted right after ``decoder_start_token_id`` (``bos_token_id`` when unset). The ponder loss is the
     encoder's plus the decoder's; the decoder's counts the positions whose label is not -100 (or those of
     ``decoder_attention_mask``).
+
+    Examples:
+        >>> import torch
+        >>> from hf_xformers import HfxUniversalConfig, HfxUniversalForSeq2SeqLM
+        >>> config = HfxUniversalConfig(
+        ...     vocab_size=100, hidden_size=32, num_attention_heads=2,
+        ...     intermediate_size=64, act_max_steps=4,
+        ... )
+        >>> model = HfxUniversalForSeq2SeqLM(config).eval()
+        >>> input_ids = torch.randint(5, 100, (2, 20))
+        >>> labels = torch.randint(5, 100, (2, 7))  # read shifted right
+        >>> out = model(input_ids, labels=labels)
+        >>> out.logits.shape
+        torch.Size([2, 7, 100])
+        >>> # the decoder's start token, then 5 new ones
+        >>> model.generate(input_ids, min_new_tokens=5, max_new_tokens=5).shape
+        torch.Size([2, 6])
     """
 
     generation_cache_class = HfxUniversalCache
@@ -771,6 +866,31 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, 
         ``position_ids`` and the padding-free collator's boundaries (``kwargs``:
         :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) are accepted only to refuse them with a ``ValueError``:
         packed batches are not supported here.
+
+        Args:
+            input_ids: ``(batch, src_len)`` source token ids.
+            attention_mask: ``(batch, src_len)``, 1 for real source tokens, 0 for padding.
+            decoder_input_ids: ``(batch, tgt_len)`` (None: ``labels`` shifted right after the start token).
+            decoder_attention_mask: ``(batch, tgt_len)``, or ``(batch, past + tgt_len)`` with a cache.
+            encoder_outputs: the encoder's output for ``input_ids``, to skip encoding it again.
+            past_key_values: the decoder's :class:`HfxUniversalCache` from an earlier call (its name before
+                transformers 5.24).
+            inputs_embeds: ``(batch, src_len, embedding_size or hidden_size)``, instead of ``input_ids``.
+            decoder_inputs_embeds: ``(batch, tgt_len, embedding_size or hidden_size)``, instead of
+                ``decoder_input_ids``.
+            labels: ``(batch, tgt_len)`` target ids, -100 at padding.
+            use_cache: start or continue the decoder's cache and return it.
+            num_items_in_batch: the number of labelled tokens over the accumulated batch (Trainer).
+            output_attentions: also return the attention probabilities of every step (self and cross).
+            output_hidden_states: also return the states after the embeddings and after every step.
+            return_dict: an ``HfxUniversalSeq2SeqLMOutput`` (None: ``config.return_dict``) or a plain tuple.
+            cache: the same as ``past_key_values``, under its name from transformers 5.24.
+            position_ids: refused (see above).
+            **kwargs: the padding-free collator's boundaries, refused (see above).
+
+        Returns:
+            ``HfxUniversalSeq2SeqLMOutput``: ``loss``, ``logits`` ``(batch, tgt_len, vocab_size)``, the cache, the
+            encoder's and decoder's ponder losses and steps, ``hidden_states`` and ``attentions`` when asked.
         """
         self._refuse_packing(position_ids, packing_kwargs(self, kwargs))
         if encoder_outputs is None:
