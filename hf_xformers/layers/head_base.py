@@ -79,7 +79,7 @@ class HfxHeadMixin:
         if global_attention_mask is None and getattr(attention_class, "supports_global_attention", False):
             document_ids = None if packed is None else packed.document_ids
             global_attention_mask = self.default_global_attention_mask(
-                self.task, input_ids, attention_mask, document_ids=document_ids
+                self.task, input_ids, attention_mask, document_ids=document_ids, inputs_embeds=kw.get("inputs_embeds")
             )
         if global_attention_mask is not None:
             if "global_attention_mask" not in forward_parameters(self.base_model_class):
