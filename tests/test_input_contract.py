@@ -88,3 +88,42 @@ def test_longformer_separator_tasks_from_embeddings_ask_for_global_mask(head):
         out = model(inputs_embeds=embeds, global_attention_mask=glob)
         ref = model(input_ids=ids, global_attention_mask=glob)
     torch.testing.assert_close(out[0], ref[0], rtol=0, atol=1e-6)
+
+
+# ----- finding 6: a collator batch with seq_idx and cu_seq_lens compiles on Reformer ------------------------------------
+
+
+def test_reformer_compiles_a_collator_batch_that_carries_seq_idx_too():
+    """``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)``: the boundaries are read from
+    ``cu_seq_lens`` (whose shape gives the number of documents a traced graph needs), so masked-LM training compiles
+    with ``fullgraph=True`` and gives eager mode's loss and gradients."""
+    from transformers import DataCollatorWithFlattening
+
+    from hf_xformers import HfxReformerConfig, HfxReformerForMaskedLM
+
+    config = HfxReformerConfig(
+        vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, attention_head_size=8, feed_forward_size=37,
+        attn_layers=["local", "lsh"], local_attn_chunk_length=4, lsh_attn_chunk_length=8, num_buckets=4,
+        axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16], max_position_embeddings=64, pad_token_id=1,
+        eos_token_id=None, hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
+        lsh_attention_probs_dropout_prob=0.0, hash_seed=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = HfxReformerForMaskedLM(config).train()
+    docs = [token_ids(1, n, seed=n)[0].tolist() for n in (9, 14, 5)]
+    collator = DataCollatorWithFlattening(position_ids_start=0, return_flash_attn_kwargs=True, return_seq_idx=True)
+    batch = collator([{"input_ids": d} for d in docs])
+    assert {"seq_idx", "cu_seq_lens_q", "position_ids"} <= set(batch)
+
+    def step(fn):
+        model.zero_grad()
+        loss = fn(**batch).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    torch._dynamo.reset()
+    compiled_loss, compiled_grads = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    eager_loss, eager_grads = step(model)
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=0, atol=1e-6)
+    for got, expected in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

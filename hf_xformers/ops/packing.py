@@ -10,9 +10,11 @@ document's. None means "one document per row", the ordinary batch.
 
 Forms, in the order they are used when several are given:
 
-* ``seq_idx`` ``(batch, seq_len)``: any integer labels; a new document starts wherever the label changes.
 * ``cu_seq_lens_q`` (= ``cu_seq_lens_k``) ``(num_docs + 1,)``: cumulative lengths ``[0, l0, l0 + l1, ..., total]`` of
-  the documents of a single row (``batch`` must be 1).
+  the documents of a single row (``batch`` must be 1). First where it applies, because its shape gives the number of
+  documents, which a traced graph cannot read from ``seq_idx`` (``return_seq_idx=True`` with
+  ``return_flash_attn_kwargs=True`` gives both).
+* ``seq_idx`` ``(batch, seq_len)``: any integer labels; a new document starts wherever the label changes.
 * ``position_ids`` alone, ``batch == 1``, nothing padded, eager mode: a new document starts wherever the position does
   not follow on from the previous one (as transformers infers packing). A batch of several rows, or a padded row, is
   never inferred packed from its positions (padding restarts them too); give ``seq_idx`` to pack several rows, and
@@ -257,7 +259,8 @@ def resolve_packed_batch(
 ) -> PackedBatch | None:
     """The :class:`PackedBatch` of a batch given in any of the collator's forms, or None for an ordinary batch.
 
-    Forms are read in the order of the module doc (``seq_idx``, then ``cu_seq_lens``, then ``position_ids``).
+    Forms are read in the order of the module doc (``cu_seq_lens`` of one row, then ``seq_idx``, then
+    ``position_ids``).
     Restarting ``position_ids`` mark documents in a single row with nothing padded: in eager mode when the row holds
     more than one document (one read), and while tracing whenever ``attention_mask`` is None (as transformers detects
     packed rows under compile), so that a compiled model never lets documents see each other. A caller whose
@@ -271,7 +274,8 @@ def resolve_packed_batch(
     """
     batch, length = shape
     real = _real_tokens(attention_mask, device)
-    if seq_idx is not None:
+    cu_given = cu_seq_lens_q is not None or cu_seq_lens_k is not None
+    if seq_idx is not None and not (cu_given and batch == 1):
         if tuple(seq_idx.shape) != (batch, length):
             raise ValueError(
                 f"`seq_idx` must have the shape of `input_ids` {(batch, length)} (the document of every token), got "
@@ -279,7 +283,7 @@ def resolve_packed_batch(
             )
         document_ids, run_starts = _run_ids(seq_idx.to(device), real)
         cu, count = None, None
-    elif cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+    elif cu_given:
         document_ids, run_starts, cu, count = _runs_from_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, shape, device, real)
     elif (
         position_ids is not None
