@@ -7,8 +7,12 @@ here on every model it names; the findings that are no table row (Longformer's d
 
 from __future__ import annotations
 
+import functools
+import re
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_xformers import (
     HfxLongformerConfig,
@@ -16,7 +20,8 @@ from hf_xformers import (
     HfxLongformerForQuestionAnswering,
     HfxLongformerForSequenceClassification,
 )
-from hf_xformers.ops.input_checks import as_if_on_accelerator
+from hf_xformers.models import ARCHITECTURES
+from hf_xformers.ops.input_checks import INPUT_CONTRACT, as_if_on_accelerator
 
 VOCAB = 99
 TINY = dict(
@@ -127,3 +132,240 @@ def test_reformer_compiles_a_collator_batch_that_carries_seq_idx_too():
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=0, atol=1e-6)
     for got, expected in zip(compiled_grads, eager_grads, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+# ----- finding 10 and the table: every row of INPUT_CONTRACT on every model it names -------------------------------------
+
+# Tiny configurations of the text architectures (hidden 32, 2 layers), by folder name.
+REFORMER = dict(
+    hidden_size=32, num_attention_heads=2, attention_head_size=8, feed_forward_size=37, attn_layers=["local", "lsh"],
+    local_attn_chunk_length=4, lsh_attn_chunk_length=8, num_buckets=4, axial_pos_shape=[8, 8],
+    axial_pos_embds_dim=[16, 16], pad_token_id=1, eos_token_id=None, hash_seed=3,
+)  # fmt: skip
+TRANSFO_XL = dict(cutoffs=[20, 50], d_model=32, n_head=4, d_inner=37, n_layer=2, div_val=2, mem_len=8, clamp_len=0)
+CONFIGS = {
+    "longformer": dict(TINY, attention_window=4, type_vocab_size=1),
+    "bigbird": dict(TINY, block_size=4, num_random_blocks=1, sep_token_id=2),
+    "linformer": dict(TINY, linformer_k=16, type_vocab_size=1),
+    "performer": dict(TINY, num_random_features=32, type_vocab_size=1),
+    "reformer": dict(REFORMER, vocab_size=VOCAB, max_position_embeddings=64, num_labels=3),
+    "universal": dict(TINY, act_max_steps=2),
+    "transfo_xl": dict(TRANSFO_XL, vocab_size=VOCAB, num_labels=3),
+}
+DECLARATIONS = {arch.config_class.__module__.split(".")[2]: arch for arch in ARCHITECTURES}
+
+
+@functools.cache
+def build(arch: str, auto: str = "AutoModel"):
+    """A tiny model of ``arch`` in eval mode, built once (the refused calls change nothing in it)."""
+    torch.manual_seed(0)
+    declaration = DECLARATIONS[arch]
+    return declaration.auto_classes[auto](declaration.config_class(**CONFIGS[arch])).eval()
+
+
+class KernelRecorder(TorchDispatchMode):
+    """Records the aten ops that run; the checks must refuse before any of the model's kernels (an embedding lookup,
+    a matrix product) runs."""
+
+    KERNELS = ("embedding", "mm", "addmm", "bmm", "linear", "matmul", "scaled_dot_product")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def kernels(self) -> list[str]:
+        return [op for op in self.ops if op.split(".")[0] in self.KERNELS]
+
+
+def refused(key: str, call) -> None:
+    """``call()`` raises row ``key``'s ValueError (its fix ends the message) before any kernel of the model runs."""
+    recorder = KernelRecorder()
+    with pytest.raises(ValueError, match=re.escape(INPUT_CONTRACT[key].fix)), torch.no_grad(), recorder:
+        call()
+    assert not recorder.kernels(), f"{key}: {recorder.kernels()} ran before the refusal"
+
+
+def first_position(model) -> int:
+    """The position id of a sequence's first token (RoBERTa-style tables start at 2)."""
+    return getattr(getattr(model, "embeddings", None), "position_offset", 0)
+
+
+def position_table(model) -> int | None:
+    """The number of positions the model covers (None: sinusoidal positions, unbounded)."""
+    config = model.config
+    if getattr(config, "position_embedding_type", "absolute") == "sinusoidal":
+        return None
+    table = getattr(getattr(model, "embeddings", None), "position_embeddings", None)
+    if isinstance(table, torch.nn.Embedding):
+        return table.num_embeddings
+    return config.max_position_embeddings
+
+
+def trigger_ids_or_embeds(arch: str) -> None:
+    model = build(arch)
+    ids = token_ids(2, 8)
+    embeds = model.get_input_embeddings()(ids).detach()
+    refused("ids_or_embeds", lambda: model())
+    refused("ids_or_embeds", lambda: model(input_ids=ids, inputs_embeds=embeds))
+
+
+def trigger_token_id_dtype(arch: str) -> None:
+    model = build(arch)
+    refused("token_id_dtype", lambda: model(input_ids=token_ids(2, 8).float()))
+    refused("token_id_dtype", lambda: model(input_ids=token_ids(2, 8).bool()))
+
+
+def trigger_token_id_range(arch: str) -> None:
+    model = build(arch)
+    for bad in (-100, model.config.vocab_size):
+        ids = token_ids(2, 8)
+        ids[1, 3] = bad
+        refused("token_id_range", lambda ids=ids: model(input_ids=ids))
+
+
+def trigger_empty_batch(arch: str) -> None:
+    model = build(arch)
+    refused("empty_batch", lambda: model(input_ids=token_ids(2, 8)[:0]))
+    refused("empty_batch", lambda: model(input_ids=token_ids(2, 8)[:, :0]))
+
+
+def trigger_embeds_width(arch: str) -> None:
+    model = build(arch)
+    embeds = model.get_input_embeddings()(token_ids(2, 8)).detach()
+    refused("embeds_width", lambda: model(inputs_embeds=torch.cat([embeds, embeds[..., :1]], -1)))
+    refused("embeds_width", lambda: model(inputs_embeds=embeds[..., :-1]))
+
+
+def trigger_position_ids_shape(arch: str) -> None:
+    model = build(arch)
+    ids = token_ids(2, 8)
+    start = first_position(model)
+    refused("position_ids_shape", lambda: model(input_ids=ids, position_ids=torch.arange(start, start + 7)[None]))
+    refused("position_ids_shape", lambda: model(input_ids=ids, position_ids=torch.arange(start, start + 8)))
+    refused(
+        "position_ids_shape", lambda: model(input_ids=ids, position_ids=torch.arange(start, start + 8).repeat(3, 1))
+    )
+
+
+def trigger_position_ids_range(arch: str) -> None:
+    model = build(arch)
+    ids = token_ids(2, 8)
+    refused("position_ids_range", lambda: model(input_ids=ids, position_ids=torch.arange(-1, 7).expand(2, -1)))
+    table = position_table(model)
+    if table is not None:
+        past = torch.arange(table - 7, table + 1).expand(2, -1)
+        refused("position_ids_range", lambda: model(input_ids=ids, position_ids=past))
+
+
+def trigger_label_range(arch: str) -> None:
+    model = build(arch, "AutoModelForSequenceClassification")
+    ids = token_ids(2, 8)
+    for bad in (-1, 3):
+        refused("label_range", lambda bad=bad: model(input_ids=ids, labels=torch.tensor([bad, 0])))
+    if "AutoModelForMultipleChoice" in DECLARATIONS[arch].auto_classes:
+        choice = build(arch, "AutoModelForMultipleChoice")
+        ids = token_ids(4, 8).view(2, 2, 8)
+        for bad in (-1, 2):
+            refused("label_range", lambda bad=bad: choice(input_ids=ids, labels=torch.tensor([0, bad])))
+
+
+def padded_packed_row(arch: str, width: int = 32) -> tuple[dict, list[torch.Tensor]]:
+    """The collator's packed row of three documents with ``cu_seq_lens``, padded after packing to ``width``."""
+    from transformers import DataCollatorWithFlattening
+
+    model = build(arch)
+    docs = [token_ids(1, n, seed=n)[0] for n in (9, 6, 11)]
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, position_ids_start=first_position(model))
+    batch = collator([{"input_ids": d.tolist()} for d in docs])
+    batch.pop("labels")
+    total = batch["input_ids"].shape[1]
+    pad = width - total
+    pad_id = model.config.pad_token_id
+    batch["input_ids"] = torch.cat([batch["input_ids"], torch.full((1, pad), pad_id)], 1)
+    batch["position_ids"] = torch.cat([batch["position_ids"], torch.full((1, pad), first_position(model))], 1)
+    batch["attention_mask"] = (torch.arange(width) < total).long()[None]
+    return batch, docs
+
+
+def trigger_cu_seq_lens_padded(arch: str) -> None:
+    model = build(arch)
+    batch, _ = padded_packed_row(arch)
+    refused("cu_seq_lens_padded", lambda: model(**batch))
+
+
+TRIGGERS = {
+    "ids_or_embeds": trigger_ids_or_embeds,
+    "token_id_dtype": trigger_token_id_dtype,
+    "token_id_range": trigger_token_id_range,
+    "empty_batch": trigger_empty_batch,
+    "embeds_width": trigger_embeds_width,
+    "position_ids_shape": trigger_position_ids_shape,
+    "position_ids_range": trigger_position_ids_range,
+    "label_range": trigger_label_range,
+    "cu_seq_lens_padded": trigger_cu_seq_lens_padded,
+}
+
+
+def test_every_row_of_the_contract_has_a_trigger():
+    assert set(TRIGGERS) == set(INPUT_CONTRACT)
+    for check in INPUT_CONTRACT.values():
+        assert set(check.models) <= set(CONFIGS), check.key
+
+
+@pytest.mark.parametrize("key, arch", [(check.key, arch) for check in INPUT_CONTRACT.values() for arch in check.models])
+def test_contract_row(key, arch):
+    TRIGGERS[key](arch)
+
+
+def test_cu_seq_lens_padded_fix_gives_each_documents_own_output():
+    """What the refusal says to change works: the row's length appended to ``cu_seq_lens`` and the padding masked
+    give every document what the unpadded row gives it."""
+    model = build("longformer")
+    batch, docs = padded_packed_row("longformer")
+    total = sum(d.numel() for d in docs)
+    fixed = dict(batch, cu_seq_lens_q=torch.cat([batch["cu_seq_lens_q"], torch.tensor([32])]))
+    fixed["cu_seq_lens_k"] = fixed["cu_seq_lens_q"]
+    unpadded = {k: v[:, :total] if k in ("input_ids", "position_ids") else v for k, v in batch.items()}
+    unpadded.pop("attention_mask")
+    with torch.no_grad():
+        got = model(**fixed).last_hidden_state[:, :total]
+        expected = model(**unpadded).last_hidden_state
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16])
+def test_integer_labels_of_any_width_score_as_long(dtype):
+    ids = token_ids(2, 8)
+    cases = [
+        (build("performer", "AutoModelForSequenceClassification"), ids, torch.tensor([2, 0])),
+        (build("performer", "AutoModelForMultipleChoice"), token_ids(4, 8).view(2, 2, 8), torch.tensor([1, 0])),
+        (build("performer", "AutoModelForTokenClassification"), ids, torch.randint(0, 3, (2, 8))),
+        (build("performer", "AutoModelForMaskedLM"), ids, ids.masked_fill(ids > 50, -100)),
+    ]
+    for model, inputs, labels in cases:
+        with torch.no_grad():
+            expected = model(input_ids=inputs, labels=labels).loss
+            got = model(input_ids=inputs, labels=labels.to(dtype)).loss
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_packed_batch_and_num_choices_are_keyword_only():
+    """The collator's ``seq_idx`` was once the 10th / 11th positional argument; now it cannot bind to
+    ``packed_batch`` or ``num_choices`` by position: a TypeError instead of an AttributeError or ZeroDivisionError."""
+    import inspect
+
+    for arch in CONFIGS:
+        for auto, model_class in DECLARATIONS[arch].auto_classes.items():
+            parameters = inspect.signature(model_class.forward).parameters
+            for name in ("packed_batch", "num_choices"):
+                if name in parameters:
+                    assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, (arch, auto, name)
+    ids = token_ids(1, 8)
+    with pytest.raises(TypeError, match="positional argument"):
+        build("longformer")(ids, *[None] * 8, torch.zeros_like(ids))
+    with pytest.raises(TypeError, match="positional argument"):
+        build("longformer", "AutoModelForMultipleChoice")(ids[None], *[None] * 9, torch.zeros_like(ids))

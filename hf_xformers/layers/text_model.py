@@ -13,7 +13,9 @@ from torch import nn
 from typing_extensions import Unpack
 
 from ..ops.input_checks import (
+    check_embeds_width,
     check_not_empty,
+    check_position_ids,
     check_token_ids,
     check_type_ids,
     is_tracing,
@@ -163,6 +165,8 @@ class HfxTextModel:
             )
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
+        check_embeds_width(inputs_embeds, self.get_input_embeddings().embedding_dim)
+        check_position_ids(position_ids, shape, 0, self.embeddings.position_embeddings.num_embeddings)
         for name, mask in (("attention_mask", attention_mask), ("global_attention_mask", global_attention_mask)):
             if mask is not None and tuple(mask.shape) != shape:
                 raise ValueError(
@@ -186,6 +190,7 @@ class HfxTextModel:
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        *,
         packed_batch: PackedBatch | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxModelOutput | tuple:

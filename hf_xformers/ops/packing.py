@@ -31,7 +31,7 @@ from typing import TypedDict
 import torch
 from typing_extensions import Unpack
 
-from .input_checks import is_tracing, on_host, reads_values
+from .input_checks import is_tracing, on_host, reads_values, refuse
 
 
 class PackedBatchKwargs(TypedDict, total=False):
@@ -236,6 +236,11 @@ def _check_cu_seq_lens(cu_q, cu_k, length: int, device) -> torch.Tensor:
                 "queries and keys share the boundaries (pass the collator's values unchanged)."
             )
         values = cu.tolist()
+        if values[0] == 0 and values[-1] < length and all(b > a for a, b in zip(values, values[1:])):
+            refuse(
+                "cu_seq_lens_padded",
+                f"`cu_seq_lens_q/k` end at {values[-1]} but the row holds {length} tokens: it was padded after packing",
+            )
         if values[0] != 0 or values[-1] != length or any(b <= a for a, b in zip(values, values[1:])):
             raise ValueError(
                 f"`cu_seq_lens_q/k` must rise strictly from 0 to the row's length {length} (cumulative lengths of "

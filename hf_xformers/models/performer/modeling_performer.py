@@ -163,6 +163,7 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         past_key_values: HfxPerformerCache | None = None,
         use_cache: bool | None = None,
         cache: HfxPerformerCache | None = None,
+        *,
         packed_batch: PackedBatch | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxModelOutput | tuple:
@@ -196,7 +197,7 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         if past_key_values is None:
             return super().forward(
                 input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
-                output_attentions, output_hidden_states, return_dict, packed_batch, **packing,
+                output_attentions, output_hidden_states, return_dict, packed_batch=packed_batch, **packing,
             )  # fmt: skip
         return self._cached_forward(
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,

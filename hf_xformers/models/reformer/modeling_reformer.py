@@ -54,7 +54,15 @@ from ...layers.heads import (
 from ...layers.losses import next_token_labels
 from ...layers.pretrained import HfxPreTrainedModel
 from ...ops.fast_dropout import HfxDropout, fast_dropout
-from ...ops.input_checks import check_not_empty, check_token_ids, reads_values, unpadded_to_none
+from ...ops.input_checks import (
+    check_embeds_width,
+    check_not_empty,
+    check_position_ids,
+    check_token_ids,
+    reads_values,
+    token_shape,
+    unpadded_to_none,
+)
 from ...ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs, resolve_packed_batch
 from ...ops.shapes import ceil_div, cut_to_length
 from .configuration_reformer import HfxReformerConfig
@@ -632,9 +640,7 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
 
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, cache,
                       packed=None, position_ids=None):  # fmt: skip
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
+        shape = token_shape(input_ids, inputs_embeds)
         if len(shape) != 2:
             raise ValueError(f"`input_ids` must have shape (batch, seq_len), got {shape}; add a batch dimension.")
         past = cache.get_seq_length() if cache is not None else 0
@@ -666,6 +672,8 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             )
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
+        check_embeds_width(inputs_embeds, self.get_input_embeddings().embedding_dim)
+        check_position_ids(position_ids, shape, 0, self.config.max_position_embeddings)
 
     def forward(
         self,
@@ -681,6 +689,7 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         return_dict: bool | None = None,
         global_attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        *,
         packed_batch: PackedBatch | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxReformerModelOutput | tuple:

@@ -29,10 +29,17 @@ from ...attention.relative_memory import (
     sinusoid_positions,
 )
 from ...layers.generation import HfxGenerationMixin
-from ...layers.losses import sequence_classification_loss
+from ...layers.losses import check_sequence_labels, sequence_classification_loss
 from ...layers.pooling import pool_tokens
 from ...layers.pretrained import HfxPreTrainedModel
-from ...ops.input_checks import check_not_empty, check_token_ids, is_tracing, token_shape, unpadded_to_none
+from ...ops.input_checks import (
+    check_embeds_width,
+    check_not_empty,
+    check_token_ids,
+    is_tracing,
+    token_shape,
+    unpadded_to_none,
+)
 from ...ops.packing import (
     PackedBatch,
     PackedBatchKwargs,
@@ -239,6 +246,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
             )
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
+        check_embeds_width(inputs_embeds, self.config.d_model)
         if attention_mask is not None and (
             attention_mask.dim() != 2 or attention_mask.shape[0] != shape[0] or attention_mask.shape[1] < shape[1]
         ):
@@ -298,6 +306,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
         packed_batch: PackedBatch | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxTransfoXLModelOutput | tuple:
@@ -631,6 +640,7 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
         """Returns ``logits`` ``(batch, num_labels)``, the loss when ``labels`` ``(batch,)`` (or multi-hot
         ``(batch, num_labels)``) are given, and the new ``mems``. A packed batch is refused (see
         :meth:`HfxTransfoXLModel.forward`)."""
+        check_sequence_labels(labels, self.config)
         out = self.transformer(
             input_ids, mems=mems, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,

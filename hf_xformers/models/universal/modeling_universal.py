@@ -46,11 +46,14 @@ from ...layers.pretrained import HfxPreTrainedModel
 from ...ops.attention_switch import EAGER, flex_applies
 from ...ops.compat import CACHE_NAME, cache_field, output_cache, resolve_cache_argument
 from ...ops.input_checks import (
+    check_embeds_width,
     check_not_empty,
+    check_position_ids,
     check_token_ids,
     check_type_ids,
     is_tracing,
     reads_values,
+    token_shape,
     unpadded_to_none,
 )
 from ...ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs, refuse_packed, resolve_packed_batch
@@ -285,15 +288,14 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
     ) -> None:
         """Checks with messages that name the fix. Shapes and dtypes are checked in traced graphs too; the id-range
         checks, which read tensor values, only in eager mode (``ops/input_checks.py``)."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
+        shape = token_shape(input_ids, inputs_embeds)
         if len(shape) != 2:
             raise ValueError(
                 f"`input_ids` must have shape (batch, seq_len), got {shape}. Add a batch dimension with `unsqueeze(0)`."
             )
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
+        check_embeds_width(inputs_embeds, self.get_input_embeddings().embedding_dim)
         if attention_mask is not None:
             expected = (shape[0], past_len + shape[1])
             if tuple(attention_mask.shape) != expected:
@@ -474,6 +476,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         cache: HfxUniversalCache | None = None,
+        *,
         packed_batch: PackedBatch | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxUniversalModelOutput | tuple:
@@ -510,6 +513,9 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             output_hidden_states = self.config.output_hidden_states
 
         batch, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
+        # Sinusoidal positions have no table, but a negative one is no position of any token.
+        table = self.config.max_position_embeddings if self.config.position_embedding_type == "absolute" else None
+        check_position_ids(position_ids, (batch, length), 0, table)
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         # "Is anything padded?" is decided here, once per forward (one host read in eager mode): below, None means no
         # padding, and the attention gets no mask (or is_causal) so that SDPA can use its fused kernels.
