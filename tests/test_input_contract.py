@@ -297,8 +297,95 @@ def trigger_cu_seq_lens_padded(arch: str) -> None:
     refused("cu_seq_lens_padded", lambda: model(**batch))
 
 
+def trigger_input_rank(arch: str) -> None:
+    model = build(arch)
+    ids = token_ids(2, 8)
+    refused("input_rank", lambda: model(input_ids=ids[0]))
+    refused("input_rank", lambda: model(input_ids=ids[None]))
+
+
+def trigger_sequence_too_long(arch: str) -> None:
+    model = build(arch)
+    limit = getattr(model.embeddings, "max_tokens", model.config.max_position_embeddings)
+    refused("sequence_too_long", lambda: model(input_ids=token_ids(1, limit + 1)))
+
+
+def trigger_mask_shape(arch: str) -> None:
+    model = build(arch)
+    ids = token_ids(2, 8)
+    refused("mask_shape", lambda: model(input_ids=ids, attention_mask=torch.ones(2, 7, dtype=torch.long)))
+    refused("mask_shape", lambda: model(input_ids=ids, attention_mask=torch.ones(3, 8, dtype=torch.long)))
+    if arch == "longformer":
+        refused("mask_shape", lambda: model(input_ids=ids, global_attention_mask=torch.ones(2, 7, dtype=torch.long)))
+
+
+def trigger_no_global_attention(arch: str) -> None:
+    ids = token_ids(2, 8)
+    glob = torch.zeros_like(ids)
+    glob[:, 0] = 1
+    if arch != "universal":  # its base model takes no `global_attention_mask` at all (a TypeError)
+        refused("no_global_attention", lambda: build(arch)(input_ids=ids, global_attention_mask=glob))
+    head = build(arch, "AutoModelForSequenceClassification")
+    refused("no_global_attention", lambda: head(input_ids=ids, global_attention_mask=glob))
+
+
+def trigger_token_type_shape(arch: str) -> None:
+    model = build(arch)
+    refused("token_type_shape", lambda: model(input_ids=token_ids(2, 8), token_type_ids=torch.zeros(2, 7).long()))
+
+
+def trigger_token_type_range(arch: str) -> None:
+    model = build(arch)
+    ids = token_ids(2, 8)
+    if arch == "reformer":  # no token types at all
+        refused("token_type_range", lambda: model(input_ids=ids, token_type_ids=torch.zeros_like(ids)))
+        return
+    for bad in (-1, model.config.type_vocab_size):
+        refused("token_type_range", lambda bad=bad: model(input_ids=ids, token_type_ids=torch.full_like(ids, bad)))
+
+
+def trigger_global_default_needs_ids(arch: str) -> None:
+    ids = token_ids(2, 11)
+    ids[:, 4:6] = 2
+    qa = build(arch, "AutoModelForQuestionAnswering")
+    embeds = qa.get_input_embeddings()(ids).detach()
+    refused("global_default_needs_ids", lambda: qa(inputs_embeds=embeds))
+    choice = build(arch, "AutoModelForMultipleChoice")
+    refused("global_default_needs_ids", lambda: choice(inputs_embeds=embeds[None]))
+
+
+def trigger_global_default_needs_separator(arch: str) -> None:
+    ids = token_ids(2, 11)
+    ids[:, -1] = 7  # no separator anywhere
+    refused("global_default_needs_separator", lambda: build(arch, "AutoModelForQuestionAnswering")(input_ids=ids))
+    choice = build(arch, "AutoModelForMultipleChoice")
+    refused("global_default_needs_separator", lambda: choice(input_ids=ids[None]))
+
+
+def trigger_packed_position_start(arch: str) -> None:
+    from transformers import DataCollatorWithFlattening
+
+    model = build(arch)
+    docs = [token_ids(1, n, seed=n)[0].tolist() for n in (5, 7)]
+    for start in (first_position(model) + 1, first_position(model) + 3):
+        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, position_ids_start=start)(
+            [{"input_ids": d} for d in docs]
+        )
+        batch.pop("labels")
+        refused("packed_position_start", lambda batch=batch: model(**batch))
+
+
 TRIGGERS = {
     "ids_or_embeds": trigger_ids_or_embeds,
+    "input_rank": trigger_input_rank,
+    "sequence_too_long": trigger_sequence_too_long,
+    "mask_shape": trigger_mask_shape,
+    "no_global_attention": trigger_no_global_attention,
+    "token_type_shape": trigger_token_type_shape,
+    "token_type_range": trigger_token_type_range,
+    "global_default_needs_ids": trigger_global_default_needs_ids,
+    "global_default_needs_separator": trigger_global_default_needs_separator,
+    "packed_position_start": trigger_packed_position_start,
     "token_id_dtype": trigger_token_id_dtype,
     "token_id_range": trigger_token_id_range,
     "empty_batch": trigger_empty_batch,
@@ -308,6 +395,22 @@ TRIGGERS = {
     "label_range": trigger_label_range,
     "cu_seq_lens_padded": trigger_cu_seq_lens_padded,
 }
+
+
+def test_docs_table_is_the_contract():
+    """docs/input-contract.md shows exactly the rows the models raise from (regenerate it with contract_table())."""
+    from pathlib import Path
+
+    from hf_xformers.ops.input_checks import contract_table
+
+    repo = Path(__file__).resolve().parents[1]
+    page = (repo / "docs" / "input-contract.md").read_text(encoding="utf-8")
+    match = re.search(
+        r"<!-- contract table: generated from INPUT_CONTRACT -->\n(.*?)<!-- end of contract table -->", page, re.S
+    )
+    assert match, "docs/input-contract.md lost its table markers"
+    assert match.group(1).strip() == contract_table().strip()
+    assert "input-contract.md" in (repo / "mkdocs.yml").read_text(encoding="utf-8")
 
 
 def test_every_row_of_the_contract_has_a_trigger():

@@ -109,15 +109,17 @@ def check_type_ids(token_type_ids: torch.Tensor | None, type_vocab_size: int, sh
     if token_type_ids is None or not token_type_ids.numel():
         return
     if tuple(token_type_ids.shape) != tuple(shape):
-        raise ValueError(f"`token_type_ids` must have shape {tuple(shape)}, got {tuple(token_type_ids.shape)}.")
+        refuse(
+            "token_type_shape", f"`token_type_ids` must have shape {tuple(shape)}, got {tuple(token_type_ids.shape)}"
+        )
     if not reads_values(token_type_ids):
         return
     low, high = int(token_type_ids.min()), int(token_type_ids.max())
     if low < 0 or high >= type_vocab_size:
-        single = " RoBERTa-style models use a single segment: drop `token_type_ids` (return_token_type_ids=False)."
-        raise ValueError(
+        refuse(
+            "token_type_range",
             f"`token_type_ids` must lie in [0, {type_vocab_size - 1}] (config.type_vocab_size={type_vocab_size}); "
-            f"got values from {low} to {high}.{single if type_vocab_size == 1 else ''}"
+            f"got values from {low} to {high}",
         )
 
 
@@ -166,6 +168,11 @@ INPUT_CONTRACT: dict[str, InputCheck] = {
             "`labels`).", TEXT_MODELS, True,
         ),
         InputCheck(
+            "input_rank", "`input_ids` / `inputs_embeds`", "tokens not shaped `(batch, seq_len)`",
+            "add a batch dimension with `unsqueeze(0)`; multiple-choice inputs (batch, choices, seq_len) go to the "
+            "ForMultipleChoice head.", TEXT_MODELS, False,
+        ),
+        InputCheck(
             "empty_batch", "`input_ids` / `inputs_embeds`", "0 examples or sequences of length 0",
             "pass at least one example of at least one token (the tokenizer adds the special tokens even to an empty "
             "text).", TEXT_MODELS, False,
@@ -174,6 +181,53 @@ INPUT_CONTRACT: dict[str, InputCheck] = {
             "embeds_width", "`inputs_embeds`", "a last dimension other than the input embeddings' width",
             "build `inputs_embeds` with model.get_input_embeddings() (its embedding width), or project them to that "
             "width.", TEXT_MODELS, False,
+        ),
+        InputCheck(
+            "sequence_too_long", "`input_ids` / `inputs_embeds` (each document of a packed batch)",
+            "more tokens than the positions cover (`max_position_embeddings`)",
+            "truncate the input (tokenizer(..., truncation=True, max_length=...)), or use a model that covers more "
+            "positions (conversion/convert_roberta_to_long.py --max-length; sinusoidal positions: raise "
+            "max_position_embeddings, which adds no parameters).", POSITION_MODELS, False,
+        ),
+        InputCheck(
+            "mask_shape", "`attention_mask`, `global_attention_mask`", "a shape other than the tokens' (with a cache "
+            "or memories: also covering them)",
+            "pass the mask the tokenizer returned for the same batch (1 = keep, 0 = padding).", TEXT_MODELS, False,
+        ),
+        InputCheck(
+            "no_global_attention", "`global_attention_mask`", "a global mask for a model without global tokens",
+            "drop `global_attention_mask`: only Longformer reads one (BigBird's global blocks are fixed by its "
+            "pattern).", ("bigbird", "linformer", "performer", "reformer", "universal"), False,
+        ),
+        InputCheck(
+            "token_type_shape", "`token_type_ids`", "a shape other than the tokens'",
+            "pass the segment ids the tokenizer returned for the same batch.",
+            ("longformer", "bigbird", "linformer", "performer", "universal"), False,
+        ),
+        InputCheck(
+            "token_type_range", "`token_type_ids`",
+            "segment ids outside `[0, type_vocab_size)`; Reformer: any `token_type_ids`",
+            "pass segment ids below config.type_vocab_size, or drop `token_type_ids` (return_token_type_ids=False) "
+            "for a single-segment model (RoBERTa-style, Reformer).",
+            ("longformer", "bigbird", "linformer", "performer", "reformer", "universal"), True,
+        ),
+        InputCheck(
+            "global_default_needs_ids", "`inputs_embeds` (Longformer question answering, multiple choice)",
+            "no `global_attention_mask`: the default global tokens are found through separator ids",
+            "pass `global_attention_mask` ((batch, seq_len), 1 on the question or choice tokens) with the "
+            "embeddings, or pass `input_ids`.", ("longformer",), False,
+        ),
+        InputCheck(
+            "global_default_needs_separator", "`input_ids` (Longformer question answering, multiple choice)",
+            "a sequence (document) without `sep_token_id`, and no `global_attention_mask`",
+            "encode text pairs with the tokenizer, or pass `global_attention_mask`.", ("longformer",), True,
+        ),
+        InputCheck(
+            "packed_position_start", "`position_ids` of a packed batch",
+            "a document whose positions start elsewhere than the model's first position",
+            "number each document from the model's first position: "
+            "DataCollatorWithFlattening(position_ids_start=hf_xformers.padding_free.position_ids_start_for(model)).",
+            ("longformer", "bigbird", "performer", "reformer", "universal"), True,
         ),
         InputCheck(
             "position_ids_shape", "`position_ids`", "a shape other than `(batch, seq_len)` or `(1, seq_len)`",
@@ -200,6 +254,21 @@ INPUT_CONTRACT: dict[str, InputCheck] = {
         ),
     )
 }  # fmt: skip
+
+
+def contract_table() -> str:
+    """:data:`INPUT_CONTRACT` as the Markdown table of ``docs/input-contract.md`` (``tests/test_input_contract.py``
+    checks that the page holds exactly this)."""
+    lines = [
+        "| check | inputs | refused | models | checked | what to change |",
+        "|---|---|---|---|---|---|",
+    ]
+    for check in INPUT_CONTRACT.values():
+        models = "all text models" if check.models == TEXT_MODELS else ", ".join(check.models)
+        when = "eager, where values may be read" if check.reads_values else "always (also traced)"
+        fix = check.fix.replace("|", "\\|")
+        lines.append(f"| `{check.key}` | {check.inputs} | {check.refused} | {models} | {when} | {fix} |")
+    return "\n".join(lines) + "\n"
 
 
 def refuse(key: str, problem: str) -> NoReturn:
@@ -244,6 +313,7 @@ __all__ = [
     "check_not_empty",
     "check_position_ids",
     "check_token_ids",
+    "contract_table",
     "check_type_ids",
     "is_tracing",
     "on_host",

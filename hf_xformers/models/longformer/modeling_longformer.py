@@ -19,7 +19,7 @@ from ...layers.heads import (
 )
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
-from ...ops.input_checks import is_tracing, reads_values
+from ...ops.input_checks import is_tracing, reads_values, refuse
 from ...ops.packing import PackedBatch, document_starts
 from .configuration_longformer import HfxLongformerConfig
 
@@ -66,11 +66,11 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
         if tokens is None:
             return None
         if input_ids is None and task != "sequence_classification":
-            raise ValueError(
+            refuse(
+                "global_default_needs_ids",
                 f"{task} puts global attention on the {'question' if task == 'question_answering' else 'choice'}, "
                 f"found through the separator ids (sep_token_id={self.config.sep_token_id}), which `inputs_embeds` "
-                "do not carry; pass `global_attention_mask` ((batch, seq_len), 1 on the global tokens) with the "
-                "embeddings, or pass `input_ids`."
+                "do not carry",
             )
         if document_ids is not None:
             if input_ids is None:
@@ -117,10 +117,10 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
 
     def _missing_separator(self, task: str, what: str) -> None:
         part = "question" if task == "question_answering" else "choice"
-        raise ValueError(
+        refuse(
+            "global_default_needs_separator",
             f"{task} puts global attention on the {part}, found through the first separator "
-            f"(sep_token_id={self.config.sep_token_id}), but some {what} have none; encode text pairs "
-            "with the tokenizer or pass `global_attention_mask`."
+            f"(sep_token_id={self.config.sep_token_id}), but some {what} have none",
         )
 
 

@@ -37,6 +37,7 @@ from ...ops.input_checks import (
     check_not_empty,
     check_token_ids,
     is_tracing,
+    refuse,
     token_shape,
     unpadded_to_none,
 )
@@ -241,19 +242,17 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, mems) -> tuple[int, int]:
         shape = token_shape(input_ids, inputs_embeds)
         if len(shape) != 2:
-            raise ValueError(
-                f"`input_ids` must have shape (batch, seq_len), got {shape}. Add a batch dimension with `unsqueeze(0)`."
-            )
+            refuse("input_rank", f"`input_ids` must have shape (batch, seq_len), got {shape}")
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
         check_embeds_width(inputs_embeds, self.config.d_model)
         if attention_mask is not None and (
             attention_mask.dim() != 2 or attention_mask.shape[0] != shape[0] or attention_mask.shape[1] < shape[1]
         ):
-            raise ValueError(
+            refuse(
+                "mask_shape",
                 f"`attention_mask` must have the shape of `input_ids` {shape} (or cover the memory too: "
-                f"(batch, memory + seq_len)), got {tuple(attention_mask.shape)}. Pass the mask the tokenizer returned "
-                "for the same batch (1 = keep, 0 = padding)."
+                f"(batch, memory + seq_len)), got {tuple(attention_mask.shape)}",
             )
         if mems is not None:
             if len(mems) != self.config.n_layer:

@@ -53,6 +53,7 @@ from ...ops.input_checks import (
     check_type_ids,
     is_tracing,
     reads_values,
+    refuse,
     token_shape,
     unpadded_to_none,
 )
@@ -290,9 +291,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         checks, which read tensor values, only in eager mode (``ops/input_checks.py``)."""
         shape = token_shape(input_ids, inputs_embeds)
         if len(shape) != 2:
-            raise ValueError(
-                f"`input_ids` must have shape (batch, seq_len), got {shape}. Add a batch dimension with `unsqueeze(0)`."
-            )
+            refuse("input_rank", f"`input_ids` must have shape (batch, seq_len), got {shape}")
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
         check_embeds_width(inputs_embeds, self.get_input_embeddings().embedding_dim)
@@ -300,9 +299,9 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             expected = (shape[0], past_len + shape[1])
             if tuple(attention_mask.shape) != expected:
                 what = "past + new tokens" if past_len else "`input_ids`"
-                raise ValueError(
-                    f"`attention_mask` must have shape {expected} ({what}), got {tuple(attention_mask.shape)}. Pass "
-                    "the mask the tokenizer returned for the same batch (1 = keep, 0 = padding)."
+                refuse(
+                    "mask_shape",
+                    f"`attention_mask` must have shape {expected} ({what}), got {tuple(attention_mask.shape)}",
                 )
         check_type_ids(token_type_ids, self.config.type_vocab_size, shape)
         if self.config.add_cross_attention and encoder_hidden_states is None:
@@ -323,10 +322,10 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         limit = self.config.max_position_embeddings
         if packed is None:
             if past_len + length > limit:
-                raise ValueError(
+                refuse(
+                    "sequence_too_long",
                     f"{past_len + length} tokens (past {past_len} + new {length}) exceed "
-                    f"config.max_position_embeddings={limit}. Truncate the input or raise max_position_embeddings "
-                    "(with sinusoidal positions this adds no parameters)."
+                    f"config.max_position_embeddings={limit}",
                 )
             return
         if is_tracing():
@@ -337,9 +336,9 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
                 return
             longest = int(position_ids.max()) + 1 if position_ids is not None else packed.longest_document()
         if longest > limit:
-            raise ValueError(
-                f"A packed document of {longest} tokens exceeds config.max_position_embeddings={limit}. Truncate the "
-                "documents or raise max_position_embeddings (with sinusoidal positions this adds no parameters)."
+            refuse(
+                "sequence_too_long",
+                f"A packed document of {longest} tokens exceeds config.max_position_embeddings={limit}",
             )
 
     def _packed_inputs(
@@ -391,10 +390,10 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         if reads_values(position_ids):
             starts = position_ids.masked_select(packed.starts)
             if bool((starts != 0).any()):
-                raise ValueError(
+                refuse(
+                    "packed_position_start",
                     "In a packed batch every document's positions must start at 0, as in its own forward, but some "
-                    f"start at {sorted(set(starts.tolist()))[:4]}; use DataCollatorWithFlattening(position_ids_start=0) "
-                    "(its default)."
+                    f"start at {sorted(set(starts.tolist()))[:4]}: it needs position_ids_start=0 (the collator's default)",
                 )
         return packed, position_ids
 
