@@ -472,3 +472,61 @@ def test_packed_batch_and_num_choices_are_keyword_only():
         build("longformer")(ids, *[None] * 8, torch.zeros_like(ids))
     with pytest.raises(TypeError, match="positional argument"):
         build("longformer", "AutoModelForMultipleChoice")(ids[None], *[None] * 9, torch.zeros_like(ids))
+
+
+# ----- finding 9: Performer's scheduled redraw compiles, once --------------------------------------------------------
+
+
+def test_performer_scheduled_redraw_compiles_into_one_graph():
+    """``feature_redraw_interval`` under ``torch.compile(fullgraph=True)``: the redraw (a counter buffer, counter-based
+    Gaussians: no generator made inside ``forward``) traces, six training calls compile one graph, and the losses,
+    projections and draw counters equal eager mode's."""
+    from hf_xformers import HfxPerformerConfig, HfxPerformerForMaskedLM
+
+    config = HfxPerformerConfig(**dict(TINY, num_random_features=12, type_vocab_size=1, feature_redraw_interval=2))
+    ids = token_ids(2, 12)
+
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        model = HfxPerformerForMaskedLM(config).train()
+        graphs = []
+
+        def counting_backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        step = torch.compile(model, fullgraph=True, backend=counting_backend) if compiled else model
+        losses = []
+        for _ in range(6):
+            loss = step(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+        layers = [layer.attention.self for layer in model.performer.encoder.layer]
+        return losses, [a.projection_matrix.clone() for a in layers], [int(a.num_redraws) for a in layers], graphs
+
+    torch._dynamo.reset()
+    compiled_losses, compiled_projections, compiled_draws, graphs = run(True)
+    eager_losses, eager_projections, eager_draws, _ = run(False)
+    assert len(graphs) == 1
+    assert compiled_draws == eager_draws == [2, 2]  # redrawn before calls 2 and 4
+    torch.testing.assert_close(torch.stack(compiled_losses), torch.stack(eager_losses), rtol=0, atol=1e-6)
+    for got, expected in zip(compiled_projections, eager_projections, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_seeded_features_are_orthogonal_blocks_of_gaussian_rows():
+    """The counter-based draw behind every projection: a function of its key alone, different per key, orthogonal
+    within each block of ``head_dim`` rows, and built from standard normal numbers."""
+    from hf_xformers.attention.favor_features import counter_normals, draw_key, seeded_random_features
+
+    keys = torch.tensor([draw_key(0, 0, 0), draw_key(0, 0, 1), draw_key(0, 1, 0)])
+    assert len(set(keys.tolist())) == 3
+    rows = seeded_random_features(40, 16, keys)
+    assert rows.shape == (3, 40, 16)
+    torch.testing.assert_close(rows, seeded_random_features(40, 16, keys), rtol=0, atol=0)
+    assert (rows[0] - rows[1]).abs().min() > 0 and (rows[0] - rows[2]).abs().max() > 0.1
+    block = rows[0, :16] / rows[0, :16].norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(block @ block.T, torch.eye(16), rtol=0, atol=1e-5)
+    normals = counter_normals(keys[:1], (200_000,))[0]
+    assert abs(float(normals.mean())) < 0.01 and abs(float(normals.std()) - 1) < 0.01
+    assert abs(float((normals**4).mean()) - 3) < 0.1  # the kurtosis of a Gaussian, not merely its first moments
