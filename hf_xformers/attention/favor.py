@@ -242,13 +242,19 @@ class HfxFavorSelfAttention(HfxSelfAttention, QKVProjection):
             key = torch.tensor([draw_key(self.seed, self.layer_idx, draw)], dtype=torch.long, device="cpu")
         return seeded_random_features(self.num_features, self.head_dim, key, self.orthogonal)[0]
 
+    def next_draw_key(self) -> torch.Tensor:
+        """The key of the next draw (``num_redraws + 1``), a 0-dim int64 tensor on the buffer's device (no read)."""
+        return draw_key(self.seed, self.layer_idx, self.num_redraws + 1)
+
     @torch.no_grad()
-    def redraw_where(self, due: torch.Tensor) -> None:
-        """The next draw in place where ``due`` (a 0-dim bool tensor on the buffer's device), else nothing: drawn on
-        the buffer's device from the draw counter, with no branch on ``due`` and no host read, so that a training step
-        traces into one graph whatever the step (``torch.compile(fullgraph=True)``)."""
-        fresh = self.draw_projection_matrix(self.num_redraws + 1).to(self.projection_matrix.dtype)
-        self.projection_matrix.copy_(torch.where(due, fresh, self.projection_matrix))
+    def redraw_where(self, due: torch.Tensor, fresh: torch.Tensor | None = None) -> None:
+        """The next draw in place where ``due`` (a 0-dim bool tensor on the buffer's device), else nothing, with no
+        branch on ``due`` and no host read, so that a training step traces into one graph whatever the step
+        (``torch.compile(fullgraph=True)``). ``fresh``: that draw's ``(num_features, head_dim)`` rows, made by the
+        caller for all layers at once (None: drawn here, on the buffer's device)."""
+        if fresh is None:
+            fresh = self.draw_projection_matrix(self.num_redraws + 1)
+        self.projection_matrix.copy_(torch.where(due, fresh.to(self.projection_matrix.dtype), self.projection_matrix))
         self.num_redraws.add_(due.long())
 
     @torch.no_grad()

@@ -17,6 +17,7 @@ from typing_extensions import Unpack
 
 from ...attention.favor import HfxFavorSelfAttention
 from ...attention.favor_decoding import FavorState
+from ...attention.favor_features import seeded_random_features
 from ...attention.favor_packed import favor_documents
 from ...layers.encoder import HfxModelOutput
 from ...layers.generation import HfxCache
@@ -172,9 +173,13 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
             calls.add_(1)
             if reads_values(due) and not bool(due):  # one free read spares the draw of every layer
                 return
-            for module in self.modules():
-                if isinstance(module, HfxFavorSelfAttention):
-                    module.redraw_where(due)
+            modules = [module for module in self.modules() if isinstance(module, HfxFavorSelfAttention)]
+            # Every layer is built from the one config: one batched draw for all of them.
+            first = modules[0]
+            keys = torch.stack([module.next_draw_key() for module in modules])
+            fresh = seeded_random_features(first.num_features, first.head_dim, keys, first.orthogonal)
+            for module, rows in zip(modules, fresh):
+                module.redraw_where(due, rows)
 
     def forward(
         self,
