@@ -27,8 +27,9 @@ from hf_xformers.attention.favor_causal import causal_linear_attention, running_
 from hf_xformers.attention.favor_decoding import favor_attention_with_state
 from hf_xformers.attention.favor_features import (
     default_num_features,
+    draw_key,
     draw_random_features,
-    draw_seed,
+    seeded_random_features,
     softmax_kernel_features,
 )
 from hf_xformers.attention.favor_linear import blocked_softmax_attention
@@ -637,8 +638,7 @@ def test_projection_is_drawn_on_the_cpu_from_its_seed():
     attention = model.encoder.layer[1].attention.self
 
     def seeded(draw: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(draw_seed(5, 1, draw))
-        return draw_random_features(32, 8, generator)
+        return seeded_random_features(32, 8, torch.tensor([draw_key(5, 1, draw)]))[0]
 
     assert torch.equal(attention.projection_matrix, seeded(0))
     model.to(torch.bfloat16).redraw_projections()

@@ -42,9 +42,9 @@ from .favor_features import (
     KERNELS,
     QUERY_EPS,
     default_num_features,
-    draw_random_features,
-    draw_seed,
+    draw_key,
     relu_kernel_features,
+    seeded_random_features,
     softmax_kernel_features,
     softmax_key_logits,
 )
@@ -202,12 +202,13 @@ class HfxFavorSelfAttention(HfxSelfAttention, QKVProjection):
     probabilities to drop.
 
     Buffers (saved with the checkpoint): ``projection_matrix`` ``(m, head_dim)``, and ``num_redraws``, the index of
-    the current draw. Draw ``t`` of layer ``l`` is seeded by ``(random_feature_seed, l, t)``: a fresh model from the
-    same config has the same features, and :meth:`redraw_projection` is the only thing that changes them. Draws are
-    made on the CPU (float32) and the buffer moves with the model, so the features are the same numbers on every
-    device; ``model.to(half dtype)`` rounds them to that dtype (the attention still computes in float32), and so does
-    building the model in a 16-bit dtype (``torch.set_default_dtype``, ``from_pretrained(dtype=...)``): never a 16-bit
-    draw, which would be other numbers.
+    the current draw. Draw ``t`` of layer ``l`` is keyed by ``(random_feature_seed, l, t)``
+    (:func:`~hf_xformers.attention.favor_features.draw_key`, counter-based Gaussians: no generator, so a scheduled redraw
+    traces): a fresh model from the same config has the same features, and only :meth:`redraw_projection` and
+    :meth:`redraw_where` change them. The first draw and explicit redraws are made on the CPU (float32) and the buffer
+    moves with the model, so the features are the same numbers on every device; ``model.to(half dtype)`` rounds them
+    to that dtype (the attention still computes in float32), and so does building the model in a 16-bit dtype
+    (``torch.set_default_dtype``, ``from_pretrained(dtype=...)``): never a 16-bit draw, which would be other numbers.
 
     ``attentions`` (with ``output_attentions=True``): the implied attention matrix ``(batch, heads, seq_len, seq_len)``
     (formed explicitly, quadratic in memory); the context is the linear-time one either way.
@@ -232,10 +233,29 @@ class HfxFavorSelfAttention(HfxSelfAttention, QKVProjection):
         self.register_buffer("projection_matrix", projection)
         self.register_buffer("num_redraws", torch.zeros((), dtype=torch.long))
 
-    def draw_projection_matrix(self, draw: int) -> torch.Tensor:
-        """Draw number ``draw`` of this layer's ``(num_features, head_dim)`` projection (float32, CPU)."""
-        generator = torch.Generator(device="cpu").manual_seed(draw_seed(self.seed, self.layer_idx, draw))
-        return draw_random_features(self.num_features, self.head_dim, generator, self.orthogonal)
+    def draw_projection_matrix(self, draw: int | torch.Tensor) -> torch.Tensor:
+        """Draw number ``draw`` of this layer's ``(num_features, head_dim)`` projection, float32: on the CPU for an int
+        ``draw``, on its device for a 0-dim int64 tensor (a traced redraw's counter, never read back)."""
+        if isinstance(draw, torch.Tensor):
+            key = draw_key(self.seed, self.layer_idx, draw.long()).reshape(1)
+        else:
+            key = torch.tensor([draw_key(self.seed, self.layer_idx, draw)], dtype=torch.long, device="cpu")
+        return seeded_random_features(self.num_features, self.head_dim, key, self.orthogonal)[0]
+
+    def next_draw_key(self) -> torch.Tensor:
+        """The key of the next draw (``num_redraws + 1``), a 0-dim int64 tensor on the buffer's device (no read)."""
+        return draw_key(self.seed, self.layer_idx, self.num_redraws + 1)
+
+    @torch.no_grad()
+    def redraw_where(self, due: torch.Tensor, fresh: torch.Tensor | None = None) -> None:
+        """The next draw in place where ``due`` (a 0-dim bool tensor on the buffer's device), else nothing, with no
+        branch on ``due`` and no host read, so that a training step traces into one graph whatever the step
+        (``torch.compile(fullgraph=True)``). ``fresh``: that draw's ``(num_features, head_dim)`` rows, made by the
+        caller for all layers at once (None: drawn here, on the buffer's device)."""
+        if fresh is None:
+            fresh = self.draw_projection_matrix(self.num_redraws + 1)
+        self.projection_matrix.copy_(torch.where(due, fresh.to(self.projection_matrix.dtype), self.projection_matrix))
+        self.num_redraws.add_(due.long())
 
     @torch.no_grad()
     def redraw_projection(self, draw: int | None = None, fresh: torch.Tensor | None = None) -> None:

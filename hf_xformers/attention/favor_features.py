@@ -29,7 +29,6 @@ The generalized kernel option (``kernel="relu"``) uses ``phi(x) = relu(W x_hat) 
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
@@ -49,15 +48,14 @@ def default_num_features(head_dim: int) -> int:
 def draw_random_features(
     num_features: int, head_dim: int, generator: torch.Generator, orthogonal: bool = True
 ) -> torch.Tensor:
-    """Random projection rows ``w_r`` for FAVOR+.
+    """Random projection rows ``w_r`` for FAVOR+, from a seeded CPU generator.
 
     Args:
         num_features: ``m``, rows to draw.
         head_dim: ``d``.
         generator: CPU generator the draw comes from (the caller seeds it).
-        orthogonal: blocks of ``d`` mutually orthogonal rows (QR of Gaussian matrices, signs fixed so each block
-            is Haar-distributed), rows rescaled to the norms of independent Gaussian vectors (chi-distributed,
-            so each row on its own is still a Gaussian vector). False: plain i.i.d. ``N(0, 1)`` rows.
+        orthogonal: blocks of ``d`` mutually orthogonal rows (:func:`features_from_gaussians`); False: plain i.i.d.
+            ``N(0, 1)`` rows.
 
     Returns:
         ``(num_features, head_dim)`` float32 tensor on CPU (whatever the default device and default dtype: the draw is
@@ -67,22 +65,85 @@ def draw_random_features(
     cpu32 = dict(generator=generator, device="cpu", dtype=torch.float32)
     if not orthogonal:
         return torch.randn(num_features, head_dim, **cpu32)
-    blocks = []
-    for _ in range(-(-num_features // head_dim)):
-        q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, **cpu32))
-        # QR alone is not uniformly distributed over rotations; fixing the signs by diag(R) makes it so.
-        q = q * torch.sign(torch.diagonal(r))
-        blocks.append(q.T)
-    rows = torch.cat(blocks)[:num_features]
-    norms = torch.randn(num_features, head_dim, **cpu32).norm(dim=1)
-    return rows * norms[:, None]
+    blocks = torch.stack([torch.randn(head_dim, head_dim, **cpu32) for _ in range(-(-num_features // head_dim))])
+    return features_from_gaussians(blocks, torch.randn(num_features, head_dim, **cpu32), num_features)
 
 
-def draw_seed(seed: int, layer_idx: int, draw: int) -> int:
-    """A 63-bit seed for draw number ``draw`` of layer ``layer_idx``: layers get different features, and the
-    sequence of redraws is the same on every run and every process (so DDP ranks stay in step)."""
-    digest = hashlib.sha256(f"hfx-performer:{seed}:{layer_idx}:{draw}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+def features_from_gaussians(blocks: torch.Tensor, norm_gaussians: torch.Tensor, num_features: int) -> torch.Tensor:
+    """Orthogonal random features from Gaussian draws: blocks of ``d`` mutually orthogonal rows (QR of Gaussian
+    matrices, signs fixed so that each block is Haar-distributed), rows rescaled to the norms of independent Gaussian
+    vectors (chi-distributed, so each row on its own is still a Gaussian vector).
+
+    Args:
+        blocks: ``(..., num_blocks, d, d)`` i.i.d. ``N(0, 1)``, ``num_blocks * d >= num_features``.
+        norm_gaussians: ``(..., num_features, d)`` i.i.d. ``N(0, 1)``, whose row norms become the rows' lengths.
+        num_features: ``m``.
+    Returns:
+        ``(..., num_features, d)``.
+    """
+    q, r = torch.linalg.qr(blocks)
+    # QR alone is not uniformly distributed over rotations; fixing the signs by diag(R) makes it so.
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[..., None, :]
+    rows = q.transpose(-1, -2).flatten(-3, -2)[..., :num_features, :]
+    return rows * norm_gaussians.norm(dim=-1, keepdim=True)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x, factor: int):
+    """``x * factor mod 2**32`` for ``x`` in ``[0, 2**32)`` (an int or an int64 tensor), in halves of 16 bits so that
+    no int64 product overflows."""
+    return ((x & 0xFFFF) * factor + ((((x >> 16) * factor) & 0xFFFF) << 16)) & _MASK32
+
+
+def mix32(x):
+    """A bijective 32-bit integer hash (Wellons' "lowbias32": xor-shift, multiply, three times) of ``x`` in
+    ``[0, 2**32)``; an int in, an int out, or an int64 tensor elementwise. The same numbers as ints and on every
+    device: integer arithmetic only."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def draw_key(seed: int, layer_idx: int, draw):
+    """The 32-bit key of draw number ``draw`` (an int, or an int64 tensor: the draw counter of a traced graph) of
+    layer ``layer_idx``'s features under ``config.random_feature_seed`` ``seed``: layers get different features, and
+    the sequence of redraws is the same on every run and every process (so DDP ranks stay in step)."""
+    key = mix32(mix32((seed & _MASK32) ^ mix32((seed >> 32) & _MASK32)) ^ (layer_idx & _MASK32))
+    return mix32(key ^ (draw & _MASK32))
+
+
+def counter_normals(keys: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """I.i.d. ``N(0, 1)`` float32 numbers ``(len(keys), *shape)``, a function of the 32-bit ``keys`` ``(n,)`` (int64)
+    alone: element ``i`` of key ``k`` comes from the hashes of ``(k, 2i)`` and ``(k, 2i + 1)`` by Box-Muller.
+
+    Unlike a ``torch.Generator`` this traces (``torch.compile(fullgraph=True)`` makes no generator object) and needs no
+    host read of a key held on an accelerator; made on ``keys``' device (integers exactly the same everywhere, the
+    float32 ``log`` / ``cos`` within rounding)."""
+    count = math.prod(shape)
+    index = torch.arange(2 * count, device=keys.device)
+    bits = mix32(mix32(index)[None, :] ^ keys[:, None])
+    # 24 random bits per uniform, centred in their interval: never 0 (log) and exact in float32.
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+    radius = torch.sqrt(-2.0 * torch.log(uniform[:, :count]))
+    return (radius * torch.cos(2.0 * math.pi * uniform[:, count:])).view(keys.shape[0], *shape)
+
+
+def seeded_random_features(
+    num_features: int, head_dim: int, keys: torch.Tensor, orthogonal: bool = True
+) -> torch.Tensor:
+    """Random projection rows ``(len(keys), num_features, head_dim)`` float32, one draw per 32-bit key of ``keys``
+    ``(n,)`` (:func:`draw_key`), on ``keys``' device: traceable, no generator, no host read
+    (:func:`counter_normals`; :func:`features_from_gaussians` for the orthogonal rows)."""
+    if not orthogonal:
+        return counter_normals(keys, (num_features, head_dim))
+    num_blocks = -(-num_features // head_dim)
+    normals = counter_normals(keys, (num_blocks * head_dim + num_features, head_dim))
+    blocks = normals[:, : num_blocks * head_dim].reshape(-1, num_blocks, head_dim, head_dim)
+    return features_from_gaussians(blocks, normals[:, num_blocks * head_dim :], num_features)
 
 
 def document_max(x: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from torch import nn
 from transformers.utils import ModelOutput
 
+from ..ops.input_checks import refuse
 from ..ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs, resolve_packed_batch
 from .generation import forward_parameters
 from .head_layers import HfxLMHead
@@ -79,14 +80,11 @@ class HfxHeadMixin:
         if global_attention_mask is None and getattr(attention_class, "supports_global_attention", False):
             document_ids = None if packed is None else packed.document_ids
             global_attention_mask = self.default_global_attention_mask(
-                self.task, input_ids, attention_mask, document_ids=document_ids
+                self.task, input_ids, attention_mask, document_ids=document_ids, inputs_embeds=kw.get("inputs_embeds")
             )
         if global_attention_mask is not None:
             if "global_attention_mask" not in forward_parameters(self.base_model_class):
-                raise ValueError(
-                    f"{type(self).__name__} has no global attention: drop `global_attention_mask` (only Longformer "
-                    "and BigBird read it)."
-                )
+                refuse("no_global_attention", f"{type(self).__name__} has no global attention")
             kw["global_attention_mask"] = global_attention_mask
         return self.base_model(
             input_ids=input_ids,

@@ -43,6 +43,8 @@ from .head_base import HfxHeadMixin, HfxLMHeadMixin
 from .head_layers import HfxClassificationHead, HfxLMHead, classifier_dropout  # noqa: F401
 from .losses import (  # noqa: F401
     causal_lm_loss,
+    check_class_labels,
+    check_sequence_labels,
     multiple_choice_loss,
     next_token_labels,
     sequence_classification_loss,
@@ -75,6 +77,9 @@ class HfxLogitsHeadMixin(HfxHeadMixin):
     def head_loss(self, logits: torch.Tensor, labels: torch.Tensor, documents: PackedBatch | None) -> torch.Tensor:
         """The task's loss of ``logits`` against ``labels``."""
         raise NotImplementedError
+
+    def check_labels(self, labels: torch.Tensor) -> None:
+        """Refuse ``labels`` the loss cannot score before the model runs (nothing to check by default)."""
 
     def forward(
         self,
@@ -121,6 +126,8 @@ class HfxLogitsHeadMixin(HfxHeadMixin):
             num_labels)``; token classification ``(batch, seq_len, num_labels)``; a packed batch keeps its row
             ``(1, total_tokens, ...)`` for the token-level tasks), ``hidden_states`` and ``attentions`` when asked.
         """
+        if labels is not None:
+            self.check_labels(labels)
         documents, out = self._encode_batch(
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
             output_attentions, output_hidden_states, kwargs,
@@ -172,6 +179,9 @@ class HfxSequenceClassificationHeadMixin(HfxLogitsHeadMixin):
             )
             check_document_count("labels", labels.shape[0] if labels.dim() else 1, documents, fix)
         return sequence_classification_loss(logits, labels, self.config)
+
+    def check_labels(self, labels: torch.Tensor) -> None:
+        check_sequence_labels(labels, self.config)
 
 
 class HfxTokenClassificationHeadMixin(HfxLogitsHeadMixin):
@@ -320,6 +330,7 @@ class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        *,
         num_choices: int | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> MultipleChoiceModelOutput | tuple:
@@ -354,6 +365,8 @@ class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
         """
         packing = packing_kwargs(self, kwargs)
         ref = input_ids if input_ids is not None else inputs_embeds
+        if labels is not None and ref is not None and ref.dim() == (3 if input_ids is not None else 4):
+            check_class_labels(labels, ref.shape[1], "choice indices")
         documents = None
         if ref is not None and ref.dim() == (2 if input_ids is not None else 3):
             documents = self._packed_batch(input_ids, inputs_embeds, position_ids, attention_mask, packing)

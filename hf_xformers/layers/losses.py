@@ -1,7 +1,9 @@
 """The losses of the task heads, and the label checks that name the fix.
 
 Every loss here is a plain mean (or a sum over Trainer's ``num_items_in_batch``): the models set
-``accepts_loss_kwargs = False`` so that Trainer never rescales them (``layers/pretrained.py``).
+``accepts_loss_kwargs = False`` so that Trainer never rescales them (``layers/pretrained.py``). Class labels of any
+integer dtype are taken (cast to long, which ``cross_entropy`` requires): a dataset's int32 column is a class label, as
+transformers' heads read it.
 """
 
 from __future__ import annotations
@@ -9,13 +11,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops.input_checks import reads_values
+from ..ops.input_checks import reads_values, refuse
 
 
-def labels_out_of_range(labels: torch.Tensor, low: int, high: int) -> bool:
-    """Whether some of ``labels`` (any shape) lie outside ``[low, high)``; False where values may not be read
-    (:func:`~hf_xformers.ops.input_checks.reads_values`) or there are none."""
-    return bool(labels.numel()) and reads_values(labels) and (int(labels.max()) >= high or int(labels.min()) < low)
+def labels_out_of_range(labels: torch.Tensor, high: int, ignore_index: int = -100) -> bool:
+    """Whether some of ``labels`` (any shape) lie outside ``[0, high)`` and are not ``ignore_index`` (one read);
+    False where values may not be read (:func:`~hf_xformers.ops.input_checks.reads_values`) or there are none."""
+    if not labels.numel() or not reads_values(labels):
+        return False
+    return bool((((labels < 0) | (labels >= high)) & (labels != ignore_index)).any())
+
+
+def check_class_labels(labels: torch.Tensor, high: int, what: str) -> None:
+    """``labels`` must be classes in ``[0, high)`` or the ignored -100 (where values may be read): a ``ValueError``
+    naming the fix otherwise (``what``: the classes' name and bound, for the message)."""
+    if labels_out_of_range(labels, high):
+        found = sorted({v for v in labels.reshape(-1).tolist() if v != -100 and not 0 <= v < high})
+        refuse("label_range", f"labels must be {what} in [0, {high - 1}] or -100 (ignored), got {found[:8]}")
 
 
 def token_cross_entropy(
@@ -29,7 +41,7 @@ def token_cross_entropy(
     (Trainer's count of scored tokens across gradient-accumulation steps). A batch with no scored position gives 0
     with zero gradients (a plain mean gives NaN, which would poison accumulated gradients)."""
     flat_logits = logits.float().reshape(-1, logits.shape[-1])
-    flat_targets = targets.reshape(-1).to(logits.device)
+    flat_targets = targets.reshape(-1).to(logits.device, torch.long)
     total = F.cross_entropy(flat_logits, flat_targets, ignore_index=ignore_index, reduction="sum")
     if num_items_in_batch is not None:
         return total / num_items_in_batch
@@ -62,26 +74,35 @@ def causal_lm_loss(
     return token_cross_entropy(logits, shift_labels, num_items_in_batch)
 
 
+def problem_type(config, labels: torch.Tensor) -> str:
+    """``config.problem_type``, or where it is unset the one transformers infers from ``labels``: ``regression`` when
+    ``num_labels == 1``, ``single_label_classification`` for long / int labels, else ``multi_label_classification``."""
+    if config.problem_type is not None:
+        return config.problem_type
+    if config.num_labels == 1:
+        return "regression"
+    if labels.dtype in (torch.long, torch.int):
+        return "single_label_classification"
+    return "multi_label_classification"
+
+
+def check_sequence_labels(labels: torch.Tensor | None, config) -> None:
+    """A sequence classifier's ``labels`` ``(batch,)``: classes in ``[0, num_labels)`` or -100 for a single-label
+    task (where values may be read), checked before the model runs."""
+    if labels is not None and problem_type(config, labels) == "single_label_classification":
+        check_class_labels(labels, config.num_labels, f"classes (config.num_labels={config.num_labels})")
+
+
 def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, config) -> torch.Tensor:
-    """Loss by ``config.problem_type`` (set on first use as transformers does): ``regression`` (MSE, e.g.
-    STS-B, when ``num_labels == 1``), ``single_label_classification`` (cross-entropy on integer labels) or
+    """Loss by ``config.problem_type`` (set on first use as transformers does, :func:`problem_type`): ``regression``
+    (MSE, e.g. STS-B, when ``num_labels == 1``), ``single_label_classification`` (cross-entropy on integer labels) or
     ``multi_label_classification`` (BCE with logits on float multi-hot labels)."""
-    if config.problem_type is None:
-        if config.num_labels == 1:
-            config.problem_type = "regression"
-        elif labels.dtype in (torch.long, torch.int):
-            config.problem_type = "single_label_classification"
-        else:
-            config.problem_type = "multi_label_classification"
+    config.problem_type = problem_type(config, labels)
     if config.problem_type == "regression":
         return F.mse_loss(logits.squeeze(-1), labels.squeeze(-1).to(logits.dtype))
     if config.problem_type == "single_label_classification":
-        if labels_out_of_range(labels, -100, config.num_labels):
-            raise ValueError(
-                f"labels must lie in [0, {config.num_labels - 1}] (config.num_labels={config.num_labels}); "
-                f"got values from {int(labels.min())} to {int(labels.max())}. Set num_labels when loading the model."
-            )
-        return F.cross_entropy(logits.view(-1, config.num_labels), labels.view(-1))
+        check_sequence_labels(labels, config)
+        return F.cross_entropy(logits.view(-1, config.num_labels), labels.reshape(-1).long())
     if config.problem_type == "multi_label_classification":
         if labels.shape != logits.shape:
             raise ValueError(
@@ -98,9 +119,8 @@ def multiple_choice_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     """Cross-entropy of ``logits`` ``(num_examples, num_choices)`` against the right choices ``labels``
     ``(num_examples,)``."""
     num_choices = logits.shape[-1]
-    if labels_out_of_range(labels, 0, num_choices):
-        raise ValueError(f"labels must be choice indices in [0, {num_choices - 1}], got {labels.tolist()}.")
-    return F.cross_entropy(logits, labels.view(-1))
+    check_class_labels(labels, num_choices, "choice indices")
+    return F.cross_entropy(logits, labels.reshape(-1).long())
 
 
 def span_loss(

@@ -75,9 +75,11 @@ class HfxPreTrainedModel(TransformersCheckpointMixin, PreTrainedModel):
         input_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
         document_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Global-attention mask a task head uses when the caller gives none (None: no global tokens); in a packed
         batch (``document_ids``, :mod:`~hf_xformers.ops.packing`) the task's rule applies to every document.
+        ``inputs_embeds`` ``(batch, seq_len, hidden)`` stand for the tokens when ``input_ids`` is None.
 
         ``task`` is one of ``"sequence_classification"``, ``"multiple_choice"``, ``"question_answering"``,
         ``"token_classification"``, ``"masked_lm"``. Architectures with global attention override this.

@@ -13,11 +13,14 @@ from torch import nn
 from typing_extensions import Unpack
 
 from ..ops.input_checks import (
+    check_embeds_width,
     check_not_empty,
+    check_position_ids,
     check_token_ids,
     check_type_ids,
     is_tracing,
     reads_values,
+    refuse,
     token_shape,
     unpadded_to_none,
 )
@@ -126,11 +129,11 @@ class HfxTextModel:
         if reads_values(position_ids):
             starts = position_ids.masked_select(packed.starts)
             if bool((starts != offset).any()):
-                raise ValueError(
+                refuse(
+                    "packed_position_start",
                     f"In a packed batch every document's positions must start at {offset}, the first position of "
-                    f"this model's table, but some start at {sorted(set(starts.tolist()))[:4]}; use "
-                    f"DataCollatorWithFlattening(position_ids_start={offset}) (a start of 0 shifts RoBERTa-style "
-                    "positions and silently changes every output)."
+                    f"this model's table, but some start at {sorted(set(starts.tolist()))[:4]} (a wrong start shifts "
+                    f"every position and silently changes every output): this model needs position_ids_start={offset}",
                 )
         return position_ids
 
@@ -140,10 +143,7 @@ class HfxTextModel:
     ):  # fmt: skip
         shape = token_shape(input_ids, inputs_embeds)
         if len(shape) != 2:
-            raise ValueError(
-                f"`input_ids` must have shape (batch, seq_len), got {shape}. Add a batch dimension with "
-                "`unsqueeze(0)`; multiple-choice inputs (batch, choices, seq_len) go to the ForMultipleChoice head."
-            )
+            refuse("input_rank", f"`input_ids` must have shape (batch, seq_len), got {shape}")
         limit = self.embeddings.max_tokens
         longest = shape[1]
         if packed is not None:
@@ -155,24 +155,20 @@ class HfxTextModel:
             else:
                 longest = 0  # unknown without a read: the embeddings' lookup fails past the table
         if longest > limit:
-            raise ValueError(
+            refuse(
+                "sequence_too_long",
                 f"Sequence length {longest} exceeds the {limit} tokens this model's position embeddings cover "
-                f"(config.max_position_embeddings={self.config.max_position_embeddings}). "
-                "Truncate the input (tokenizer(..., truncation=True, max_length=...)) or make a longer model with "
-                "conversion/convert_roberta_to_long.py --max-length."
+                f"(config.max_position_embeddings={self.config.max_position_embeddings})",
             )
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
+        check_embeds_width(inputs_embeds, self.get_input_embeddings().embedding_dim)
+        check_position_ids(position_ids, shape, 0, self.embeddings.position_embeddings.num_embeddings)
         for name, mask in (("attention_mask", attention_mask), ("global_attention_mask", global_attention_mask)):
             if mask is not None and tuple(mask.shape) != shape:
-                raise ValueError(
-                    f"`{name}` must have the shape of `input_ids` {shape}, got {tuple(mask.shape)}. "
-                    "Pass the mask the tokenizer returned for the same batch (1 = keep, 0 = padding)."
-                )
+                refuse("mask_shape", f"`{name}` must have the shape of `input_ids` {shape}, got {tuple(mask.shape)}")
         if global_attention_mask is not None and not getattr(self.attention_class, "supports_global_attention", False):
-            raise ValueError(
-                f"{type(self).__name__} has no global attention; drop `global_attention_mask` from the inputs."
-            )
+            refuse("no_global_attention", f"{type(self).__name__} has no global attention")
         check_type_ids(token_type_ids, self.config.type_vocab_size, shape)
 
     def forward(
@@ -186,6 +182,7 @@ class HfxTextModel:
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        *,
         packed_batch: PackedBatch | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxModelOutput | tuple:

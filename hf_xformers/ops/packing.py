@@ -10,9 +10,11 @@ document's. None means "one document per row", the ordinary batch.
 
 Forms, in the order they are used when several are given:
 
-* ``seq_idx`` ``(batch, seq_len)``: any integer labels; a new document starts wherever the label changes.
 * ``cu_seq_lens_q`` (= ``cu_seq_lens_k``) ``(num_docs + 1,)``: cumulative lengths ``[0, l0, l0 + l1, ..., total]`` of
-  the documents of a single row (``batch`` must be 1).
+  the documents of a single row (``batch`` must be 1). First where it applies, because its shape gives the number of
+  documents, which a traced graph cannot read from ``seq_idx`` (``return_seq_idx=True`` with
+  ``return_flash_attn_kwargs=True`` gives both).
+* ``seq_idx`` ``(batch, seq_len)``: any integer labels; a new document starts wherever the label changes.
 * ``position_ids`` alone, ``batch == 1``, nothing padded, eager mode: a new document starts wherever the position does
   not follow on from the previous one (as transformers infers packing). A batch of several rows, or a padded row, is
   never inferred packed from its positions (padding restarts them too); give ``seq_idx`` to pack several rows, and
@@ -29,7 +31,7 @@ from typing import TypedDict
 import torch
 from typing_extensions import Unpack
 
-from .input_checks import is_tracing, on_host, reads_values
+from .input_checks import is_tracing, on_host, reads_values, refuse
 
 
 class PackedBatchKwargs(TypedDict, total=False):
@@ -234,6 +236,11 @@ def _check_cu_seq_lens(cu_q, cu_k, length: int, device) -> torch.Tensor:
                 "queries and keys share the boundaries (pass the collator's values unchanged)."
             )
         values = cu.tolist()
+        if values[0] == 0 and values[-1] < length and all(b > a for a, b in zip(values, values[1:])):
+            refuse(
+                "cu_seq_lens_padded",
+                f"`cu_seq_lens_q/k` end at {values[-1]} but the row holds {length} tokens: it was padded after packing",
+            )
         if values[0] != 0 or values[-1] != length or any(b <= a for a, b in zip(values, values[1:])):
             raise ValueError(
                 f"`cu_seq_lens_q/k` must rise strictly from 0 to the row's length {length} (cumulative lengths of "
@@ -257,7 +264,8 @@ def resolve_packed_batch(
 ) -> PackedBatch | None:
     """The :class:`PackedBatch` of a batch given in any of the collator's forms, or None for an ordinary batch.
 
-    Forms are read in the order of the module doc (``seq_idx``, then ``cu_seq_lens``, then ``position_ids``).
+    Forms are read in the order of the module doc (``cu_seq_lens`` of one row, then ``seq_idx``, then
+    ``position_ids``).
     Restarting ``position_ids`` mark documents in a single row with nothing padded: in eager mode when the row holds
     more than one document (one read), and while tracing whenever ``attention_mask`` is None (as transformers detects
     packed rows under compile), so that a compiled model never lets documents see each other. A caller whose
@@ -271,7 +279,8 @@ def resolve_packed_batch(
     """
     batch, length = shape
     real = _real_tokens(attention_mask, device)
-    if seq_idx is not None:
+    cu_given = cu_seq_lens_q is not None or cu_seq_lens_k is not None
+    if seq_idx is not None and not (cu_given and batch == 1):
         if tuple(seq_idx.shape) != (batch, length):
             raise ValueError(
                 f"`seq_idx` must have the shape of `input_ids` {(batch, length)} (the document of every token), got "
@@ -279,7 +288,7 @@ def resolve_packed_batch(
             )
         document_ids, run_starts = _run_ids(seq_idx.to(device), real)
         cu, count = None, None
-    elif cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+    elif cu_given:
         document_ids, run_starts, cu, count = _runs_from_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, shape, device, real)
     elif (
         position_ids is not None

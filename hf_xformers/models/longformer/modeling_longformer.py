@@ -19,7 +19,7 @@ from ...layers.heads import (
 )
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
-from ...ops.input_checks import is_tracing, reads_values
+from ...ops.input_checks import is_tracing, reads_values, refuse
 from ...ops.packing import PackedBatch, document_starts
 from .configuration_longformer import HfxLongformerConfig
 
@@ -37,6 +37,7 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
         input_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
         document_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The paper's defaults, as in transformers' Longformer heads:
 
@@ -49,17 +50,34 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
         batch, :mod:`~hf_xformers.ops.packing`) each rule applies to every document: its first token, the tokens before
         its first separator, the tokens after its first separator pair. Returns ``(batch, seq_len)`` bool or None.
 
+        Given ``inputs_embeds`` ``(batch, seq_len, hidden)`` instead of ids (PEFT's prompt tuning calls a model so),
+        sequence classification still makes the first token of every sequence (document) global: positions alone say
+        where it is. The question and the choice are found by separator ids, which embeddings do not carry.
+
         Raises:
-            ValueError: question answering or multiple choice on a sequence (document) without a separator; checked
-                where values may be read (:func:`~hf_xformers.ops.input_checks.reads_values`), not in an accelerator's
-                training step or a traced graph.
+            ValueError: question answering or multiple choice given ``inputs_embeds`` (pass `global_attention_mask`),
+                or on a sequence (document) without a separator; the latter checked where values may be read
+                (:func:`~hf_xformers.ops.input_checks.reads_values`), not in an accelerator's training step or a traced
+                graph.
         """
-        if input_ids is None or task in ("masked_lm", "token_classification"):
+        if task in ("masked_lm", "token_classification"):
             return None
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if tokens is None:
+            return None
+        if input_ids is None and task != "sequence_classification":
+            refuse(
+                "global_default_needs_ids",
+                f"{task} puts global attention on the {'question' if task == 'question_answering' else 'choice'}, "
+                f"found through the separator ids (sep_token_id={self.config.sep_token_id}), which `inputs_embeds` "
+                "do not carry",
+            )
         if document_ids is not None:
+            if input_ids is None:
+                return document_starts(document_ids)
             return self._packed_default_global_attention_mask(task, input_ids, attention_mask, document_ids)
         if task == "sequence_classification":
-            mask = torch.zeros_like(input_ids, dtype=torch.bool)
+            mask = torch.zeros(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
             mask[:, 0] = True
             return mask
         is_sep = input_ids == self.config.sep_token_id
@@ -99,10 +117,10 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
 
     def _missing_separator(self, task: str, what: str) -> None:
         part = "question" if task == "question_answering" else "choice"
-        raise ValueError(
+        refuse(
+            "global_default_needs_separator",
             f"{task} puts global attention on the {part}, found through the first separator "
-            f"(sep_token_id={self.config.sep_token_id}), but some {what} have none; encode text pairs "
-            "with the tokenizer or pass `global_attention_mask`."
+            f"(sep_token_id={self.config.sep_token_id}), but some {what} have none",
         )
 
 

@@ -17,6 +17,7 @@ from typing_extensions import Unpack
 
 from ...attention.favor import HfxFavorSelfAttention
 from ...attention.favor_decoding import FavorState
+from ...attention.favor_features import seeded_random_features
 from ...attention.favor_packed import favor_documents
 from ...layers.encoder import HfxModelOutput
 from ...layers.generation import HfxCache
@@ -31,7 +32,7 @@ from ...layers.heads import (
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
 from ...ops.compat import CACHE_NAME, cache_field, resolve_cache_argument
-from ...ops.input_checks import unpadded_to_none
+from ...ops.input_checks import reads_values, unpadded_to_none
 from ...ops.packing import PackedBatch, PackedBatchKwargs, marks_documents, packing_kwargs
 from .configuration_performer import HfxPerformerConfig
 
@@ -97,6 +98,8 @@ class HfxPerformerPreTrainedModel(HfxPreTrainedModel):
             # Draw 0 of the layer's seeded sequence; transformers' init helpers leave loaded buffers alone.
             init.copy_(module.projection_matrix, module.draw_projection_matrix(0))
             init.zeros_(module.num_redraws)
+        if isinstance(module, HfxPerformerModel):
+            init.zeros_(module.training_calls)
 
     @torch.no_grad()
     def redraw_projections(self) -> None:
@@ -125,9 +128,8 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
 
     With ``config.feature_redraw_interval = N``, forward calls in training mode number 0, 1, 2, ... and the
     projections are redrawn before calls N, 2N, ... (here, not inside the layers, so that gradient checkpointing,
-    which reruns layer forwards, never sees a different projection in its recomputation). A redraw is the one thing
-    in a forward that works on the CPU whatever the model's device: the new projections are drawn there from their
-    seeds (reproducible, the same on every device) and copied to the model's device in one transfer per device.
+    which reruns layer forwards, never sees a different projection in its recomputation), by tensor operations that
+    trace into one graph for every call and make no host read (:meth:`scheduled_redraw`).
 
     Examples:
         >>> import torch
@@ -164,7 +166,37 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
 
     def __init__(self, config, add_pooling_layer: bool = True) -> None:
         super().__init__(config, add_pooling_layer)
-        self.training_calls = 0
+        # The schedule's count of training calls, a tensor so that a compiled step neither recompiles as it grows nor
+        # reads it back; a position in this run's schedule, not part of the checkpoint.
+        self.register_buffer("training_calls", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def scheduled_redraw(self) -> None:
+        """Count a training call and redraw every layer's projection before calls ``N, 2N, ...``
+        (``config.feature_redraw_interval = N``; nothing in eval mode or without an interval).
+
+        Tensor operations only (:meth:`~hf_xformers.attention.favor.HfxFavorSelfAttention.redraw_where`): the count,
+        the test and the draw trace into one graph for every call (``torch.compile(fullgraph=True)`` compiles once) and
+        read nothing back to the host. On an accelerator the draw is made on its device, every call (a few small QRs
+        per layer, cheaper than a host read per step), from the same integer keys as the CPU draws
+        (:func:`~hf_xformers.attention.favor_features.draw_key`), so its features equal the CPU's within float32
+        rounding; the CPU draws only when due.
+        """
+        interval = self.config.feature_redraw_interval
+        if not (self.training and interval):
+            return
+        calls = self.training_calls
+        due = (calls > 0) & (calls % interval == 0)
+        with torch.no_grad():
+            calls.add_(1)
+            if reads_values(due) and not bool(due):  # one free read spares the draw of every layer
+                return
+            modules = [module for module in self.modules() if isinstance(module, HfxFavorSelfAttention)]
+            # Every layer is built from the one config: one batched draw for all of them.
+            first = modules[0]
+            keys = torch.stack([module.next_draw_key() for module in modules])
+            fresh = seeded_random_features(first.num_features, first.head_dim, keys, first.orthogonal)
+            for module, rows in zip(modules, fresh):
+                module.redraw_where(due, rows)
 
     def forward(
         self,
@@ -180,6 +212,7 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         past_key_values: HfxPerformerCache | None = None,
         use_cache: bool | None = None,
         cache: HfxPerformerCache | None = None,
+        *,
         packed_batch: PackedBatch | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxModelOutput | tuple:
@@ -226,11 +259,7 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         """
         past_key_values = resolve_cache_argument(past_key_values, cache)
         packing = packing_kwargs(self, kwargs)
-        interval = self.config.feature_redraw_interval
-        if self.training and interval:
-            if self.training_calls and self.training_calls % interval == 0:
-                self.redraw_projections()
-            self.training_calls += 1
+        self.scheduled_redraw()
         if use_cache or past_key_values is not None:
             self._refuse_packed_with_cache(
                 input_ids, inputs_embeds, attention_mask, position_ids, packing, packed_batch
@@ -240,7 +269,7 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         if past_key_values is None:
             return super().forward(
                 input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
-                output_attentions, output_hidden_states, return_dict, packed_batch, **packing,
+                output_attentions, output_hidden_states, return_dict, packed_batch=packed_batch, **packing,
             )  # fmt: skip
         return self._cached_forward(
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,

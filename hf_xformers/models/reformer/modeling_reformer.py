@@ -54,7 +54,16 @@ from ...layers.heads import (
 from ...layers.losses import next_token_labels
 from ...layers.pretrained import HfxPreTrainedModel
 from ...ops.fast_dropout import HfxDropout, fast_dropout
-from ...ops.input_checks import check_not_empty, check_token_ids, reads_values, unpadded_to_none
+from ...ops.input_checks import (
+    check_embeds_width,
+    check_not_empty,
+    check_position_ids,
+    check_token_ids,
+    reads_values,
+    refuse,
+    token_shape,
+    unpadded_to_none,
+)
 from ...ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs, resolve_packed_batch
 from ...ops.shapes import ceil_div, cut_to_length
 from .configuration_reformer import HfxReformerConfig
@@ -649,11 +658,9 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
 
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, global_attention_mask, token_type_ids, cache,
                       packed=None, position_ids=None):  # fmt: skip
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
+        shape = token_shape(input_ids, inputs_embeds)
         if len(shape) != 2:
-            raise ValueError(f"`input_ids` must have shape (batch, seq_len), got {shape}; add a batch dimension.")
+            refuse("input_rank", f"`input_ids` must have shape (batch, seq_len), got {shape}")
         past = cache.get_seq_length() if cache is not None else 0
         longest = past + shape[1]
         if packed is not None:
@@ -661,28 +668,30 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             # reading is free, else the longest document the batch states (`max_length_q`), if it does.
             longest = int(position_ids.max()) + 1 if reads_values(position_ids) else (packed.longest or 0)
         if longest > self.config.max_position_embeddings:
-            raise ValueError(
-                f"Sequence length {longest} exceeds config.max_position_embeddings "
-                f"({self.config.max_position_embeddings}); truncate the input (tokenizer(..., truncation=True))."
+            refuse(
+                "sequence_too_long",
+                f"Sequence length {longest} exceeds config.max_position_embeddings ({self.config.max_position_embeddings})",
             )
         if past and shape[1] != 1:
             raise ValueError(
                 f"With a filled `past_buckets_states` cache the model decodes one position at a time; got {shape[1]}."
             )
         if global_attention_mask is not None:
-            raise ValueError("Reformer has no global attention; drop `global_attention_mask` from the inputs.")
+            refuse("no_global_attention", "Reformer has no global attention")
         if token_type_ids is not None:
-            raise ValueError("Reformer has no token types; drop `token_type_ids` (return_token_type_ids=False).")
+            refuse("token_type_range", "Reformer has no token types (`token_type_ids` given)")
         # With a cache: the mask of every position so far (what generate() passes) or of the new one alone.
         accepted = [shape, (shape[0], past + shape[1])] if past else [shape]
         if attention_mask is not None and tuple(attention_mask.shape) not in accepted:
-            raise ValueError(
-                f"`attention_mask` must have the shape of `input_ids` {shape}"
-                + (f" or cover the cached positions too {(shape[0], past + shape[1])}" if past else "")
-                + f", got {tuple(attention_mask.shape)}."
+            cached = f" or cover the cached positions too {(shape[0], past + shape[1])}" if past else ""
+            refuse(
+                "mask_shape",
+                f"`attention_mask` must have the shape of `input_ids` {shape}{cached}, got {tuple(attention_mask.shape)}",
             )
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
+        check_embeds_width(inputs_embeds, self.get_input_embeddings().embedding_dim)
+        check_position_ids(position_ids, shape, 0, self.config.max_position_embeddings)
 
     def forward(
         self,
@@ -698,6 +707,7 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         return_dict: bool | None = None,
         global_attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        *,
         packed_batch: PackedBatch | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxReformerModelOutput | tuple:
@@ -862,9 +872,10 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             first = torch.where(packed.starts, position_ids, torch.zeros_like(position_ids))
             if bool(first.any()):
                 starts = sorted(set(first[first != 0].tolist()))[:4]
-                raise ValueError(
+                refuse(
+                    "packed_position_start",
                     "In a packed batch every document's positions must start at 0, Reformer's first position, but "
-                    f"some start at {starts}; use DataCollatorWithFlattening(position_ids_start=0)."
+                    f"some start at {starts}: Reformer needs position_ids_start=0",
                 )
         return position_ids
 

@@ -29,10 +29,18 @@ from ...attention.relative_memory import (
     sinusoid_positions,
 )
 from ...layers.generation import HfxGenerationMixin
-from ...layers.losses import sequence_classification_loss
+from ...layers.losses import check_sequence_labels, sequence_classification_loss
 from ...layers.pooling import pool_tokens
 from ...layers.pretrained import HfxPreTrainedModel
-from ...ops.input_checks import check_not_empty, check_token_ids, is_tracing, token_shape, unpadded_to_none
+from ...ops.input_checks import (
+    check_embeds_width,
+    check_not_empty,
+    check_token_ids,
+    is_tracing,
+    refuse,
+    token_shape,
+    unpadded_to_none,
+)
 from ...ops.packing import (
     PackedBatch,
     PackedBatchKwargs,
@@ -249,18 +257,17 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, mems) -> tuple[int, int]:
         shape = token_shape(input_ids, inputs_embeds)
         if len(shape) != 2:
-            raise ValueError(
-                f"`input_ids` must have shape (batch, seq_len), got {shape}. Add a batch dimension with `unsqueeze(0)`."
-            )
+            refuse("input_rank", f"`input_ids` must have shape (batch, seq_len), got {shape}")
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
+        check_embeds_width(inputs_embeds, self.config.d_model)
         if attention_mask is not None and (
             attention_mask.dim() != 2 or attention_mask.shape[0] != shape[0] or attention_mask.shape[1] < shape[1]
         ):
-            raise ValueError(
+            refuse(
+                "mask_shape",
                 f"`attention_mask` must have the shape of `input_ids` {shape} (or cover the memory too: "
-                f"(batch, memory + seq_len)), got {tuple(attention_mask.shape)}. Pass the mask the tokenizer returned "
-                "for the same batch (1 = keep, 0 = padding)."
+                f"(batch, memory + seq_len)), got {tuple(attention_mask.shape)}",
             )
         if mems is not None:
             if len(mems) != self.config.n_layer:
@@ -313,6 +320,7 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
         packed_batch: PackedBatch | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxTransfoXLModelOutput | tuple:
@@ -723,6 +731,7 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
             ``HfxTransfoXLSequenceClassifierOutput``: ``loss``, ``logits`` ``(batch, num_labels)``, ``mems``,
             ``hidden_states`` and ``attentions`` when asked.
         """
+        check_sequence_labels(labels, self.config)
         out = self.transformer(
             input_ids, mems=mems, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,

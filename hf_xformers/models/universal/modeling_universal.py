@@ -46,11 +46,15 @@ from ...layers.pretrained import HfxPreTrainedModel
 from ...ops.attention_switch import EAGER, flex_applies
 from ...ops.compat import CACHE_NAME, cache_field, output_cache, resolve_cache_argument
 from ...ops.input_checks import (
+    check_embeds_width,
     check_not_empty,
+    check_position_ids,
     check_token_ids,
     check_type_ids,
     is_tracing,
     reads_values,
+    refuse,
+    token_shape,
     unpadded_to_none,
 )
 from ...ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs, refuse_packed, resolve_packed_batch
@@ -298,22 +302,19 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
     ) -> None:
         """Checks with messages that name the fix. Shapes and dtypes are checked in traced graphs too; the id-range
         checks, which read tensor values, only in eager mode (``ops/input_checks.py``)."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape[:-1])
+        shape = token_shape(input_ids, inputs_embeds)
         if len(shape) != 2:
-            raise ValueError(
-                f"`input_ids` must have shape (batch, seq_len), got {shape}. Add a batch dimension with `unsqueeze(0)`."
-            )
+            refuse("input_rank", f"`input_ids` must have shape (batch, seq_len), got {shape}")
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
+        check_embeds_width(inputs_embeds, self.get_input_embeddings().embedding_dim)
         if attention_mask is not None:
             expected = (shape[0], past_len + shape[1])
             if tuple(attention_mask.shape) != expected:
                 what = "past + new tokens" if past_len else "`input_ids`"
-                raise ValueError(
-                    f"`attention_mask` must have shape {expected} ({what}), got {tuple(attention_mask.shape)}. Pass "
-                    "the mask the tokenizer returned for the same batch (1 = keep, 0 = padding)."
+                refuse(
+                    "mask_shape",
+                    f"`attention_mask` must have shape {expected} ({what}), got {tuple(attention_mask.shape)}",
                 )
         check_type_ids(token_type_ids, self.config.type_vocab_size, shape)
         if self.config.add_cross_attention and encoder_hidden_states is None:
@@ -334,10 +335,10 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         limit = self.config.max_position_embeddings
         if packed is None:
             if past_len + length > limit:
-                raise ValueError(
+                refuse(
+                    "sequence_too_long",
                     f"{past_len + length} tokens (past {past_len} + new {length}) exceed "
-                    f"config.max_position_embeddings={limit}. Truncate the input or raise max_position_embeddings "
-                    "(with sinusoidal positions this adds no parameters)."
+                    f"config.max_position_embeddings={limit}",
                 )
             return
         if is_tracing():
@@ -348,9 +349,9 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
                 return
             longest = int(position_ids.max()) + 1 if position_ids is not None else packed.longest_document()
         if longest > limit:
-            raise ValueError(
-                f"A packed document of {longest} tokens exceeds config.max_position_embeddings={limit}. Truncate the "
-                "documents or raise max_position_embeddings (with sinusoidal positions this adds no parameters)."
+            refuse(
+                "sequence_too_long",
+                f"A packed document of {longest} tokens exceeds config.max_position_embeddings={limit}",
             )
 
     def _packed_inputs(
@@ -402,10 +403,10 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         if reads_values(position_ids):
             starts = position_ids.masked_select(packed.starts)
             if bool((starts != 0).any()):
-                raise ValueError(
+                refuse(
+                    "packed_position_start",
                     "In a packed batch every document's positions must start at 0, as in its own forward, but some "
-                    f"start at {sorted(set(starts.tolist()))[:4]}; use DataCollatorWithFlattening(position_ids_start=0) "
-                    "(its default)."
+                    f"start at {sorted(set(starts.tolist()))[:4]}: it needs position_ids_start=0 (the collator's default)",
                 )
         return packed, position_ids
 
@@ -487,6 +488,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         cache: HfxUniversalCache | None = None,
+        *,
         packed_batch: PackedBatch | None = None,
         **kwargs: Unpack[PackedBatchKwargs],
     ) -> HfxUniversalModelOutput | tuple:
@@ -529,6 +531,9 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             output_hidden_states = self.config.output_hidden_states
 
         batch, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
+        # Sinusoidal positions have no table, but a negative one is no position of any token.
+        table = self.config.max_position_embeddings if self.config.position_embedding_type == "absolute" else None
+        check_position_ids(position_ids, (batch, length), 0, table)
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         # "Is anything padded?" is decided here, once per forward (one host read in eager mode): below, None means no
         # padding, and the attention gets no mask (or is_causal) so that SDPA can use its fused kernels.
