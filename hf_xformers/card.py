@@ -366,7 +366,10 @@ def main(argv: list[str] | None = None) -> None:
     """Command line: ``python -m hf_xformers.card --source DIR [--base_model ID] [--dataset ID] [--license L]``."""
     parser = argparse.ArgumentParser(
         prog="python -m hf_xformers.card",
-        description="Write README.md (a Hub model card) for an hf_xformers checkpoint or training output folder.",
+        description="Write README.md (a Hub model card) for an hf_xformers checkpoint or training output folder: "
+        "metadata (licence, tags, pipeline tag of the saved head, base model, data sets, model-index), how to load "
+        "it, the architecture's text, the training hyperparameters and the evaluation results found in the folder.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--source", required=True, help="checkpoint folder or training --output_dir")
     parser.add_argument("--base_model", help="Hub id of the model it was converted or fine-tuned from")

@@ -362,13 +362,20 @@ def pooling_projection(max_length: int, projected_length: int) -> torch.Tensor:
 
 
 def build_linformer(
-    src: EncoderSource, max_length: int, attention_window: int, linformer_k: int = 256, linformer_sharing: str = "headwise"
+    src: EncoderSource,
+    max_length: int,
+    attention_window: int,
+    linformer_k: int = 256,
+    linformer_sharing: str = "headwise",
 ) -> PreTrainedModel:
     """An :class:`HfxLinformerForMaskedLM` holding the source weights (as :func:`build_longformer`), with every
     ``E`` and ``F`` set to :func:`pooling_projection`. ``attention_window`` is not used."""
     fields, state = _warm_start_state(src, max_length, "linformer.")
     config = HfxLinformerConfig(
-        **fields, linformer_k=linformer_k, linformer_sharing=linformer_sharing, architectures=["HfxLinformerForMaskedLM"]
+        **fields,
+        linformer_k=linformer_k,
+        linformer_sharing=linformer_sharing,
+        architectures=["HfxLinformerForMaskedLM"],
     )
     model = HfxLinformerForMaskedLM(config)
     pooling = pooling_projection(config.linformer_max_length, linformer_k)
@@ -510,9 +517,20 @@ def convert_roberta_to_long(
     return model, tokenizer
 
 
+CLI_DESCRIPTION = (
+    "Convert a local RoBERTa or BERT checkpoint (any head, or a bare encoder, with its tokenizer) into a long-context "
+    "hf_xformers model (--target) that accepts --max-length tokens: every pretrained weight is kept, the position "
+    "table is tiled to the new length and Longformer's global projections start as copies of the local ones. A "
+    "source with an MLM head gives a masked-LM model; a source without one gives the base model (its pooler kept), "
+    "from which task heads load with new weights. The output folder gets the model, the tokenizer and a model card."
+)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Command-line entry point (``hfx-convert``)."""
+    parser = argparse.ArgumentParser(
+        description=CLI_DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--source", required=True, help="local RoBERTa/BERT checkpoint directory (with tokenizer)")
     parser.add_argument("--target", default="longformer", choices=sorted(TARGETS), help="architecture to build")
     parser.add_argument("--max-length", type=int, default=4096, help="tokens the new model accepts")
@@ -538,8 +556,15 @@ def main(argv: list[str] | None = None) -> None:
     }.get(args.target)
     try:
         convert_roberta_to_long(
-            args.source, args.target, args.max_length, args.attention_window, args.output, options, args.overwrite,
-            base_model=args.base_model, new_positions=args.new_positions,
+            args.source,
+            args.target,
+            args.max_length,
+            args.attention_window,
+            args.output,
+            options,
+            args.overwrite,
+            base_model=args.base_model,
+            new_positions=args.new_positions,
         )
     except ValueError as error:
         parser.error(str(error))
