@@ -224,6 +224,7 @@ def build_model_card(folder: str | os.PathLike, card_data: dict | None = None) -
         f"# {info['model_name']}\n",
         f"{summary} {_origin(info)}".rstrip() + "\n",
         f"## How to load\n\n{_load_text(head or 'AutoModel', info['model_name'], self_contained)}\n",
+        _base_model_text(model_type) if (head or "AutoModel") == "AutoModel" else "",
         _demote_headings(template.text),
         "## Training procedure\n\n" + _hyperparameter_text(path, info),
         "## Evaluation results\n\n" + _results_table(results, metrics),
@@ -309,6 +310,18 @@ from transformers import {auto_class}
 model = {auto_class}.from_pretrained("{name}", trust_remote_code=True)
 ```"""
     return load
+
+
+def _base_model_text(model_type: str) -> str:
+    """What a base checkpoint (no task head stored) serves: features, and every task head with new head weights."""
+    heads = [name for name in REGISTRY[model_type][1] if name != "AutoModel"]
+    listed = ", ".join(f"`{name}`" for name in heads)
+    return (
+        "This is a base model: no task head is stored, and `AutoModel` returns its hidden states (and the pooled "
+        f"output where the architecture has a pooler). The task heads of `{model_type}` ({listed}) load from it too, "
+        "as from any base checkpoint: the encoder weights come from here and the head starts from new, untrained "
+        "weights, to be fine-tuned (transformers lists them as newly initialised).\n"
+    )
 
 
 def _package_version() -> str:

@@ -6,7 +6,7 @@ tokenizer, and gives the same outputs.
 
 Usage::
 
-    python -m conversion.convert_from_transformers --source DIR --output DIR
+    hfx-import --source DIR --output DIR      # or python -m hf_xformers.conversion.convert_from_transformers
 
 :data:`IMPORTERS` maps the source ``model_type`` to its importer; BigBird, Swin, Reformer and Transformer-XL
 plug in there.
@@ -569,7 +569,7 @@ def convert_from_transformers(
         logger.info("No tokenizer and 258 ids (google/reformer-enwik8's bytes + 2): writing the byte tokenizer.")
         tokenizer = byte_tokenizer()
     if output_dir is not None:
-        how = f"from transformers' `{config['model_type']}` with conversion/convert_from_transformers.py"
+        how = f"from transformers' `{config['model_type']}` with hf_xformers' `hfx-import`"
         save_model_and_tokenizer(model, tokenizer, output_dir, conversion_provenance(path, base_model, how))
         image_processor = convert_image_processor(path) if config["model_type"] == "swin" else None
         if image_processor is not None:
