@@ -23,7 +23,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import bz2
 import csv
 import gzip
@@ -44,6 +43,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForMaskedLM, AutoTokenizer  # noqa: E402
 
 from examples import run_mlm  # noqa: E402
+from examples.utils_examples import script_parser  # noqa: E402
 from hf_xformers.conversion import convert_roberta_to_long  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +134,7 @@ def evaluate(model_dir: Path, blocks, chunk: int | None, bucket: int, chars_per_
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--work_dir", default="/tmp/continued_pretraining")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "continued_pretraining"))
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
