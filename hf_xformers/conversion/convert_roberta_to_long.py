@@ -553,7 +553,8 @@ def convert_roberta_to_long(
         if new_positions == "random":
             options.append("new positions drawn at random")
         if src.mlm_head is None:
-            options.append("no MLM head in the source: saved as the base model, its pooler kept")
+            pooler = "its pooler kept" if src.has_pooler else "with a new pooler"
+            options.append(f"no MLM head in the source: saved as the base model, {pooler}")
         how = f"with hf_xformers' `hfx-convert` ({', '.join(options)})"
         save_model_and_tokenizer(model, tokenizer, output_dir, conversion_provenance(source, base_model, how))
         # A sentence-transformers source keeps its pooling, normalisation ... and embeds up to the new length.
