@@ -47,6 +47,12 @@ def step(name: str):
     return timed()
 
 
+def expect(condition: bool, what: object) -> None:
+    """Stop with ``what`` when ``condition`` fails (plain asserts vanish under ``python -O``)."""
+    if not condition:
+        raise SystemExit(f"check_wheel: failed: {what}")
+
+
 def run(*command: str) -> str:
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
@@ -101,7 +107,7 @@ def main() -> None:
     if not Path(hf_xformers.__file__).resolve().is_relative_to(site):
         raise SystemExit(f"hf_xformers imported from {hf_xformers.__file__}, not from the installed wheel in {site}")
     print(f"check_wheel: hf_xformers {hf_xformers.__version__} from {Path(hf_xformers.__file__).parent}")
-    assert callable(convert_roberta_to_long)
+    expect(callable(convert_roberta_to_long), "hf_xformers.conversion.convert_roberta_to_long is no function")
     bert, longformer = tiny_sources(here)
 
     with step("README quickstart"):
@@ -136,17 +142,21 @@ def main() -> None:
             str(converted),
         )
         config = json.loads((converted / "config.json").read_text())
-        assert config["architectures"] == ["HfxLongformerForMaskedLM"] and config["max_position_embeddings"] == 1026
-        assert "pipeline_tag: fill-mask" in (converted / "README.md").read_text(), "the card template is missing"
+        # BERT's pad id is 0: 1,024 positions after pad_token_id + 1 = 1 special row.
+        expect(config["architectures"] == ["HfxLongformerForMaskedLM"], config["architectures"])
+        expect(config["max_position_embeddings"] == 1025, config["max_position_embeddings"])
+        card = (converted / "README.md").read_text()
+        expect("pipeline_tag: fill-mask" in card and "## Intended uses" in card, "the card lacks the shipped template")
     with step("hfx-import: tiny transformers Longformer"):
         run("hfx-import", "--source", str(longformer), "--output", str(here / "imported"))
         config = json.loads((here / "imported" / "config.json").read_text())
-        assert config["model_type"] == "hfx-longformer" and config["architectures"] == ["HfxLongformerForMaskedLM"]
+        expect(config["model_type"] == "hfx-longformer", config["model_type"])
+        expect(config["architectures"] == ["HfxLongformerForMaskedLM"], config["architectures"])
     with step("hfx-export: the converted folder, self-contained"):
         run("hfx-export", "--source", str(converted), "--output", str(here / "hub"))
         config = json.loads((here / "hub" / "config.json").read_text())
-        assert "AutoModelForMaskedLM" in config["auto_map"], config.get("auto_map")
-        assert (here / "hub" / "modeling_longformer.py").is_file()
+        expect("AutoModelForMaskedLM" in config.get("auto_map", {}), config.get("auto_map"))
+        expect((here / "hub" / "modeling_longformer.py").is_file(), "no modeling_longformer.py in the export")
     print("check_wheel: all checks passed")
 
 
