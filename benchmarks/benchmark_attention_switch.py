@@ -26,7 +26,6 @@ are listed as skipped (``make gpu-check`` runs the benchmark under its step's ti
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -54,6 +53,7 @@ from benchmarks.utilisation import (  # noqa: E402
     tflops,
     utilisation,
 )
+from examples.utils_examples import script_parser  # noqa: E402
 
 HIDDEN, HEADS, LAYERS, INTERMEDIATE, VOCAB = 768, 12, 2, 3072, 1000
 WINDOW, BLOCK, RANDOM_BLOCKS = 512, 64, 3
@@ -248,7 +248,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--archs", nargs="+", default=["longformer", "bigbird"])
     parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)

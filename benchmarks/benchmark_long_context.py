@@ -63,6 +63,7 @@ from benchmarks.long_context_worker import run_cell, run_worker_and_report  # no
 from benchmarks.measurement import git_describe  # noqa: E402
 from benchmarks.precision import AUTOCAST_HELP, DEVICE_HELP, DEVICES, DTYPE_HELP, DTYPES, Precision  # noqa: E402
 from benchmarks.utilisation import format_mfu, format_tflops, tflops  # noqa: E402
+from examples.utils_examples import script_parser  # noqa: E402
 
 IMPL_LABELS = {"hfx": "hfx (ours)", "ref": "transformers reference", "sdpa": "RoBERTa full attention (SDPA)"}
 MODE_LABELS = {"forward": "forward (eval, inference_mode)", "backward": "forward+backward (train)"}
@@ -309,7 +310,7 @@ def render_plot(meta: dict, results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--arch", default="longformer", choices=sorted(ARCHS))
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--modes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])

@@ -60,6 +60,7 @@ import torch  # noqa: E402
 
 from benchmarks.benchmark_attention_switch import machine  # noqa: E402
 from benchmarks.measurement import BackgroundLoad, PeakRSS, git_describe, hfx_source_hash, rss_kib  # noqa: E402
+from examples.utils_examples import script_parser  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ARCHS = ("longformer", "bigbird", "performer", "reformer", "universal")
@@ -777,7 +778,7 @@ def render_plot(results: list[dict], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = script_parser(__doc__)
     p.add_argument("--arch", nargs="+", choices=ARCHS, default=None, help="default: all (--quick: longformer)")
     p.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

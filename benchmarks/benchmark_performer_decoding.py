@@ -16,7 +16,6 @@ of the CPU other processes used meanwhile. Random ids (speed does not depend on 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -29,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from benchmarks.measurement import BackgroundLoad  # noqa: E402
+from examples.utils_examples import script_parser  # noqa: E402
 from hf_xformers import HfxPerformerConfig, HfxPerformerForCausalLM  # noqa: E402
 
 
@@ -65,7 +65,7 @@ def time_uncached(model, ids: torch.Tensor, reps: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)

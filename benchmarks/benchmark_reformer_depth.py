@@ -20,7 +20,6 @@ Writes ``reformer_depth_memory.{json,md}`` to ``--out`` (default ``benchmarks/re
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import platform
@@ -32,6 +31,7 @@ from benchmarks.benchmark_long_context import fmt_mib, fmt_time
 from benchmarks.long_context_models import BenchConfig
 from benchmarks.long_context_worker import run_cell
 from benchmarks.measurement import git_describe
+from examples.utils_examples import script_parser
 
 # label -> (registry entry, impl) of benchmark_long_context
 VARIANTS = {
@@ -87,7 +87,7 @@ def render(meta: dict, results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--length", type=int, default=8192)
     p.add_argument("--depths", type=int, nargs="+", default=[2, 6, 12])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))

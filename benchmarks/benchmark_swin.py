@@ -49,6 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.measurement import BackgroundLoad, hfx_source_hash  # noqa: E402
 from benchmarks.precision import AUTOCAST_HELP, DEVICE_HELP, DEVICES, DTYPE_HELP, DTYPES, DeviceMemory, Precision  # noqa: E402
+from examples.utils_examples import script_parser  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -262,7 +263,7 @@ def render_markdown(meta: dict, results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     p.add_argument("--modes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)

@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 from benchmarks.measurement import BackgroundLoad  # noqa: E402
 from benchmarks.precision import DEVICE_HELP, DEVICES, DTYPE_HELP, DTYPES, Precision  # noqa: E402
+from examples.utils_examples import script_parser  # noqa: E402
 from hf_xformers import HfxTransfoXLConfig, HfxTransfoXLForCausalLM  # noqa: E402
 
 
@@ -70,7 +71,7 @@ def time_sliding(model: HfxTransfoXLForCausalLM, ids: torch.Tensor, span: int, t
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--spans", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--text-tokens", type=int, default=4096, help="length of the text the memory model reads")
     parser.add_argument("--sliding-tokens", type=int, default=64, help="positions the sliding baseline scores")

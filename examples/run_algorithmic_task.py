@@ -42,6 +42,7 @@ from torch import nn  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+from examples.utils_examples import script_parser  # noqa: E402
 from hf_xformers import HfxUniversalConfig, HfxUniversalForSeq2SeqLM  # noqa: E402
 from hf_xformers.models.universal.recurrent_block import timing_signal  # noqa: E402
 
@@ -313,7 +314,7 @@ def write_report(results: dict, output_dir: Path, name: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--task", choices=TASKS, default="reverse")
     parser.add_argument("--train-max-length", type=int, default=8, help="L: training lengths are 1..L, test 1..2L")
     parser.add_argument("--train-steps", type=int, default=3000)

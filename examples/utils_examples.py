@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
+import huggingface_hub
 import torch
 import transformers
 from datasets import Dataset, load_dataset
-from huggingface_hub import upload_folder
+from huggingface_hub import try_to_load_from_cache, upload_folder
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -62,21 +63,107 @@ class RunArguments(HubArguments):
     )
 
 
+class ScriptHelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` of the scripts: the description and the notes after the options as written (docstring paragraphs,
+    example commands), every option with its default (unless it is None, or its help already says the default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def split_doc(doc: str | None) -> tuple[str | None, str | None]:
+    """``(description, epilog)`` of a script's ``--help`` from its docstring: the first paragraph (a one-line title
+    joined with the paragraph after it) and the rest."""
+    paragraphs = (doc or "").strip().split("\n\n")
+    lead = 2 if len(paragraphs) > 1 and "\n" not in paragraphs[0] else 1
+    return "\n".join(paragraphs[:lead]) or None, "\n\n".join(paragraphs[lead:]) or None
+
+
+def script_parser(doc: str | None, **kwargs) -> argparse.ArgumentParser:
+    """The ``argparse`` parser of an example or benchmark script: its docstring ``doc`` split by :func:`split_doc`
+    into the description (shown first) and the epilog (after the options); ``--help`` shows every default."""
+    description, epilog = split_doc(doc)
+    # A short usage line: argparse's own lists every option before the description.
+    kwargs.setdefault("usage", "%(prog)s [options]   (--help lists them)")
+    return argparse.ArgumentParser(
+        description=description, epilog=epilog, formatter_class=ScriptHelpFormatter, **kwargs
+    )
+
+
+def model_source_error(name_or_path: str, option: str = "--model_name_or_path") -> str | None:
+    """Why ``name_or_path`` names no model ``from_pretrained`` could load, in one line naming it and what is expected;
+    None when it does: a folder with ``config.json``, or a Hub id (offline: only one in the local cache)."""
+    expected = (
+        "expected a checkpoint folder with config.json (save_pretrained, a Trainer output_dir, hfx-convert's "
+        "--output) or a Hub id such as FacebookAI/roberta-base"
+    )
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return (
+            None if (path / "config.json").is_file() else f"{option} {name_or_path!r} holds no config.json; {expected}"
+        )
+    if path.exists():
+        return f"{option} {name_or_path!r} is a file; {expected}"
+    hub_id = hub_model_id(name_or_path)
+    if hub_id is None:
+        return f"{option} {name_or_path!r}: no such folder, and not a Hub id; {expected}"
+    if huggingface_hub.constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(hub_id, "config.json"), str):
+        return (
+            f"{option} {name_or_path!r}: no such folder, and the Hub id is not in the local cache while HF_HUB_OFFLINE "
+            f"is set; {expected} (download it first, or unset HF_HUB_OFFLINE)"
+        )
+    return None
+
+
+def refuse_missing_model(
+    parser: argparse.ArgumentParser, name_or_path: str | None, option: str = "--model_name_or_path"
+) -> None:
+    """End the script with one line naming ``name_or_path`` (exit status 2, no traceback) when it is given and names
+    no loadable model (:func:`model_source_error`)."""
+    problem = model_source_error(name_or_path, option) if name_or_path else None
+    if problem:
+        parser.exit(2, f"{parser.prog}: error: {problem}\n")
+
+
 def parse_script_args(dataclass_types: tuple, argv: list[str] | None = None, description: str | None = None) -> tuple:
     """A script's argument dataclasses, filled from ``argv`` (default ``sys.argv[1:]``) or from a single ``.json``
-    file argument; ``description`` (the script's docstring) heads ``--help`` as written."""
+    file argument, in the order of ``dataclass_types``.
+
+    ``--help`` shows the description of ``description`` (the script's docstring, :func:`split_doc`), then the
+    script's own options with their defaults, then ``TrainingArguments``' (a hundred more), then the rest of the
+    docstring. A
+    ``--model_name_or_path`` that names no loadable model ends the script with one line that names it
+    (:func:`model_source_error`), before anything is loaded.
+    """
+    # TrainingArguments' group last: its hundred options would otherwise bury the script's own.
+    order = sorted(range(len(dataclass_types)), key=lambda i: issubclass(dataclass_types[i], TrainingArguments))
+    summary, notes = split_doc(description)
     parser = HfArgumentParser(
-        dataclass_types, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+        [dataclass_types[i] for i in order],
+        description=summary,
+        epilog=notes,
+        formatter_class=ScriptHelpFormatter,
+        usage="%(prog)s [options]   (or %(prog)s options.json; --help lists the options)",
     )
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        options = json.loads(Path(argv[0]).read_text())
-        if TrainingArguments in dataclass_types and not has_accelerator():
-            options.setdefault("use_cpu", True)  # as cpu_argv does on the command line
-        return parser.parse_dict(options)
-    if TrainingArguments in dataclass_types:
-        argv = cpu_argv(argv)
-    return parser.parse_args_into_dataclasses(args=checkpointing_argv(argv))
+    try:
+        if len(argv) == 1 and argv[0].endswith(".json"):
+            options = json.loads(Path(argv[0]).read_text())
+            if TrainingArguments in dataclass_types and not has_accelerator():
+                options.setdefault("use_cpu", True)  # as cpu_argv does on the command line
+            parsed = parser.parse_dict(options)
+        else:
+            if TrainingArguments in dataclass_types:
+                argv = cpu_argv(argv)
+            parsed = parser.parse_args_into_dataclasses(args=checkpointing_argv(argv))
+    except ValueError as error:  # an option the dataclasses refuse (their __post_init__): a usage error, not a crash
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    for arguments in parsed:
+        refuse_missing_model(parser, getattr(arguments, "model_name_or_path", None))
+    by_type = dict(zip(order, parsed))
+    return tuple(by_type[i] for i in range(len(dataclass_types)))
 
 
 def launched_processes() -> int:

@@ -224,6 +224,7 @@ def build_model_card(folder: str | os.PathLike, card_data: dict | None = None) -
         f"# {info['model_name']}\n",
         f"{summary} {_origin(info)}".rstrip() + "\n",
         f"## How to load\n\n{_load_text(head or 'AutoModel', info['model_name'], self_contained)}\n",
+        _base_model_text(model_type) if (head or "AutoModel") == "AutoModel" else "",
         _demote_headings(template.text),
         "## Training procedure\n\n" + _hyperparameter_text(path, info),
         "## Evaluation results\n\n" + _results_table(results, metrics),
@@ -311,6 +312,18 @@ model = {auto_class}.from_pretrained("{name}", trust_remote_code=True)
     return load
 
 
+def _base_model_text(model_type: str) -> str:
+    """What a base checkpoint (no task head stored) serves: features, and every task head with new head weights."""
+    heads = [name for name in REGISTRY[model_type][1] if name != "AutoModel"]
+    listed = ", ".join(f"`{name}`" for name in heads)
+    return (
+        "This is a base model: no task head is stored, and `AutoModel` returns its hidden states (and the pooled "
+        f"output where the architecture has a pooler). The task heads of `{model_type}` ({listed}) load from it too, "
+        "as from any base checkpoint: the encoder weights come from here and the head starts from new, untrained "
+        "weights, to be fine-tuned (transformers lists them as newly initialised).\n"
+    )
+
+
 def _package_version() -> str:
     from . import __version__
 
@@ -366,7 +379,10 @@ def main(argv: list[str] | None = None) -> None:
     """Command line: ``python -m hf_xformers.card --source DIR [--base_model ID] [--dataset ID] [--license L]``."""
     parser = argparse.ArgumentParser(
         prog="python -m hf_xformers.card",
-        description="Write README.md (a Hub model card) for an hf_xformers checkpoint or training output folder.",
+        description="Write README.md (a Hub model card) for an hf_xformers checkpoint or training output folder: "
+        "metadata (licence, tags, pipeline tag of the saved head, base model, data sets, model-index), how to load "
+        "it, the architecture's text, the training hyperparameters and the evaluation results found in the folder.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--source", required=True, help="checkpoint folder or training --output_dir")
     parser.add_argument("--base_model", help="Hub id of the model it was converted or fine-tuned from")

@@ -21,7 +21,7 @@ Python::
 
 Command line::
 
-    python -m hf_xformers.export --source out/sst2 --output out/sst2-hub
+    hfx-export --source out/sst2 --output out/sst2-hub      # or python -m hf_xformers.export ...
 """
 
 from __future__ import annotations
@@ -365,11 +365,13 @@ def exported_modules(folder: str | os.PathLike) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command line: ``python -m hf_xformers.export --source DIR --output DIR [--overwrite]``."""
+    """Command line: ``hfx-export --source DIR --output DIR [--overwrite]``."""
     parser = argparse.ArgumentParser(
-        prog="python -m hf_xformers.export",
-        description="Make an hf_xformers checkpoint folder self-contained: it then loads with trust_remote_code=True "
-        "where hf_xformers is not installed.",
+        description="Make an hf_xformers checkpoint folder self-contained for the Hub: the package modules its "
+        "architecture needs are copied into the folder and config.json gets an auto_map, so the folder loads with "
+        "trust_remote_code=True where hf_xformers is not installed (and through the registered classes where it is). "
+        "Weights, tokenizer and processor files are carried over.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--source", required=True, help="checkpoint folder (save_pretrained / Trainer output_dir)")
     parser.add_argument("--output", required=True, help="folder to write (may be --source itself: export in place)")

@@ -206,7 +206,8 @@ class DataCollatorForPackedDocuments:
         if self.return_position_ids and self.position_ids_start is None:
             raise ValueError(
                 "DataCollatorForPackedDocuments needs position_ids_start, the position of a document's first token: "
-                "2 for RoBERTa-style models (pad_token_id + 1), 0 for BigBird; position_ids_start_for(model) reads "
+                "pad_token_id + 1 for RoBERTa-style models (2 for RoBERTa, 1 for a converted BERT), 0 for BigBird; "
+                "position_ids_start_for(model) reads "
                 "it from the model, or use DataCollatorForPackedDocuments.for_model(model)."
             )
 

@@ -10,7 +10,7 @@ It builds a tiny, seeded ``TransfoXLLMHeadModel`` (adaptive input and softmax wi
 ``clamp_len`` and ``same_length`` active), runs two consecutive segments, and writes:
 
 * ``config.json`` and ``pytorch_model.bin``: ``save_pretrained`` output, the layout of the Hub checkpoints
-  (``transfo-xl-wt103``), read by ``conversion/convert_from_transformers.py``;
+  (``transfo-xl-wt103``), read by ``hfx-import``;
 * ``expected.safetensors``: the inputs and, for each segment ``s`` in (1, 2), the log-probabilities
   ``logits_s`` (batch, len, vocab), per-token losses ``losses_s`` (batch, len - 1), ``loss_s``, and the
   memories ``mems_s_<layer>`` it returns, in 4.x's layout (mem_len, batch, d_model).

@@ -19,11 +19,14 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import (  # noqa: E402
+    AutoModel,
     AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     BertConfig,
     BertForMaskedLM,
     BertModel,
+    DataCollatorWithFlattening,
     LongformerConfig,
     LongformerForMaskedLM,
     LongformerForMultipleChoice,
@@ -39,6 +42,7 @@ from transformers import (  # noqa: E402
 import hf_xformers  # noqa: E402
 from hf_xformers.conversion.convert_from_transformers import convert_from_transformers  # noqa: E402
 from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long, extend_position_table  # noqa: E402
+from hf_xformers.padding_free import position_ids_start_for  # noqa: E402
 from tests.tiny_tokenizers import SENTENCES, bert_tokenizer, roberta_tokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +53,8 @@ def script_env() -> dict[str, str]:
     repository root importable."""
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+
+
 SOURCE_TOKENS = 32  # tokens the tiny sources accept
 TINY = dict(
     hidden_size=32,
@@ -203,19 +209,103 @@ def test_long_model_runs_past_the_source_length(roberta_dir):
     assert logits.shape == (1, length, model.config.vocab_size) and torch.isfinite(logits).all()
 
 
-def test_base_model_source_without_mlm_head(roberta_dir, tmp_path):
-    # A bare RobertaModel checkpoint (keys without the `roberta.` prefix, no lm_head).
-    source = RobertaModel.from_pretrained(roberta_dir, add_pooling_layer=True).eval()
-    source.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(roberta_dir).save_pretrained(tmp_path)
-    model, tokenizer = convert_roberta_to_long(tmp_path, max_length=64, attention_window=64)
-    assert model.lm_head.decoder.weight is model.longformer.embeddings.word_embeddings.weight
+def _bare_source(roberta_dir: Path, folder: Path, add_pooling_layer: bool = True) -> RobertaModel:
+    """A bare RobertaModel checkpoint (keys without the `roberta.` prefix, no lm_head) of the tiny source, with a
+    trained-looking pooler (perturbed off its initial values)."""
+    source = RobertaModel.from_pretrained(roberta_dir, add_pooling_layer=add_pooling_layer)
+    if add_pooling_layer:
+        perturb_(source.pooler, seed=3)
+    source.eval().save_pretrained(folder)
+    AutoTokenizer.from_pretrained(roberta_dir).save_pretrained(folder)
+    return source
+
+
+def test_base_model_source_without_mlm_head(roberta_dir, tmp_path, caplog):
+    """No MLM head in the source: the base model is saved, with the source's pooler; the Python API warns; the card
+    says feature-extraction and AutoModel; AutoModel loads it with nothing missing and task heads load from it."""
+    source = _bare_source(roberta_dir, tmp_path / "bare")
+    out = tmp_path / "long"
+    with caplog.at_level("WARNING", logger="hf_xformers.conversion.convert_roberta_to_long"):
+        model, tokenizer = convert_roberta_to_long(
+            tmp_path / "bare", max_length=64, attention_window=64, output_dir=out
+        )
+    assert "has no MLM head" in caplog.text and "base model" in caplog.text
+    assert type(model) is hf_xformers.HfxLongformerModel and model.config.architectures == ["HfxLongformerModel"]
+    assert torch.equal(model.pooler.dense.weight, source.pooler.dense.weight)
     inputs = batch(tokenizer, SENTENCES[:2])
     with torch.no_grad():
-        diff = max_diff_on_tokens(
-            source(**inputs).last_hidden_state, model.longformer(**inputs).last_hidden_state, inputs["attention_mask"]
-        )
-    assert diff <= 1e-4
+        expected, got = source(**inputs), model(**inputs)
+    assert max_diff_on_tokens(expected.last_hidden_state, got.last_hidden_state, inputs["attention_mask"]) <= 1e-4
+    assert (expected.pooler_output - got.pooler_output).abs().max() <= 1e-4
+
+    loaded, info = AutoModel.from_pretrained(out, output_loading_info=True)
+    assert type(loaded) is hf_xformers.HfxLongformerModel and not info["missing_keys"] and not info["unexpected_keys"]
+    classifier = AutoModelForSequenceClassification.from_pretrained(out, num_labels=3)
+    assert torch.equal(
+        classifier.longformer.encoder.layer[1].attention.self.query.weight,
+        model.encoder.layer[1].attention.self.query.weight,
+    )
+    card = (out / "README.md").read_text()
+    assert "pipeline_tag: feature-extraction" in card and "fill-mask" not in card.split("---")[1]
+    assert "model = AutoModel.from_pretrained(" in card and "model = AutoModelForMaskedLM" not in card
+    assert "This is a base model" in card and "`AutoModelForSequenceClassification`" in card
+    assert "no MLM head in the source" in card
+
+
+@pytest.mark.parametrize("target", ["linformer", "performer", "bigbird"])
+def test_warm_start_targets_from_a_source_without_mlm_head(roberta_dir, tmp_path, target):
+    source = _bare_source(roberta_dir, tmp_path / "bare")
+    options = {"linformer": {"linformer_k": 64}, "performer": {}, "bigbird": {"block_size": 8, "num_random_blocks": 1}}
+    model, _ = convert_roberta_to_long(tmp_path / "bare", target=target, max_length=64, target_options=options[target])
+    assert type(model).__name__ == f"Hfx{ {'bigbird': 'BigBird'}.get(target, target.title()) }Model"
+    assert torch.equal(model.pooler.dense.weight, source.pooler.dense.weight)
+    assert torch.equal(
+        model.encoder.layer[0].intermediate.dense.weight, source.encoder.layer[0].intermediate.dense.weight
+    )
+
+
+def test_source_without_pooler_warns(roberta_dir, tmp_path, caplog):
+    _bare_source(roberta_dir, tmp_path / "bare", add_pooling_layer=False)
+    with caplog.at_level("WARNING", logger="hf_xformers.conversion.convert_roberta_to_long"):
+        model, _ = convert_roberta_to_long(tmp_path / "bare", max_length=64, attention_window=64)
+    assert type(model) is hf_xformers.HfxLongformerModel and "no pooler either" in caplog.text
+
+
+def test_max_length_must_exceed_the_source(roberta_dir, bert_dir, tmp_path):
+    # The tiny RoBERTa accepts SOURCE_TOKENS tokens (SOURCE_TOKENS + 2 rows), the tiny BERT SOURCE_TOKENS.
+    for source in (roberta_dir, bert_dir):
+        for max_length in (SOURCE_TOKENS - 10, SOURCE_TOKENS):
+            with pytest.raises(ValueError, match=rf"max_length={max_length} is not longer than the {SOURCE_TOKENS} "
+                               rf"tokens.*above {SOURCE_TOKENS}"):  # fmt: skip
+                convert_roberta_to_long(source, max_length=max_length, output_dir=tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    model, _ = convert_roberta_to_long(bert_dir, max_length=SOURCE_TOKENS + 1, attention_window=16)
+    assert model.config.max_position_embeddings == SOURCE_TOKENS + 2
+    result = subprocess.run(
+        [sys.executable, "-m", "conversion.convert_roberta_to_long", "--source", str(roberta_dir), "--output",
+         str(tmp_path / "cli"), "--max-length", str(SOURCE_TOKENS)],
+        capture_output=True, text=True, env=script_env(), timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "--max-length" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_converted_bert_packs_with_position_ids_start_1(bert_dir):
+    """BERT's pad id is 0, so a converted BERT's positions start at pad_token_id + 1 = 1 (RoBERTa's at 2, a
+    BigBird target's at 0): its config and model say so, and a packed batch collated with that start gives every
+    document its own forward."""
+    model, tokenizer = convert_roberta_to_long(bert_dir, max_length=80, attention_window=16)
+    assert position_ids_start_for(model) == position_ids_start_for(model.config) == 1
+    bigbird, _ = convert_roberta_to_long(bert_dir, target="bigbird", max_length=80, target_options={"block_size": 8})
+    assert position_ids_start_for(bigbird) == position_ids_start_for(bigbird.config) == 0
+    features = [tokenizer(text) for text in SENTENCES[:3]]
+    packed = DataCollatorWithFlattening(position_ids_start=1, return_tensors="pt")(features)
+    with torch.no_grad():
+        rows = model.longformer(input_ids=packed["input_ids"], position_ids=packed["position_ids"]).last_hidden_state[0]
+        solos = [model.longformer(input_ids=torch.tensor([f["input_ids"]])).last_hidden_state[0] for f in features]
+    assert (rows - torch.cat(solos)).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="position_ids_start=1"):
+        shifted = DataCollatorWithFlattening(position_ids_start=2, return_tensors="pt")(features)
+        model.longformer(input_ids=shifted["input_ids"], position_ids=shifted["position_ids"])
 
 
 def test_cli(roberta_dir, tmp_path):
@@ -287,12 +377,14 @@ def test_real_minilm_checkpoint():
     source_dir = Path(MINILM.submodule_search_locations[0]) / "model"
     source = BertModel.from_pretrained(source_dir).eval()
     model, tokenizer = convert_roberta_to_long(source_dir, max_length=1024, attention_window=128)
+    # all-MiniLM-L6-v2 has no MLM head: the base model, with its trained pooler.
+    assert type(model) is hf_xformers.HfxLongformerModel
     texts = ["Long documents need long models.", "The converted encoder must reproduce the original one exactly."]
     inputs = tokenizer(texts, padding=True, return_tensors="pt")
     with torch.no_grad():
-        expected = source(**inputs).last_hidden_state
-        got = model.longformer(**inputs).last_hidden_state
-    assert max_diff_on_tokens(expected, got, inputs["attention_mask"]) <= 1e-4
+        expected, got = source(**inputs), model(**inputs)
+    assert max_diff_on_tokens(expected.last_hidden_state, got.last_hidden_state, inputs["attention_mask"]) <= 1e-4
+    assert (expected.pooler_output - got.pooler_output).abs().max() <= 1e-4
 
 
 # --- transformers Longformer -> hfx-longformer ---------------------------------------------------------------
@@ -411,13 +503,19 @@ def test_warm_start_targets_load_with_auto_classes(roberta_dir, tmp_path, target
     )
     source = RobertaForMaskedLM.from_pretrained(roberta_dir)
     loaded = AutoModelForMaskedLM.from_pretrained(tmp_path).eval()
-    expected_class = hf_xformers.HfxLinformerForMaskedLM if target == "linformer" else hf_xformers.HfxPerformerForMaskedLM
+    expected_class = (
+        hf_xformers.HfxLinformerForMaskedLM if target == "linformer" else hf_xformers.HfxPerformerForMaskedLM
+    )
     assert type(loaded) is expected_class and loaded.config.model_type == f"hfx-{target}"
-    assert loaded.config.max_position_embeddings == 98 and AutoTokenizer.from_pretrained(tmp_path).model_max_length == 96
+    assert (
+        loaded.config.max_position_embeddings == 98 and AutoTokenizer.from_pretrained(tmp_path).model_max_length == 96
+    )
     base = getattr(loaded, target)
     # Same Q/K/V and feed-forward weights as the source; positions tiled; decoder tied.
     for name in ("attention.self.query.weight", "attention.self.key.bias", "intermediate.dense.weight"):
-        assert torch.equal(base.encoder.layer[1].get_parameter(name), source.roberta.encoder.layer[1].get_parameter(name))
+        assert torch.equal(
+            base.encoder.layer[1].get_parameter(name), source.roberta.encoder.layer[1].get_parameter(name)
+        )
     assert loaded.lm_head.decoder.weight is base.embeddings.word_embeddings.weight
     text = " ".join(SENTENCES * 4)
     inputs = tokenizer(text, truncation=True, return_tensors="pt")
@@ -492,7 +590,11 @@ def test_cli_warm_start_targets(roberta_dir, tmp_path, target):
     out = tmp_path / target
     cmd = [sys.executable, "-m", "conversion.convert_roberta_to_long", "--source", str(roberta_dir)]
     cmd += ["--target", target, "--max-length", "80", "--output", str(out)]
-    cmd += ["--linformer-k", "8", "--linformer-sharing", "layerwise"] if target == "linformer" else ["--num-random-features", "24"]
+    cmd += (
+        ["--linformer-k", "8", "--linformer-sharing", "layerwise"]
+        if target == "linformer"
+        else ["--num-random-features", "24"]
+    )
     subprocess.run(cmd, check=True, cwd=tmp_path, env=script_env(), capture_output=True, timeout=120)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == f"hfx-{target}" and config["max_position_embeddings"] == 82
@@ -567,7 +669,9 @@ def _bigbird_config(**kw):
 def test_import_transformers_bigbird(architecture, tmp_path):
     import transformers
 
-    source = perturb_(getattr(transformers, architecture)(_bigbird_config(attention_type="original_full", num_labels=3)))
+    source = perturb_(
+        getattr(transformers, architecture)(_bigbird_config(attention_type="original_full", num_labels=3))
+    )
     source.save_pretrained(tmp_path / "src")
     model, _ = convert_from_transformers(tmp_path / "src", output_dir=tmp_path / "out")
     assert type(model) is BIGBIRD_HEADS[architecture]
@@ -583,7 +687,9 @@ def test_import_transformers_bigbird(architecture, tmp_path):
         inputs = {k: torch.stack([v, v.flip(0)], dim=1) for k, v in inputs.items()}
     with torch.no_grad():
         expected, got = source(**inputs), model(**inputs)
-    key = {"BigBirdModel": "last_hidden_state", "BigBirdForPreTraining": "prediction_logits"}.get(architecture, "logits")
+    key = {"BigBirdModel": "last_hidden_state", "BigBirdForPreTraining": "prediction_logits"}.get(
+        architecture, "logits"
+    )
     got_key = "last_hidden_state" if architecture == "BigBirdModel" else "logits"
     assert (getattr(expected, key) - getattr(got, got_key)).abs().max() <= 1e-5
     loaded = transformers.AutoModel.from_pretrained(tmp_path / "out") if architecture == "BigBirdModel" else None
@@ -595,7 +701,11 @@ def test_import_bigbird_keeps_block_sparse_settings_and_refuses_other_heads(tmp_
 
     BigBirdForMaskedLM(_bigbird_config(attention_type="block_sparse")).save_pretrained(tmp_path / "mlm")
     model, _ = convert_from_transformers(tmp_path / "mlm")
-    assert (model.config.attention_type, model.config.block_size, model.config.num_random_blocks) == ("block_sparse", 8, 2)
+    assert (model.config.attention_type, model.config.block_size, model.config.num_random_blocks) == (
+        "block_sparse",
+        8,
+        2,
+    )
     ids = torch.randint(3, 60, (1, 64))
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()

@@ -1,7 +1,7 @@
 """The commands of examples/README.md, run as a new user runs them on a machine without a GPU.
 
 Every fenced shell command of the README that runs an example script (``python -m examples.<script>``, and the
-conversion one of them builds on) is parsed from the README itself and either
+conversion one of them builds on, ``hfx-convert``: a console entry point, run through the module it names) is parsed from the README itself and either
 
 * run as written, in-process through the script's ``main(argv)``, from a sandbox folder in which every path the
   command names exists as a tiny stand-in (models of hidden size 32, a few rows of data), with size flags appended
@@ -40,6 +40,12 @@ from tests.tiny_tokenizers import roberta_tokenizer  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "examples" / "README.md"
 SCRIPT_PREFIXES = ("examples.", "conversion.")
+# The package's console entry points (pyproject.toml's [project.scripts]) and the modules whose main() they run.
+ENTRY_POINTS = {
+    "hfx-convert": "hf_xformers.conversion.convert_roberta_to_long",
+    "hfx-import": "hf_xformers.conversion.convert_from_transformers",
+    "hfx-export": "hf_xformers.export",
+}
 # The options that name what a command writes (the sandbox's "out/..." folders): not stand-ins.
 OUTPUT_OPTIONS = {"--output_dir", "--output", "--output-dir"}
 
@@ -56,7 +62,7 @@ SIZE_FLAGS = {
     "examples.run_image_classification": ["--max_steps", "1", "--per_device_train_batch_size", "8",
                                           "--per_device_eval_batch_size", "16", "--max_train_samples", "16",
                                           "--max_eval_samples", "16", *TRAINER_QUIET],
-    "conversion.convert_roberta_to_long": ["--max-length", "128", "--attention-window", "16"],
+    "hf_xformers.conversion.convert_roberta_to_long": ["--max-length", "128", "--attention-window", "16"],
 }  # fmt: skip
 # A new model from scratch (--model_type): the README's sizes give way to the tiny ones of tests/test_run_mlm.py.
 TINY_NEW_MODEL = {"hfx-reformer": NEW_MODELS["hfx-reformer"]}
@@ -76,7 +82,8 @@ def readme_commands() -> list[str]:
         if line.rstrip().endswith("\\"):
             continue
         command, pending = " ".join(shlex.split(pending, comments=True)), ""
-        if any(f"-m {prefix}" in command for prefix in SCRIPT_PREFIXES):
+        runs_script = any(f"-m {prefix}" in command for prefix in SCRIPT_PREFIXES)
+        if runs_script or command.split(" ", 1)[0] in ENTRY_POINTS:
             commands.append(command)
     return commands
 
@@ -87,6 +94,8 @@ def parse(command: str) -> tuple[str, str, list[str]]:
     words = shlex.split(command)
     while "=" in words[0] and not words[0].startswith("-"):
         words = words[1:]
+    if words[0] in ENTRY_POINTS:
+        return "python", ENTRY_POINTS[words[0]], words[1:]
     at = words.index("-m", 1 if words[0] == "python" else 0)
     return words[0], words[at + 1], words[at + 2 :]
 
@@ -223,7 +232,7 @@ def test_the_readme_shows_the_commands_the_tests_run():
     and every script module they name has size flags here."""
     modules = {parse(command)[1] for command in COMMANDS if why_not_here(command) is None}
     assert {"examples.run_glue", "examples.run_wikihop", "examples.run_mlm", "examples.run_image_classification",
-            "conversion.convert_roberta_to_long"} <= modules  # fmt: skip
+            "hf_xformers.conversion.convert_roberta_to_long"} <= modules  # fmt: skip
     assert modules <= set(SIZE_FLAGS), f"add size flags for {modules - set(SIZE_FLAGS)}"
     assert any("--bf16" in command and why_not_here(command) is None for command in COMMANDS)
 

@@ -101,15 +101,19 @@ def test_imagefolder_finetune_saved_model(tmp_path):
     assert "fine-tuned from" in (out / "README.md").read_text()
 
 
-def test_random_resized_crop_and_bad_arguments():
+def test_random_resized_crop_and_bad_arguments(capsys):
     image = Image.new("RGB", (50, 20))
     rng = random.Random(0)
     for _ in range(20):
         assert run_image_classification.random_resized_crop(image, 16, (0.08, 1.0), rng).size == (16, 16)
-    with pytest.raises(ValueError, match="not both"):
-        run_image_classification.main(["--output_dir", "x", "--dataset_name", "a", "--train_dir", "b"])
-    with pytest.raises(ValueError, match="crop_scale_min"):
-        run_image_classification.main(["--output_dir", "x", "--crop_scale_min", "0"])
+    # Options the argument dataclasses refuse end the script with a one-line usage error (exit status 2).
+    for argv, match in [
+        (["--dataset_name", "a", "--train_dir", "b"], "not both"),
+        (["--crop_scale_min", "0"], "crop_scale_min"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            run_image_classification.main(["--output_dir", "x", *argv])
+        assert exited.value.code == 2 and match in capsys.readouterr().err
 
 
 def write_mnist_folders(root: Path, train_per_class: int, validation_per_class: int) -> tuple[Path, Path]:

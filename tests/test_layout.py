@@ -65,19 +65,28 @@ def imports_of(name: str) -> list[tuple[int, str]]:
     return found
 
 
+# Rooms of one floor that stand on another room of that floor: conversion/ (the converters) uses the assembled package
+# (its registered classes, the model cards), and nothing of the top room imports the converters.
+STANDS_ON = {"conversion": {"top"}}
+
+
 def floor_of(name: str) -> tuple[int, str]:
-    """``(floor, room)``: imports may go to a lower floor, or within the same room, never up or sideways."""
+    """``(floor, room)``: imports may go to a lower floor, or within the same room, never up or sideways (but for
+    :data:`STANDS_ON`)."""
     parts = name.split(".")
-    # the converters (hf_xformers/conversion/) assemble whole models, as the top floor does
-    if name in TOP_LEVEL or parts[1] == "conversion":
+    if name in TOP_LEVEL:
         return 3, "top"
+    if parts[1] == "conversion":
+        return 3, "conversion"
     if parts[1] in ("ops", "configs"):
         return 0, parts[1]
     if parts[1] in ("attention", "layers"):
         return 1, parts[1]
     if parts[1] == "models" and len(parts) >= 3:
         return 2, ".".join(parts[:3])
-    raise AssertionError(f"{name}: a module outside the floors; place it in ops/, configs/, attention/, layers/ or models/")
+    raise AssertionError(
+        f"{name}: a module outside the floors; place it in ops/, configs/, attention/, layers/ or models/"
+    )
 
 
 def test_every_module_has_a_floor():
@@ -91,7 +100,7 @@ def test_imports_run_one_way():
         floor, room = floor_of(name)
         for line, target in imports_of(name):
             target_floor, target_room = floor_of(target)
-            if target_room != room and target_floor >= floor:
+            if target_room != room and target_floor >= floor and target_room not in STANDS_ON.get(room, ()):
                 upward.append(f"{MODULES[name].relative_to(REPO)}:{line} ({room}, floor {floor}) imports {target} "
                               f"({target_room}, floor {target_floor})")  # fmt: skip
     assert not upward, "imports that run up or sideways:\n" + "\n".join(upward)
@@ -102,7 +111,24 @@ def test_the_layering_check_can_fail():
     assert floor_of("hf_xformers.attention.favor")[0] == floor_of("hf_xformers.layers.heads")[0]
     assert floor_of("hf_xformers.attention.favor")[1] != floor_of("hf_xformers.layers.heads")[1]
     assert floor_of("hf_xformers.ops.kernels")[0] < floor_of("hf_xformers.models.swin.modeling_swin")[0]
-    assert ("hf_xformers.ops.shapes" in dict((t, n) for n, t in imports_of("hf_xformers.attention.base")))
+    assert "hf_xformers.ops.shapes" in dict((t, n) for n, t in imports_of("hf_xformers.attention.base"))
+    # conversion/ may use the top room; the top room may not import conversion/ (same floor, another room).
+    top, conversion = floor_of("hf_xformers.card"), floor_of("hf_xformers.conversion.common")
+    assert top[0] == conversion[0] and top[1] != conversion[1] and top[1] in STANDS_ON[conversion[1]]
+    assert conversion[1] not in STANDS_ON.get(top[1], ())
+
+
+def test_module_file_names_are_unique():
+    """export.py copies a checkpoint's modules flat into one folder (ARCHITECTURE.md): two modules of one base name
+    would need the fallback names there."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for path in MODULES.values():
+        if path.name != "__init__.py":
+            if path.name in seen:
+                clashes.append(f"{seen[path.name]} and {path.relative_to(REPO)}")
+            seen[path.name] = str(path.relative_to(REPO))
+    assert not clashes, "module file names used twice: " + "; ".join(clashes)
 
 
 def _imports_torch(name: str) -> bool:
@@ -242,7 +268,9 @@ def dispatch_violations(name: str) -> list[str]:
             arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
             for argument in arguments:
                 if argument.arg in CHOICE_PARAMETERS:
-                    found.append(f"{path}:{node.lineno} forward takes {argument.arg!r}; read it in the attention module")
+                    found.append(
+                        f"{path}:{node.lineno} forward takes {argument.arg!r}; read it in the attention module"
+                    )
             asks = [
                 call for call in ast.walk(node)
                 if isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "kernel_choice"

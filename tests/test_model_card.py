@@ -35,8 +35,6 @@ TRAIN = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--per_device
          "--disable_tqdm", "true"]  # fmt: skip
 
 
-
-
 def parse(folder: Path) -> ModelCard:
     """The folder's README.md, parsed as the Hub does (bad YAML or a broken model-index raise here)."""
     return ModelCard((folder / "README.md").read_text(encoding="utf-8"))
@@ -170,16 +168,16 @@ def test_converted_model_card_names_its_base_model(tmp_path):
         roberta.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
-    convert_roberta_to_long(cached, "longformer", max_length=64, attention_window=4, output_dir=tmp_path / "long")
+    convert_roberta_to_long(cached, "longformer", max_length=256, attention_window=4, output_dir=tmp_path / "long")
     parsed = parse(tmp_path / "long")
     assert parsed.data.base_model == "FacebookAI/roberta-base"
     assert parsed.data.tags[:2] == ["hf-xformers", "hfx-longformer"] and parsed.data.pipeline_tag == "fill-mask"
-    assert "Converted from [`FacebookAI/roberta-base`]" in parsed.text and "convert_roberta_to_long.py" in parsed.text
+    assert "Converted from [`FacebookAI/roberta-base`]" in parsed.text and "`hfx-convert`" in parsed.text
 
-    convert_roberta_to_long(cached, "linformer", max_length=64, output_dir=tmp_path / "lin", base_model="me/roberta")
+    convert_roberta_to_long(cached, "linformer", max_length=256, output_dir=tmp_path / "lin", base_model="me/roberta")
     assert parse(tmp_path / "lin").data.base_model == "me/roberta"
 
-    convert_roberta_to_long(tmp_path / "my-roberta", "longformer", max_length=64, attention_window=4,
+    convert_roberta_to_long(tmp_path / "my-roberta", "longformer", max_length=256, attention_window=4,
                             output_dir=tmp_path / "local")  # fmt: skip
     local = parse(tmp_path / "local")
     assert local.data.base_model is None and "the local checkpoint `my-roberta`" in local.text

@@ -33,7 +33,7 @@ from hf_xformers.models import ARCHITECTURES  # noqa: E402
 from .test_conversion import perturb_  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "transfo_xl"
-IMPORTER = "conversion.convert_from_transformers"
+IMPORTER = "hfx-import"
 TYPE_MISMATCH = "You are using a model of type"
 
 TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, hidden_dropout_prob=0.0,

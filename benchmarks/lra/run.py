@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from benchmarks.precision import AUTOCAST_HELP, DEVICES, DTYPE_HELP, DTYPES, Precision
+from examples.utils_examples import script_parser
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "lra"
 TASK_ORDER = ("listops", "text", "retrieval", "image", "pathfinder")
@@ -75,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from benchmarks.lra.data import TASKS
     from benchmarks.lra.models import ARCHS
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--task", nargs="+", default=["listops"], help=f"tasks, or 'all': {', '.join(TASKS)}")
     p.add_argument("--arch", nargs="+", default=["all"], help=f"architectures, or 'all': {', '.join(ARCHS)}")
     p.add_argument("--setting", choices=["small", "lra"], default="small",

@@ -1,5 +1,5 @@
 """Checkpoints saved by transformers' own classes (``LongformerModel``, ``BigBirdForMaskedLM``, ``SwinModel`` ...),
-read by our classes: the rules shared by ``from_pretrained`` and ``conversion/convert_from_transformers.py``.
+read by our classes: the rules shared by ``from_pretrained`` and ``hfx-import``.
 
 An architecture whose config derives from :class:`TransformersCheckpointConfig` names the transformers
 ``model_type`` it reads (``transformers_model_type``) and implements two translations:
@@ -22,8 +22,9 @@ from typing import Any
 
 from .text_config import drop_runtime_keys
 
-# The module that imports a transformers checkpoint once and saves it in our format (errors name it).
-IMPORTER = "hf_xformers.conversion.convert_from_transformers"
+# The command that imports a transformers checkpoint once and saves it in our format (errors name it): the entry
+# point of hf_xformers.conversion.convert_from_transformers, which `python -m` runs the same.
+IMPORTER = "hfx-import"
 
 # Keys of a saved transformers config that describe the source class or library, not the model
 # (`attention_mode` and `ignore_attention_mask` are left in the original allenai/longformer-* configs).

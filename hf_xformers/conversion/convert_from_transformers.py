@@ -6,7 +6,7 @@ tokenizer, and gives the same outputs.
 
 Usage::
 
-    python -m conversion.convert_from_transformers --source DIR --output DIR
+    hfx-import --source DIR --output DIR      # or python -m hf_xformers.conversion.convert_from_transformers
 
 :data:`IMPORTERS` maps the source ``model_type`` to its importer; BigBird, Swin, Reformer and Transformer-XL
 plug in there.
@@ -194,9 +194,7 @@ def import_swin(source: Path, config: dict) -> PreTrainedModel:
             key = key.removeprefix("swin.")
             key = key if model_class is HfxSwinModel else f"swin.{key}"
         state[key] = tensor
-    load_converted_weights(
-        model, state, may_be_unused=("swin.layernorm.",) if model_class is HfxSwinBackbone else ()
-    )
+    load_converted_weights(model, state, may_be_unused=("swin.layernorm.",) if model_class is HfxSwinBackbone else ())
     return model
 
 
@@ -523,7 +521,10 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
     vocab = {"<pad>": 0, "</s>": 1} | {char_of[b]: b + 2 for b in range(256)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), pre_tokenizers.Split(Regex("."), "isolated")]
+        [
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            pre_tokenizers.Split(Regex("."), "isolated"),
+        ]
     )
     tokenizer.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>")
@@ -568,7 +569,7 @@ def convert_from_transformers(
         logger.info("No tokenizer and 258 ids (google/reformer-enwik8's bytes + 2): writing the byte tokenizer.")
         tokenizer = byte_tokenizer()
     if output_dir is not None:
-        how = f"from transformers' `{config['model_type']}` with conversion/convert_from_transformers.py"
+        how = f"from transformers' `{config['model_type']}` with hf_xformers' `hfx-import`"
         save_model_and_tokenizer(model, tokenizer, output_dir, conversion_provenance(path, base_model, how))
         image_processor = convert_image_processor(path) if config["model_type"] == "swin" else None
         if image_processor is not None:
@@ -578,9 +579,19 @@ def convert_from_transformers(
     return model, tokenizer
 
 
+CLI_DESCRIPTION = (
+    "Import a local checkpoint of one of transformers' own architectures (model_type "
+    + ", ".join(sorted(IMPORTERS))
+    + ") into the matching hf_xformers class, with the same weights and outputs: the config is translated, tensors "
+    "are renamed, the tokenizer (and Swin's image processor) are carried over and a model card is written."
+)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Command-line entry point (``hfx-import``)."""
+    parser = argparse.ArgumentParser(
+        description=CLI_DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument(
         "--source", required=True, help=f"local checkpoint directory, model_type in {sorted(IMPORTERS)}"
     )

@@ -6,22 +6,19 @@ grow the learned position table to the new length by tiling the pretrained rows 
 local ones. The result reproduces the source on inputs the source could handle whenever the attention window
 covers the whole input; continued MLM pretraining on long documents is what makes it good beyond that.
 
-Usage::
+Usage (``hfx-convert`` is installed with the package; ``python -m hf_xformers.conversion.convert_roberta_to_long``
+runs the same)::
 
-    python -m conversion.convert_roberta_to_long --source DIR --target longformer \\
-        --max-length 4096 --attention-window 512 --output DIR
+    hfx-convert --source DIR --target longformer --max-length 4096 --attention-window 512 --output DIR
 
 ``--target`` picks the architecture from :data:`TARGETS`; later architectures plug in by adding a builder
 there. ``linformer`` and ``performer`` map the weights exactly as ``longformer`` does (same Q/K/V and
 feed-forward weights, tiled positions) and add their own pieces: Linformer's E and F start as block-averaging
 projections (:func:`pooling_projection`), Performer's random features are the seeded draws of a fresh model::
 
-    python -m conversion.convert_roberta_to_long --source DIR --target linformer --max-length 4096 \\
-        --linformer-k 256 --output DIR
-    python -m conversion.convert_roberta_to_long --source DIR --target performer --max-length 4096 \\
-        --num-random-features 256 --output DIR
-    python -m conversion.convert_roberta_to_long --source DIR --target bigbird --max-length 4096 \\
-        --block-size 64 --num-random-blocks 3 --output DIR
+    hfx-convert --source DIR --target linformer --max-length 4096 --linformer-k 256 --output DIR
+    hfx-convert --source DIR --target performer --max-length 4096 --num-random-features 256 --output DIR
+    hfx-convert --source DIR --target bigbird --max-length 4096 --block-size 64 --num-random-blocks 3 --output DIR
 """
 
 from __future__ import annotations
@@ -38,12 +35,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from hf_xformers import (  # noqa: E402
     HfxBigBirdConfig,
     HfxBigBirdForMaskedLM,
+    HfxBigBirdModel,
     HfxLinformerConfig,
     HfxLinformerForMaskedLM,
+    HfxLinformerModel,
     HfxLongformerConfig,
     HfxLongformerForMaskedLM,
+    HfxLongformerModel,
     HfxPerformerConfig,
     HfxPerformerForMaskedLM,
+    HfxPerformerModel,
 )
 
 from .common import (  # noqa: E402
@@ -94,6 +95,29 @@ class EncoderSource:
         """Padding id; it also fixes the position offset (``pad_token_id + 1``) of the new model."""
         default = 1 if self.family == "roberta" else 0
         return _first_id(self.config.get("pad_token_id"), self.tokenizer.pad_token_id, default)
+
+    @property
+    def has_pooler(self) -> bool:
+        """Whether the source stores a trained pooler (``pooler.dense.*``)."""
+        return "pooler.dense.weight" in self.base
+
+    @property
+    def length(self) -> int:
+        """Tokens the source accepts: its position rows, less RoBERTa's ``pad_token_id + 1`` special rows."""
+        rows = int(self.config.get("max_position_embeddings", 512))
+        return rows - (self.pad_token_id + 1 if self.family == "roberta" else 0)
+
+
+def saved_class(src: EncoderSource, masked_lm: type[PreTrainedModel], base: type[PreTrainedModel]) -> tuple[type, str]:
+    """The class a conversion saves and the prefix of its encoder weights.
+
+    A source with an MLM head gives the masked-LM model (``"<arch>."`` prefix); one without gives the base model
+    (no prefix), which keeps the source's pooler: a masked-LM model would carry a random, untrained ``lm_head`` and
+    drop the trained pooler.
+    """
+    if src.mlm_head is not None:
+        return masked_lm, f"{masked_lm.base_model_prefix}."
+    return base, ""
 
 
 def _mlm_head_roberta(rest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
@@ -212,10 +236,9 @@ def extend_position_table(table: torch.Tensor, family: str, pad_token_id: int, m
 
 
 def build_longformer(src: EncoderSource, max_length: int, attention_window: int) -> PreTrainedModel:
-    """An :class:`HfxLongformerForMaskedLM` holding the source weights (Longformer recipe).
-
-    The MLM head is the source's when it has one, else freshly initialised (decoder tied to the embeddings).
-    """
+    """The source weights in the Longformer layout (the paper's recipe): an :class:`HfxLongformerForMaskedLM` with
+    the source's MLM head when it has one, else an :class:`HfxLongformerModel` with the source's pooler
+    (:func:`saved_class`)."""
     cfg = src.config
     num_layers = int(cfg["num_hidden_layers"])
     word_embeddings = src.base["embeddings.word_embeddings.weight"]
@@ -249,30 +272,35 @@ def build_longformer(src: EncoderSource, max_length: int, attention_window: int)
         eos_token_id=src.eos_token_id,
         sep_token_id=src.sep_token_id,
         tie_word_embeddings=not untied,
-        architectures=["HfxLongformerForMaskedLM"],
         **optional,
     )
-    model = HfxLongformerForMaskedLM(config)
+    model_class, prefix = saved_class(src, HfxLongformerForMaskedLM, HfxLongformerModel)
+    config.architectures = [model_class.__name__]
+    model = model_class(config)
 
-    state = {f"longformer.{k}": v for k, v in src.base.items() if not k.startswith("pooler.")}
-    state["longformer.embeddings.position_embeddings.weight"] = extend_position_table(
+    # A masked-LM model has no pooler (as RoBERTa's has none); the base model keeps the source's.
+    keep_pooler = src.mlm_head is None
+    state = {prefix + k: v for k, v in src.base.items() if keep_pooler or not k.startswith("pooler.")}
+    state[f"{prefix}embeddings.position_embeddings.weight"] = extend_position_table(
         src.base["embeddings.position_embeddings.weight"], src.family, src.pad_token_id, max_length
     )
     for i in range(num_layers):
-        prefix = f"longformer.encoder.layer.{i}.attention.self."
+        layer = f"{prefix}encoder.layer.{i}.attention.self."
         for proj in ("query", "key", "value"):
             for param in ("weight", "bias"):
                 # clone(): the global projections must be separate tensors that fine-tuning can move apart.
-                state[f"{prefix}{proj}_global.{param}"] = state[f"{prefix}{proj}.{param}"].clone()
+                state[f"{layer}{proj}_global.{param}"] = state[f"{layer}{proj}.{param}"].clone()
     state.update({f"lm_head.{k}": v for k, v in head.items()})
     if untied:
         state["lm_head.decoder.weight"] = decoder_weight
-    may_be_missing = ["lm_head.decoder.weight"] if not untied else []
-    if not head:
-        logger.info("Source has no MLM head: lm_head is freshly initialised (decoder tied to the word embeddings).")
-        may_be_missing.append("lm_head.")
-    load_converted_weights(model, state, may_be_missing=may_be_missing)
+    load_converted_weights(model, state, may_be_missing=_may_be_missing(src, config))
     return model
+
+
+def _may_be_missing(src: EncoderSource, config) -> list[str]:
+    """Names a target may leave at their initial values: the tied decoder, and a pooler the source lacks."""
+    tied = ["lm_head.decoder.weight"] if config.tie_word_embeddings and src.mlm_head is not None else []
+    return [*tied, "pooler."] if src.mlm_head is None and not src.has_pooler else tied
 
 
 def copy_proj_layers(model: torch.nn.Module) -> int:
@@ -328,8 +356,9 @@ _ENCODER_FIELDS = (
 
 def _warm_start_state(src: EncoderSource, max_length: int, prefix: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """Config fields and weights of the source mapped as :func:`build_longformer` maps them (tiled positions, MLM
-    head kept or tied), renamed to the base-model ``prefix`` of another architecture, without Longformer's global
-    projections. Returns ``(config fields, state dict)``."""
+    head kept, or the base model's pooler), renamed to the base-model ``prefix`` of another architecture's
+    masked-LM model (a base model's keys have none), without Longformer's global projections. Returns
+    ``(config fields, state dict)``."""
     longformer = build_longformer(src, max_length, attention_window=2)  # the window plays no part in the weights
     fields = {key: getattr(longformer.config, key) for key in _ENCODER_FIELDS}
     state = {}
@@ -362,21 +391,25 @@ def pooling_projection(max_length: int, projected_length: int) -> torch.Tensor:
 
 
 def build_linformer(
-    src: EncoderSource, max_length: int, attention_window: int, linformer_k: int = 256, linformer_sharing: str = "headwise"
+    src: EncoderSource,
+    max_length: int,
+    attention_window: int,
+    linformer_k: int = 256,
+    linformer_sharing: str = "headwise",
 ) -> PreTrainedModel:
     """An :class:`HfxLinformerForMaskedLM` holding the source weights (as :func:`build_longformer`), with every
     ``E`` and ``F`` set to :func:`pooling_projection`. ``attention_window`` is not used."""
     fields, state = _warm_start_state(src, max_length, "linformer.")
+    model_class, _ = saved_class(src, HfxLinformerForMaskedLM, HfxLinformerModel)
     config = HfxLinformerConfig(
-        **fields, linformer_k=linformer_k, linformer_sharing=linformer_sharing, architectures=["HfxLinformerForMaskedLM"]
+        **fields, linformer_k=linformer_k, linformer_sharing=linformer_sharing, architectures=[model_class.__name__]
     )
-    model = HfxLinformerForMaskedLM(config)
+    model = model_class(config)
     pooling = pooling_projection(config.linformer_max_length, linformer_k)
     for name, param in model.named_parameters():
         if "projection" in name:
             state[name] = pooling.expand_as(param).clone()
-    may_be_missing = ["lm_head.decoder.weight"] if config.tie_word_embeddings else []
-    load_converted_weights(model, state, may_be_missing=may_be_missing)
+    load_converted_weights(model, state, may_be_missing=_may_be_missing(src, config))
     return model
 
 
@@ -387,13 +420,11 @@ def build_performer(
     estimates the source's softmax attention with the same Q/K/V, more closely with more features. The random
     projections are the seeded draws of a fresh model. ``attention_window`` is not used."""
     fields, state = _warm_start_state(src, max_length, "performer.")
-    config = HfxPerformerConfig(
-        **fields, num_random_features=num_random_features, architectures=["HfxPerformerForMaskedLM"]
-    )
-    model = HfxPerformerForMaskedLM(config)
+    model_class, _ = saved_class(src, HfxPerformerForMaskedLM, HfxPerformerModel)
+    config = HfxPerformerConfig(**fields, num_random_features=num_random_features, architectures=[model_class.__name__])
+    model = model_class(config)
     buffers = [name for name, _ in model.named_buffers() if name.endswith(("projection_matrix", "num_redraws"))]
-    may_be_missing = buffers + (["lm_head.decoder.weight"] if config.tie_word_embeddings else [])
-    load_converted_weights(model, state, may_be_missing=may_be_missing)
+    load_converted_weights(model, state, may_be_missing=buffers + _may_be_missing(src, config))
     return model
 
 
@@ -411,20 +442,20 @@ def build_bigbird(
     right-padded input sees exactly the source's position vectors. The MLM head applies ``hidden_act`` as the
     source's does. ``attention_window`` is not used."""
     fields, state = _warm_start_state(src, max_length, "bigbird.")
+    model_class, prefix = saved_class(src, HfxBigBirdForMaskedLM, HfxBigBirdModel)
     offset = src.pad_token_id + 1
-    table = state["bigbird.embeddings.position_embeddings.weight"]
-    state["bigbird.embeddings.position_embeddings.weight"] = table[offset:].clone()
+    table = state[f"{prefix}embeddings.position_embeddings.weight"]
+    state[f"{prefix}embeddings.position_embeddings.weight"] = table[offset:].clone()
     fields["max_position_embeddings"] = max_length
     config = HfxBigBirdConfig(
         **fields,
         attention_type=attention_type,
         block_size=block_size,
         num_random_blocks=num_random_blocks,
-        architectures=["HfxBigBirdForMaskedLM"],
+        architectures=[model_class.__name__],
     )
-    model = HfxBigBirdForMaskedLM(config)
-    may_be_missing = ["lm_head.decoder.weight"] if config.tie_word_embeddings else []
-    load_converted_weights(model, state, may_be_missing=may_be_missing)
+    model = model_class(config)
+    load_converted_weights(model, state, may_be_missing=_may_be_missing(src, config))
     return model
 
 
@@ -448,13 +479,18 @@ def convert_roberta_to_long(
     base_model: str | None = None,
     new_positions: str = "copy",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Convert a local RoBERTa/BERT checkpoint into a long-context hf_xformers MLM model.
+    """Convert a local RoBERTa/BERT checkpoint into a long-context hf_xformers model.
+
+    What is saved follows the source: a source with an MLM head gives the target's masked-LM model (its
+    ``lm_head`` the source's), one without gives the target's base model with the source's pooler (a warning says
+    so); task heads (``AutoModelForSequenceClassification`` ...) load from either with new head weights.
 
     Args:
         source: local directory holding the checkpoint (any RoBERTa/BERT head or a bare base model) and its
             tokenizer.
         target: key of :data:`TARGETS` (``"longformer"``, ``"linformer"``, ``"performer"``, ``"bigbird"``).
-        max_length: tokens the converted model accepts; the tokenizer's ``model_max_length`` is set to it.
+        max_length: tokens the converted model accepts, more than the source accepts; the tokenizer's
+            ``model_max_length`` is set to it.
         attention_window: full local window width (even; each token sees ``attention_window // 2`` neighbours
             on each side), the same for every layer.
         output_dir: when given, the model and tokenizer are saved there with ``save_pretrained``. It must be new
@@ -473,7 +509,8 @@ def convert_roberta_to_long(
         ``(model, tokenizer)``; the model is in eval mode.
 
     Raises:
-        ValueError: unknown target, unusable source (message says what is accepted), or bad lengths.
+        ValueError: unknown target, unusable source (message says what is accepted), or a ``max_length`` not
+            longer than the source's.
     """
     if target not in TARGETS:
         raise ValueError(f"Unknown target {target!r}; choose one of {sorted(TARGETS)}.")
@@ -482,15 +519,26 @@ def convert_roberta_to_long(
     if new_positions not in ("copy", "random"):
         raise ValueError(f"new_positions must be 'copy' or 'random', got {new_positions!r}.")
     src = read_encoder_source(source)
+    source_length = src.length
+    if max_length <= source_length:
+        raise ValueError(
+            f"max_length={max_length} is not longer than the {source_length} tokens the source accepts, so the "
+            f"conversion would make no long model (a shorter one would cut the position table). Pass a max_length "
+            f"above {source_length} (--max-length, e.g. 4096), or use the source as it is for inputs up to "
+            f"{source_length} tokens."
+        )
     if output_dir is not None:
         prepare_output_dir(output_dir, overwrite)
-    source_length = int(src.config.get("max_position_embeddings", 512)) - (
-        src.pad_token_id + 1 if src.family == "roberta" else 0
-    )
-    if max_length < source_length:
+    if src.mlm_head is None:
         logger.warning(
-            "max_length %d is shorter than the source's %d tokens: the table is cut.", max_length, source_length
+            "Source %s has no MLM head: saving the base model of %s with the source's pooler, not a masked-LM model. "
+            "Task heads load from it with new head weights (AutoModelForSequenceClassification.from_pretrained ...); "
+            "AutoModelForMaskedLM starts a new, untrained MLM head.",
+            source,
+            target,
         )
+        if not src.has_pooler:
+            logger.warning("Source %s has no pooler either: the base model's pooler starts untrained.", source)
     model = TARGETS[target](src, max_length, attention_window, **(target_options or {})).eval()
     if new_positions == "random":
         redrawn = randomize_new_positions(model, source_length, max_length)
@@ -501,18 +549,33 @@ def convert_roberta_to_long(
     # init_kwargs are what save_pretrained writes, so the new length survives a save/load round trip.
     tokenizer.init_kwargs["model_max_length"] = max_length
     if output_dir is not None:
-        how = f"with conversion/convert_roberta_to_long.py (target {target}, max_length {max_length})"
+        options = [f"target {target}", f"max_length {max_length}"]
         if new_positions == "random":
-            how = how[:-1] + ", new positions drawn at random)"
+            options.append("new positions drawn at random")
+        if src.mlm_head is None:
+            pooler = "its pooler kept" if src.has_pooler else "with a new pooler"
+            options.append(f"no MLM head in the source: saved as the base model, {pooler}")
+        how = f"with hf_xformers' `hfx-convert` ({', '.join(options)})"
         save_model_and_tokenizer(model, tokenizer, output_dir, conversion_provenance(source, base_model, how))
         # A sentence-transformers source keeps its pooling, normalisation ... and embeds up to the new length.
         carry_sentence_transformers_modules(source, output_dir, max_seq_length=max_length)
     return model, tokenizer
 
 
+CLI_DESCRIPTION = (
+    "Convert a local RoBERTa or BERT checkpoint (any head, or a bare encoder, with its tokenizer) into a long-context "
+    "hf_xformers model (--target) that accepts --max-length tokens: every pretrained weight is kept, the position "
+    "table is tiled to the new length and Longformer's global projections start as copies of the local ones. A "
+    "source with an MLM head gives a masked-LM model; a source without one gives the base model (its pooler kept), "
+    "from which task heads load with new weights. The output folder gets the model, the tokenizer and a model card."
+)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Command-line entry point (``hfx-convert``)."""
+    parser = argparse.ArgumentParser(
+        description=CLI_DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--source", required=True, help="local RoBERTa/BERT checkpoint directory (with tokenizer)")
     parser.add_argument("--target", default="longformer", choices=sorted(TARGETS), help="architecture to build")
     parser.add_argument("--max-length", type=int, default=4096, help="tokens the new model accepts")
@@ -538,8 +601,15 @@ def main(argv: list[str] | None = None) -> None:
     }.get(args.target)
     try:
         convert_roberta_to_long(
-            args.source, args.target, args.max_length, args.attention_window, args.output, options, args.overwrite,
-            base_model=args.base_model, new_positions=args.new_positions,
+            args.source,
+            args.target,
+            args.max_length,
+            args.attention_window,
+            args.output,
+            options,
+            args.overwrite,
+            base_model=args.base_model,
+            new_positions=args.new_positions,
         )
     except ValueError as error:
         parser.error(str(error))

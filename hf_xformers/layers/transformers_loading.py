@@ -34,7 +34,7 @@ class TransformersCheckpointMixin:
     (``LongformerForMaskedLM``, ``BigBirdModel``, ``SwinBackbone``, 4.x ``TransfoXLLMHeadModel`` ...), a local folder
     or a Hub id: the config is translated (``config_class.get_config_dict``, see
     ``configs/transformers_checkpoints.py``) and the tensors renamed through transformers' ``key_mapping`` as they
-    load. The model is the one ``python -m conversion.convert_from_transformers`` writes, loaded into this class;
+    load. The model is the one ``hfx-import`` writes, loaded into this class;
     ``save_pretrained`` then writes our format. One info line says what was converted.
     """
 
@@ -63,7 +63,7 @@ class TransformersCheckpointMixin:
         except ValueError as error:
             raise ValueError(
                 f"{cls.__name__}.from_pretrained: transformers' `{model_type}` checkpoint {where!r} does not convert "
-                f"exactly: {error} (`python -m {IMPORTER}` refuses it too.)"
+                f"exactly: {error} (`{IMPORTER}` refuses it too.)"
             ) from error
         weights = _CheckpointWeights(pretrained_model_name_or_path, kwargs)
         names = weights.names
@@ -96,7 +96,7 @@ class TransformersCheckpointMixin:
         ]
         logger.info(
             "Converted transformers' `%s` checkpoint %r to %s on the fly (config -> %s; tensors renamed: %s%s), as "
-            "`python -m %s` would.",
+            "`%s` would.",
             model_type, where, cls.__name__, config_class.model_type, ", ".join(renamed) or "none",
             f"; copied: {', '.join(copied)}" if copied else "", IMPORTER,
         )  # fmt: skip

@@ -186,7 +186,7 @@ INPUT_CONTRACT: dict[str, InputCheck] = {
             "sequence_too_long", "`input_ids` / `inputs_embeds` (each document of a packed batch)",
             "more tokens than the positions cover (`max_position_embeddings`)",
             "truncate the input (tokenizer(..., truncation=True, max_length=...)), or use a model that covers more "
-            "positions (conversion/convert_roberta_to_long.py --max-length; sinusoidal positions: raise "
+            "positions (hfx-convert --max-length; sinusoidal positions: raise "
             "max_position_embeddings, which adds no parameters).", POSITION_MODELS, False,
         ),
         InputCheck(

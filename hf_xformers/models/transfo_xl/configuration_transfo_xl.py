@@ -167,7 +167,7 @@ class HfxTransfoXLConfig(TransformersCheckpointConfig, PreTrainedConfig):
             if config_dict.get("untie_r", True) is False:
                 raise ValueError(
                     "this checkpoint shares r_w_bias / r_r_bias across layers (untie_r=False) and its tensor names "
-                    f"could not be read; convert it once with `python -m {IMPORTER} --source DIR --output DIR` "
+                    f"could not be read; convert it once with `{IMPORTER} --source DIR --output DIR` "
                     "(which copies them into every layer) and load the output."
                 )
             return WeightRenames(key_mapping=renames, unused=(r"pos_emb\.inv_freq$",))
