@@ -77,7 +77,8 @@ def split_doc(doc: str | None) -> tuple[str | None, str | None]:
     """``(description, epilog)`` of a script's ``--help`` from its docstring: the first paragraph (a one-line title
     joined with the paragraph after it) and the rest."""
     paragraphs = (doc or "").strip().split("\n\n")
-    lead = 2 if len(paragraphs) > 1 and "\n" not in paragraphs[0] else 1
+    # the paragraph after a one-line title joins it only when it is a whole sentence (not the lead-in of a list)
+    lead = 2 if len(paragraphs) > 1 and "\n" not in paragraphs[0] and paragraphs[1].endswith((".", ")")) else 1
     return "\n".join(paragraphs[:lead]) or None, "\n\n".join(paragraphs[lead:]) or None
 
 
