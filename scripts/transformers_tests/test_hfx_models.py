@@ -130,10 +130,10 @@ class HfxTextTests(ModelTesterMixin):
     model_type: str = ""
     config_kwargs: dict = {}
     seq_length = 16
-    tester_class = TextModelTester
+    model_tester_class = TextModelTester
 
     def setUp(self):
-        self.model_tester = self.tester_class(self, self.model_type, self.config_kwargs, self.seq_length)
+        self.model_tester = self.model_tester_class(self, self.model_type, self.config_kwargs, self.seq_length)
 
 
 _TEXT = dict(
@@ -213,7 +213,7 @@ class HfxUniversalTest(HfxTextTests, GenerationTesterMixin, unittest.TestCase):
 class HfxUniversalSeq2SeqTest(HfxTextTests, GenerationTesterMixin, unittest.TestCase):
     model_type = "hfx-universal"
     config_kwargs = dict(_TEXT, act_max_steps=2)
-    tester_class = Seq2SeqModelTester
+    model_tester_class = Seq2SeqModelTester
     is_encoder_decoder = True
     all_model_classes = classes(model_type, "AutoModelForSeq2SeqLM")
 
