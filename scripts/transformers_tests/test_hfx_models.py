@@ -175,7 +175,23 @@ _REFORMER = dict(
 
 class HfxReformerTests(HfxTextTests, GenerationTesterMixin):
     model_type = "hfx-reformer"
-    all_model_classes = classes(model_type)
+    # The causal LM last: it runs on a copy of the config with is_decoder=True, and test_attention_outputs goes on
+    # with the previous model's config, which the bidirectional heads refuse.
+    all_model_classes = tuple(sorted(classes(model_type), key=lambda cls: cls.__name__ == "HfxReformerForCausalLM"))
+
+    @unittest.skip(
+        reason="Reformer's positions count from the first slot, padding included (as in transformers' Reformer): "
+        "position_ids counted over the mask are a different input."
+    )
+    def test_generate_with_and_without_position_ids(self):
+        pass
+
+    @unittest.skip(
+        reason="Reformer's positions count from the first slot, padding included (as in transformers' Reformer), "
+        "so a left-padded prompt is a different input."
+    )
+    def test_left_padding_compatibility(self):
+        pass
 
     def _check_past_key_values_for_generate(self, batch_size, past_key_values, seq_length, config):
         """Reformer's cache (as transformers' ``past_buckets_states``) holds per layer the normalised attention input
@@ -204,6 +220,12 @@ class HfxTransfoXLTest(HfxTextTests, GenerationTesterMixin, unittest.TestCase):
     # The adaptive softmax's tail clusters get gradients only from labels that fall in them, and the common tests'
     # labels are all 0 (the head cluster).
     test_all_params_have_gradient = False
+    # The adaptive input embedding is one table per vocabulary cluster (div_val > 1), not one nn.Embedding to resize.
+    test_resize_embeddings = False
+
+    @unittest.skip(reason="The adaptive input embedding is one table per vocabulary cluster, not an nn.Embedding.")
+    def test_model_get_set_embeddings(self):
+        pass
 
 
 class HfxUniversalTest(HfxTextTests, GenerationTesterMixin, unittest.TestCase):
