@@ -165,6 +165,13 @@ class HfxPerformerTest(HfxTextTests, GenerationTesterMixin, unittest.TestCase):
     config_kwargs = dict(_TEXT, num_random_features=16, type_vocab_size=1)
     all_model_classes = classes(model_type)
 
+    @unittest.skip(
+        reason="(transformers 5.24) It forces use_cache=True on the encoder's config; our models refuse a decoding "
+        "cache without is_decoder=True, with a ValueError naming the fix, where BERT ignores it."
+    )
+    def test_bc_cache_name_forward(self):
+        pass
+
 
 _REFORMER = dict(
     hidden_size=32, num_attention_heads=2, attention_head_size=8, feed_forward_size=37, local_attn_chunk_length=4,
@@ -240,6 +247,13 @@ class HfxUniversalSeq2SeqTest(HfxTextTests, GenerationTesterMixin, unittest.Test
     model_tester_class = Seq2SeqModelTester
     is_encoder_decoder = True
     all_model_classes = classes(model_type, "AutoModelForSeq2SeqLM")
+
+    @unittest.skip(
+        reason="It counts the output's fields (5 for Seq2SeqLMOutput); ours carries three more, ACT's ponder_loss and "
+        "the encoder's and decoder's ponder steps."
+    )
+    def test_attention_outputs(self):
+        pass
 
 
 class HfxSwinTest(ModelTesterMixin, unittest.TestCase):
