@@ -175,6 +175,45 @@ def test_transformers_dict_output_tests(model_type, task, model_class, mode):
         assert {tuple(a.shape) for a in attentions} == {expected}, step
 
 
+def _mask_with_holes(batch: int, length: int) -> torch.Tensor:
+    """An attention mask as transformers' model testers draw one (``random_attention_mask``): padding anywhere but in
+    the last column, here one hole per row at a different place, ``(batch, length)``."""
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row in range(batch):
+        mask[row, 1 + 2 * row] = 0
+    return mask
+
+
+@pytest.mark.parametrize(("model_type", "task", "model_class"), CASES, ids=IDS)
+@pytest.mark.parametrize("mode", list(TRANSFORMERS_DICT_OUTPUT_TESTS))
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cached", "uncached"])
+def test_a_returned_cache_means_one_query_per_step(model_type, task, model_class, mode, use_cache):
+    """transformers' ``_check_generate_outputs`` reads a returned cache as the promise that every step after the
+    first fed the new token alone: with one, each later step's attentions are ``(rows, heads, 1, keys so far)``
+    (Transformer-XL's memories count as keys); without one, ``(rows, heads, n, n)`` over every token so far. So a
+    cache comes back exactly when ``use_cache`` asks for it, also under a mask with holes (what its model testers pass)."""
+    config_class = REGISTRY[model_type][0]
+    torch.manual_seed(0)
+    config = config_class(vocab_size=VOCAB, **{**TINY_CONFIGS[model_type], **SHORT_MEMORY.get(model_type, {})})
+    model = model_class(config).eval()
+    prompt = _prompt(2, 7)
+    kwargs, rows_per_prompt = TRANSFORMERS_DICT_OUTPUT_TESTS[mode]
+    torch.manual_seed(0)
+    out = model.generate(
+        prompt, attention_mask=_mask_with_holes(2, 7), max_new_tokens=3, min_new_tokens=3, use_cache=use_cache,
+        pad_token_id=PAD, eos_token_id=None, output_attentions=True, return_dict_in_generate=True, **kwargs,
+    )  # fmt: skip
+    assert (getattr(out, CACHE_NAME) is not None) is use_cache
+    config = model.config
+    seen = 1 if config.is_encoder_decoder else prompt.shape[1]
+    attentions = _per_step(out, "attentions")
+    assert len(attentions) == 3
+    for step, layers in enumerate(attentions):
+        queries = 1 if (use_cache and step > 0) else seen + step
+        expected = (2 * rows_per_prompt, config.num_attention_heads, queries, seen + step)
+        assert [tuple(a.shape) for a in layers] == [expected] * len(layers), (step, use_cache)
+
+
 @pytest.mark.parametrize(("model_type", "task", "model_class"), CASES, ids=IDS)
 @pytest.mark.parametrize("num_beams", [1, 2], ids=["greedy", "beam"])
 def test_left_padded_dict_outputs_use_the_cache(model_type, task, model_class, num_beams):

@@ -343,8 +343,6 @@ class HfxReformerEncoder(nn.Module):
         self.layers = nn.ModuleList(HfxReformerLayer(config, i) for i in range(config.num_hidden_layers))
         self.layer_norm = nn.LayerNorm(2 * config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = HfxDropout(config.hidden_dropout_prob, inplace_without_grad=True)
-        # Set by `gradient_checkpointing_enable()` (with `_gradient_checkpointing_func`): the plain path's layers.
-        self.gradient_checkpointing = False
 
     def forward(self, hidden_states, attention_mask=None, padded_lengths=None, num_hashes=None,
                 output_attentions=False, output_hidden_states=False, cache=None, cache_length=None,
@@ -385,10 +383,6 @@ class HfxReformerEncoder(nn.Module):
                 num_hashes=num_hashes, documents=documents,
             )  # fmt: skip
         else:
-            checkpointed = (
-                self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-                and cache is None and not output_attentions
-            )  # fmt: skip
             for i, layer in enumerate(self.layers):
                 if expose:
                     if i:  # layer 0's input is the embedding output, already rebuilt above
@@ -396,11 +390,6 @@ class HfxReformerEncoder(nn.Module):
                     all_hidden.append(hidden)
                 elif output_hidden_states:
                     all_hidden.append(x2)
-                if checkpointed:
-                    x1, x2 = self._gradient_checkpointing_func(
-                        _layer_step, layer, x1, x2, attention_mask, padded_lengths, num_hashes, documents
-                    )
-                    continue
                 out, attn, normed = layer.attention(x2, attention_mask, padded_lengths, num_hashes,
                                                     output_attentions=output_attentions,
                                                     output_length=cache_length, documents=documents)  # fmt: skip
@@ -435,14 +424,6 @@ class HfxReformerEncoder(nn.Module):
                 all_attn.append(probs)
         cache.key_mask = key_mask
         return x1, x2
-
-
-def _layer_step(layer, x1, x2, attention_mask, padded_lengths, num_hashes, documents):
-    """One layer of the plain (not reversible) path, ``(x1, x2)`` ``(batch, seq, hidden)`` each -> the next pair:
-    what activation checkpointing recomputes in the backward pass."""
-    out = layer.attention(x2, attention_mask, padded_lengths, num_hashes, documents=documents)[0]
-    x1 = x1 + out
-    return x1, x2 + layer.feed_forward(x1)
 
 
 def _on_path(x: torch.Tensor, length, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -595,10 +576,11 @@ class HfxReformerPreTrainedModel(HfxPreTrainedModel):
     # parameters: the reversible path calls each layer's f and g (never a layer's forward) from one autograd
     # function over all layers, and recomputes them in the backward pass, so only the encoder qualifies.
     _no_split_modules = ["HfxReformerEncoder"]
-    # Reversible layers already keep no activations (the reversible path recomputes them in the backward pass); with
-    # checkpointing on, the plain path (config.reversible=False, or hidden states asked for in training)
-    # recomputes each layer too, so that `gradient_checkpointing_enable()` works as on every other architecture.
-    supports_gradient_checkpointing = True
+    # Declined, as transformers' Reformer declines it: the reversible layers already recompute their activations in
+    # the backward pass. transformers' contract for checkpointing (a `GradientCheckpointingLayer` whose checkpointed
+    # forward runs in training) could only be met by trading the reversible stack for one that keeps each layer's
+    # input, which takes more memory than not checkpointing at all.
+    supports_gradient_checkpointing = False
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -610,6 +592,16 @@ class HfxReformerPreTrainedModel(HfxPreTrainedModel):
             module.rotations.copy_(module.fixed_rotations(module.num_hashes))
         elif isinstance(module, HfxReformerLMHead):
             nn.init.zeros_(module.bias)
+
+    def gradient_checkpointing_enable(self, *args, **kwargs) -> None:
+        """Refused with the reason. (From transformers 5.23 on, ``activation_checkpointing_enable()`` calls this
+        override too.)"""
+        raise ValueError(
+            f"{type(self).__name__} does not use gradient (activation) checkpointing: its reversible layers already "
+            "recompute their activations in the backward pass, so training memory stays flat in the number of "
+            "layers. Leave checkpointing off (drop `--gradient_checkpointing` / `--activation_checkpointing`), and "
+            "keep `config.reversible=True` for that memory saving."
+        )
 
     def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
         """As transformers' method; the LM head's separate bias (``lm_head.bias``, which transformers does not know
