@@ -96,7 +96,7 @@ def document_windows(
     from: ``(windows, document_index)``, in document order.
 
     ``long_documents="truncate"`` keeps one window per document, its first ``max_length`` tokens (the special tokens
-    kept); ``"chunks"`` keeps all of :func:`chunk_token_ids`'s windows, to be aggregated with
+    kept; ``stride`` plays no part); ``"chunks"`` keeps all of :func:`chunk_token_ids`'s windows, to be aggregated with
     :func:`aggregate_chunks`.
     """
     if long_documents not in LONG_DOCUMENTS:
@@ -104,9 +104,12 @@ def document_windows(
     windows: list[list[int]] = []
     document_index: list[int] = []
     for i, ids in enumerate(documents):
-        chunks = chunk_token_ids(ids, max_length, stride, num_prefix, num_suffix)
         if long_documents == "truncate":
-            chunks = chunks[:1]
+            # The first window: the first tokens and the closing special tokens.
+            cut = len(ids) > max_length
+            chunks = [list(ids[: max_length - num_suffix]) + list(ids[len(ids) - num_suffix :]) if cut else list(ids)]
+        else:
+            chunks = chunk_token_ids(ids, max_length, stride, num_prefix, num_suffix)
         windows.extend(chunks)
         document_index.extend([i] * len(chunks))
     return windows, document_index
@@ -136,10 +139,11 @@ def aggregate_chunks(
             f"document_index must give each of the {num_documents} documents at least one of the {logits.shape[0]} "
             "windows, and name no other document."
         )
-    out = logits.new_zeros((num_documents, *logits.shape[1:]))
+    out = torch.zeros((num_documents, *logits.shape[1:]), dtype=torch.float32, device=logits.device)
+    spread = index.reshape(-1, *([1] * (logits.dim() - 1))).expand(logits.shape)
     reduce = "mean" if aggregation == "mean" else "amax"
     # float32 while reducing: a mean of many bfloat16 windows would round at every addition.
-    return out.float().index_reduce_(0, index, logits.float(), reduce, include_self=False).to(logits.dtype)
+    return out.scatter_reduce_(0, spread, logits.float(), reduce, include_self=False).to(logits.dtype)
 
 
 def _encode(documents, tokenizer) -> list[list[int]]:
