@@ -246,19 +246,17 @@ def task_kind(feature) -> str:
 
 
 def label_names(kind: str, splits: dict[str, Dataset], label_column: str, config) -> list[str]:
-    """The class names, in id order: the model's own ``id2label`` when it names exactly the data's labels (a model
-    fine-tuned before keeps its ids), else the data's labels sorted. Regression has none."""
+    """The class names, in id order, from the training data (else the evaluation data): the model's own
+    ``id2label`` when it names exactly those labels (a model fine-tuned before keeps its ids), else the labels
+    sorted. Prediction alone takes the model's. Regression has none."""
     if kind == REGRESSION:
         return []
     ours = [config.id2label[i] for i in sorted(config.id2label)] if getattr(config, "id2label", None) else []
-    if all(name == "predict" for name in splits):  # prediction only: the fine-tuned model's labels
+    source = splits.get("train", splits.get("eval"))
+    if source is None:
         return ours
-    found: set = set()
-    for name, data in splits.items():
-        if name == "predict" or label_column not in data.column_names:
-            continue
-        values = data[label_column]
-        found.update(v for row in values for v in row) if kind == MULTI_LABEL else found.update(values)
+    values = source[label_column]
+    found = {v for row in values for v in row} if kind == MULTI_LABEL else set(values)
     names = sorted({str(v) for v in found if v is not None})
     return ours if sorted(ours) == names else names
 
