@@ -176,8 +176,10 @@ def markdown_table(rows: list[dict], metric_names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    """Run the comparison; returns the table's rows (also written to ``<output_dir>/long_vs_truncated.json``)."""
+def main(argv: list[str] | None = None, runner=run_measured) -> list[dict]:
+    """Run the comparison; returns the table's rows (also written to ``<output_dir>/long_vs_truncated.json``, row
+    by row as the runs finish). ``runner(run_classification_args, log_path) -> (wall_s, peak_mib)`` runs one
+    fine-tuning or evaluation (:func:`run_measured`: a process of its own)."""
     args = parse_args(argv)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -197,7 +199,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         source, max_length=args.long_max_length, attention_window=args.attention_window, output_dir=long_dir,
         overwrite=True,
     )  # fmt: skip
-    print(f"Converted {source} to a {args.long_max_length}-token hfx-longformer in {time.perf_counter() - started:.0f} s")
+    print(
+        f"Converted {source} to a {args.long_max_length}-token hfx-longformer in {time.perf_counter() - started:.0f} s"
+    )
 
     common = [
         "--validation_file", str(validation_file), "--text_column_names", args.text_column_names,
@@ -229,7 +233,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "--max_seq_length", str(length), "--long_documents", mode, *common,
                     *(training if train else [])]  # fmt: skip
         print(f"Running {run} ({model}, {length} tokens) ...", flush=True)
-        wall, peak = run_measured(run_args, out / f"{name}.log")
+        wall, peak = runner(run_args, out / f"{name}.log")
         results = json.loads((out / name / "eval_results.json").read_text())
         train_results = json.loads((out / name / "train_results.json").read_text()) if train else {}
         rows.append({
@@ -239,11 +243,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "eval_tokens_per_document": results["eval_tokens_per_document"],
             **{k[len("eval_"):]: v for k, v in results.items() if k.startswith("eval_")},
         })  # fmt: skip
-
-    metric_names = [m for m in ("accuracy", "f1_macro", "mse", "pearson", "f1_micro") if m in rows[0]]
-    table = markdown_table(rows, metric_names)
-    (out / "long_vs_truncated.md").write_text(table + "\n", encoding="utf-8")
-    (out / "long_vs_truncated.json").write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+        metric_names = [m for m in ("accuracy", "f1_macro", "mse", "pearson", "f1_micro") if m in rows[0]]
+        table = markdown_table(rows, metric_names)
+        (out / "long_vs_truncated.md").write_text(table + "\n", encoding="utf-8")
+        (out / "long_vs_truncated.json").write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
     print(table)
     return rows
 
