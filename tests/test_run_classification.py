@@ -246,9 +246,9 @@ def test_long_vs_truncated_end_to_end(tmp_path):
         "--output_dir", str(out),
     ], runner=in_process)  # fmt: skip
     assert [row["run"] for row in table] == [
-        "truncated", "truncated, chunked evaluation", "long", "long, chunked evaluation"
+        "truncated", "long", "truncated, chunked evaluation", "long, chunked evaluation"
     ]  # fmt: skip
-    short, short_chunks, long, long_chunks = table
+    short, long, short_chunks, long_chunks = table
     assert short["max_length"] == 32 and long["max_length"] == 96
     # The long model reads more of each document than the truncated source, chunked evaluation all of it.
     assert long["train_tokens_per_document"] > short["train_tokens_per_document"]
