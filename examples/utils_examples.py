@@ -1,5 +1,5 @@
-"""Helpers shared by the Trainer example scripts (``run_glue.py``, ``run_wikihop.py``, ``run_image_classification.py``,
-``run_clm.py``).
+"""Helpers shared by the Trainer example scripts (``run_glue.py``, ``run_classification.py``, ``run_wikihop.py``,
+``run_image_classification.py``, ``run_clm.py``).
 
 The scripts import it as ``examples.utils_examples``: they run as modules from the repository root
 (``python -m examples.run_glue ...``).
