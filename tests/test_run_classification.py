@@ -17,6 +17,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Bert
 
 from examples import long_vs_truncated, run_classification, utils_examples
 from hf_xformers.packed_inference import aggregate_chunks, chunk_token_ids, document_windows, special_token_layout
+from tests.test_examples import torchrun
 from tests.tiny_tokenizers import SENTENCES, bert_tokenizer
 
 TOPICS = ["sports", "politics", "science", "arts", "travel"]
@@ -182,18 +183,24 @@ def test_token_length_report_counts_what_truncation_loses():
     assert "2 (50%) longer than the model's 40 tokens" in line and "170 of 290 tokens" in line
 
 
-def test_chunked_evaluation_is_the_mean_of_each_windows_logits(longformer_dir, cache_dir, tmp_path):
-    # A regression head: predict_results.txt then carries each document's aggregated logit itself.
-    texts = documents(6, seed=1)
-    dev = write_jsonl(tmp_path / "dev.jsonl", [{"text": t, "label": float(i)} for i, t in enumerate(texts)])
+def scoring_model(longformer_dir: Path, path: Path):
+    """A regression head on the tiny Longformer, saved to ``path`` with its tokenizer: ``predict_results.txt`` then
+    carries each document's aggregated logit itself. Returns ``(model, tokenizer)``."""
     tokenizer = AutoTokenizer.from_pretrained(longformer_dir)
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(longformer_dir, num_labels=1).eval()
     with torch.no_grad():  # a head of large weights: documents' scores then differ beyond the file's 3 decimals
         for parameter in model.classifier.parameters():
             parameter.normal_(0.0, 1.0)
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
+
+
+def test_chunked_evaluation_is_the_mean_of_each_windows_logits(longformer_dir, cache_dir, tmp_path):
+    texts = documents(6, seed=1)
+    dev = write_jsonl(tmp_path / "dev.jsonl", [{"text": t, "label": float(i)} for i, t in enumerate(texts)])
+    model, tokenizer = scoring_model(longformer_dir, tmp_path / "model")
     base = common(tmp_path / "model", tmp_path / "out", cache_dir, "--validation_file", dev, "--test_file", dev,
                   "--do_eval", "--do_predict", "--max_seq_length", "24", "--doc_stride", "6")  # fmt: skip
     chunked = run_classification.main([*base, "--long_documents", "chunks"])
@@ -214,6 +221,27 @@ def test_chunked_evaluation_is_the_mean_of_each_windows_logits(longformer_dir, c
         written[mode] = torch.tensor([float(line.split("\t")[1]) for line in lines])
         torch.testing.assert_close(written[mode], expected, atol=1e-3, rtol=0, msg=mode)
     assert not torch.allclose(written["chunks"], written["truncate"], atol=1e-3)
+
+
+def test_chunked_evaluation_under_torchrun_is_the_single_process_one(longformer_dir, cache_dir, tmp_path):
+    """Two CPU processes share the windows (an odd number of them: Trainer pads the last batch and drops the
+    copies when it gathers), and the documents come out whole and in order."""
+    dev = write_jsonl(tmp_path / "dev.jsonl", [{"text": t, "label": 1.0} for t in documents(5, seed=3)])
+    scoring_model(longformer_dir, tmp_path / "model")
+
+    def args(out: str) -> list[str]:
+        return common(tmp_path / "model", tmp_path / out, cache_dir, "--validation_file", dev, "--test_file", dev,
+                      "--do_eval", "--do_predict", "--max_seq_length", "24", "--doc_stride", "6",
+                      "--long_documents", "chunks", "--per_device_eval_batch_size", "3", "--disable_tqdm", "true")  # fmt: skip
+
+    single = run_classification.main(args("single"))
+    torchrun("examples.run_classification", args("double"))
+    assert single["eval_windows"] % 2 == 1
+    results = json.loads((tmp_path / "double" / "eval_results.json").read_text())
+    assert results["eval_windows"] == single["eval_windows"]
+    assert results["eval_mse"] == pytest.approx(single["eval_mse"], rel=1e-4)
+    predicted = [(tmp_path / out / "predict_results.txt").read_text() for out in ("single", "double")]
+    assert predicted[0] == predicted[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
