@@ -61,8 +61,10 @@ def default_source() -> Path | None:
 
 def write_sotu_splits(folder: Path, seed: int, eval_fraction: float = 0.25) -> tuple[Path, Path]:
     """The State of the Union addresses of Democratic and Republican presidents as ``text`` / ``label`` JSON-lines
-    files, split by president (shuffled with ``seed``): no president's style is learnt on one side and tested on
-    the other. Rows are shuffled within each split, so ``--max_*_samples`` take a random subset.
+    files, split by president: no president's style is learnt on one side and tested on the other. Each party's
+    presidents (shuffled with ``seed``) are held out until ``eval_fraction`` of that party's addresses are, so
+    both parties are in both splits in their proportions. Rows are shuffled within each split, so
+    ``--max_*_samples`` take a random subset.
 
     Raises:
         FileNotFoundError: the ``sotu`` package is not installed.
@@ -75,14 +77,17 @@ def write_sotu_splits(folder: Path, seed: int, eval_fraction: float = 0.25) -> t
     meta = pd.read_csv(data / "metadata.csv")
     meta = meta[meta["party"].isin(SOTU_PARTIES)]
     rng = random.Random(seed)
-    presidents = sorted(meta["president_id"].unique())
-    rng.shuffle(presidents)
-    held_out, count = set(), 0
-    for president in presidents:
-        if count >= eval_fraction * len(meta):
-            break
-        held_out.add(president)
-        count += int((meta["president_id"] == president).sum())
+    held_out = set()
+    for party in SOTU_PARTIES:
+        addresses = meta[meta["party"] == party]
+        presidents = sorted(addresses["president_id"].unique())
+        rng.shuffle(presidents)
+        count = 0
+        for president in presidents:
+            if count >= eval_fraction * len(addresses):
+                break
+            held_out.add(president)
+            count += int((addresses["president_id"] == president).sum())
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, rows in (("train", meta[~meta["president_id"].isin(held_out)]),
