@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from datasets import Dataset, List, Sequence, Value, load_dataset
+from datasets import ClassLabel, Dataset, List, Sequence, Value, load_dataset
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import (
     accuracy_score,
@@ -236,6 +236,19 @@ def text_columns(data_args: DataTrainingArguments, dataset: Dataset) -> list[str
     return ["text"] if "sentence" not in dataset.column_names and "text" in dataset.column_names else ["sentence"]
 
 
+def class_names(dataset: Dataset, label_column: str) -> Dataset:
+    """``dataset`` with a ``ClassLabel`` column (a Hub dataset's) given as its class names, the form string labels
+    of local files take; other columns as they are."""
+    feature = dataset.features[label_column]
+    if not isinstance(feature, ClassLabel):
+        return dataset
+    features = dataset.features.copy()
+    features[label_column] = Value("string")
+    return dataset.map(
+        lambda batch: {label_column: feature.int2str(batch[label_column])}, batched=True, features=features
+    )
+
+
 def task_kind(feature) -> str:
     """The problem type a label column's feature implies: lists are multi-label, floats regression, else single."""
     if isinstance(feature, (List, Sequence)):
@@ -400,9 +413,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     limits = {"train": data_args.max_train_samples, "eval": data_args.max_eval_samples,
               "predict": data_args.max_predict_samples}  # fmt: skip
     raw = {name: take(data, limits[name]) for name, data in raw.items()}
+    label_column = data_args.label_column_name
+    if "predict" in raw and label_column in raw["predict"].column_names:
+        raw["predict"] = raw["predict"].remove_columns(label_column)  # test sets may hold -1 or no real labels
     labelled = [name for name in ("train", "eval") if name in raw]
     for name in labelled:
-        require_columns(raw[name], [data_args.label_column_name], f"{name} data")
+        require_columns(raw[name], [label_column], f"{name} data")
+        raw[name] = class_names(raw[name], label_column)
     kind_source = raw[labelled[0]] if labelled else None
     pretrained_config = AutoConfig.from_pretrained(
         model_args.config_name or model_args.model_name_or_path,

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from datasets import ClassLabel, Dataset, Features, Value
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertModel
 
 from examples import long_vs_truncated, run_classification, utils_examples
@@ -142,6 +143,19 @@ def test_regression_on_a_transformers_model(cache_dir, tmp_path):
     assert len(predictions) == 4
     # BERT's 64 positions are the limit: the report says so.
     assert json.loads((out / "token_lengths.json").read_text())["eval"]["max_length"] == 64
+
+
+def test_hub_class_labels_become_their_names():
+    data = Dataset.from_dict(
+        {"text": ["a", "b", "c"], "label": [1, 0, 1]},
+        features=Features({"text": Value("string"), "label": ClassLabel(names=["neg", "pos"])}),
+    )
+    named = run_classification.class_names(data, "label")
+    assert named["label"] == ["pos", "neg", "pos"]
+    assert run_classification.task_kind(named.features["label"]) == run_classification.SINGLE_LABEL
+    assert run_classification.label_names(run_classification.SINGLE_LABEL, {"train": named}, "label", None) == [
+        "neg", "pos"
+    ]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
