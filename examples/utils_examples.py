@@ -1,5 +1,5 @@
-"""Helpers shared by the Trainer example scripts (``run_glue.py``, ``run_wikihop.py``, ``run_image_classification.py``,
-``run_clm.py``).
+"""Helpers shared by the Trainer example scripts (``run_glue.py``, ``run_classification.py``, ``run_wikihop.py``,
+``run_image_classification.py``, ``run_clm.py``).
 
 The scripts import it as ``examples.utils_examples``: they run as modules from the repository root
 (``python -m examples.run_glue ...``).
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import datasets
 import huggingface_hub
+import numpy as np
 import torch
 import transformers
 from datasets import Dataset, load_dataset
@@ -461,3 +462,70 @@ def apply_scratch_defaults(
         shown = ", ".join(f"--{k} {v}" for k, v in applied.items())
         log.info("%s: using %s (set any of them to override).", reason, shown)
     return applied
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Documents against the model's length
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def model_max_length(model, tokenizer=None) -> int:
+    """The most tokens ``model`` reads at once: its position table (hf_xformers' ``embeddings.max_tokens``; a
+    transformers encoder's ``position_embeddings`` less RoBERTa's padding offset), else ``max_position_embeddings``,
+    capped by the tokenizer's ``model_max_length`` where that is set (tokenizers without one say 10^30).
+
+    Raises:
+        ValueError: neither the model nor the tokenizer states a length.
+    """
+    embeddings = getattr(model.base_model, "embeddings", None)
+    limit = getattr(embeddings, "max_tokens", None)
+    positions = getattr(embeddings, "position_embeddings", None)
+    if limit is None and isinstance(positions, torch.nn.Embedding):
+        # RoBERTa counts positions from padding_idx + 1; BERT has no padding_idx there and starts at 0.
+        padding_idx = getattr(embeddings, "padding_idx", None)
+        limit = positions.num_embeddings - (padding_idx + 1 if padding_idx is not None else 0)
+    if limit is None:
+        limit = getattr(model.config, "max_position_embeddings", None)
+    tokenizer_limit = getattr(tokenizer, "model_max_length", None)
+    if tokenizer_limit is not None and tokenizer_limit < 1_000_000:
+        limit = tokenizer_limit if limit is None else min(limit, tokenizer_limit)
+    if limit is None:
+        raise ValueError("The model states no maximum length: pass --max_seq_length.")
+    return int(limit)
+
+
+def token_length_report(lengths, max_length: int, window_lengths=None) -> dict:
+    """How ``lengths`` (tokens per document, special tokens included) sit against a model of ``max_length``
+    tokens: count, median, 90th percentile, longest, how many documents truncation would cut and how many tokens
+    that loses; with ``window_lengths`` (the windows the model reads of them), how many windows and tokens it
+    reads."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    over = lengths[lengths > max_length]
+    report = {
+        "documents": int(lengths.size),
+        "max_length": int(max_length),
+        "median": float(np.median(lengths)) if lengths.size else 0.0,
+        "p90": float(np.percentile(lengths, 90)) if lengths.size else 0.0,
+        "longest": int(lengths.max()) if lengths.size else 0,
+        "tokens": int(lengths.sum()),
+        "truncated_documents": int(over.size),
+        "tokens_lost_to_truncation": int((over - max_length).sum()),
+    }
+    if window_lengths is not None:
+        report["windows"] = len(window_lengths)
+        report["tokens_read"] = int(sum(window_lengths))
+    return report
+
+
+def describe_token_lengths(split: str, report: dict, mode: str = "truncate") -> str:
+    """One log line from :func:`token_length_report`."""
+    n, tokens = report["documents"], max(report["tokens"], 1)
+    line = (
+        f"{split}: {n} documents, median {report['median']:,.0f} tokens, 90th percentile {report['p90']:,.0f}, "
+        f"longest {report['longest']:,}; {report['truncated_documents']} ({report['truncated_documents'] / max(n, 1):.0%}) "
+        f"longer than the model's {report['max_length']:,} tokens"
+    )
+    if mode == "chunks":
+        return line + f": read whole in {report.get('windows', n):,} overlapping windows."
+    lost = report["tokens_lost_to_truncation"]
+    return line + f": truncation drops {lost:,} of {report['tokens']:,} tokens ({lost / tokens:.0%})."

@@ -34,6 +34,7 @@ from PIL import Image  # noqa: E402
 from transformers import RobertaConfig, RobertaForMaskedLM  # noqa: E402
 
 from tests.test_examples import glue_rows, write_rows  # noqa: E402
+from tests.test_run_classification import classification_files  # noqa: E402
 from tests.test_run_mlm import NEW_MODELS, documents  # noqa: E402
 from tests.tiny_tokenizers import roberta_tokenizer  # noqa: E402
 
@@ -62,6 +63,9 @@ SIZE_FLAGS = {
     "examples.run_image_classification": ["--max_steps", "1", "--per_device_train_batch_size", "8",
                                           "--per_device_eval_batch_size", "16", "--max_train_samples", "16",
                                           "--max_eval_samples", "16", *TRAINER_QUIET],
+    "examples.run_classification": ["--max_steps", "1", "--max_seq_length", "64", "--doc_stride", "8",
+                                    "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "4",
+                                    *TRAINER_QUIET],
     "hf_xformers.conversion.convert_roberta_to_long": ["--max-length", "128", "--attention-window", "16"],
 }  # fmt: skip
 # A new model from scratch (--model_type): the README's sizes give way to the tiny ones of tests/test_run_mlm.py.
@@ -112,6 +116,11 @@ def why_not_here(command: str) -> str | None:
         return "tests/test_universal.py::test_algorithmic_task_script_tiny_run runs this script at tiny size"
     if module == "examples.run_glue" and not {"--train_file", "--validation_file", "--test_file"} & set(argv):
         return "reads nyu-mll/glue from the Hub (tests/test_examples.py::test_run_glue_hub_dataset_layout runs it)"
+    if module == "examples.run_classification" and "--dataset_name" in argv:
+        return "reads a dataset from the Hub"
+    if module == "examples.long_vs_truncated":
+        # Four fine-tunings and evaluations, each a process of its own, of a real 22M-parameter encoder.
+        return "tests/test_run_classification.py::test_long_vs_truncated_end_to_end runs this script at tiny size"
     return None
 
 
@@ -187,6 +196,7 @@ def build_stand_ins(root: Path, longformer_dir: Path) -> None:
     (root / "valid.txt").write_text("\n".join(documents(12, seed=1)) + "\n", encoding="utf-8")
     _image_folder(root / "data/train", 8)
     _image_folder(root / "data/val", 4)
+    classification_files(root / "data")
 
 
 @pytest.fixture(scope="module")

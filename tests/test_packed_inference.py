@@ -63,3 +63,35 @@ def test_embed_documents_equals_each_documents_own_forward(pooling):
     else:
         solo = torch.cat([o.pooler_output for o in outs])
     torch.testing.assert_close(vectors, torch.nn.functional.normalize(solo, dim=-1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "max"])
+def test_classify_documents_reads_long_documents_in_chunks(aggregation, caplog):
+    torch.manual_seed(0)
+    model = HfxLongformerForSequenceClassification(HfxLongformerConfig(**TINY)).eval()
+    limit = model.base_model.embeddings.max_tokens
+    g = torch.Generator().manual_seed(1)
+    docs = []
+    for n in (150, 20, 97):  # two documents longer than the model's 62 tokens
+        ids = torch.randint(5, 60, (n,), generator=g)
+        ids[0], ids[-1] = 0, 2
+        docs.append(ids.tolist())
+    chunked = classify_documents(model, docs, max_tokens=128, long_documents="chunks", stride=10,
+                                 aggregation=aggregation)  # fmt: skip
+    # By hand: windows of `limit` tokens (<s> and </s> kept, 10 text tokens of overlap), each on its own.
+    with torch.no_grad():
+        expected = []
+        for ids in docs:
+            body, room = ids[1:-1], limit - 2
+            starts = range(0, max(len(body) - 10, 1), room - 10)
+            windows = [[0, *body[s : s + room], 2] for s in starts]
+            logits = torch.cat([model(input_ids=torch.tensor([w])).logits for w in windows])
+            expected.append(logits.mean(0) if aggregation == "mean" else logits.amax(0))
+    torch.testing.assert_close(chunked, torch.stack(expected), atol=1e-5, rtol=0)
+    with caplog.at_level("WARNING", logger="hf_xformers.packed_inference"):
+        truncated = classify_documents(model, docs, max_tokens=128)
+    assert "2 of 3 documents are longer than the model's 62 tokens" in caplog.text
+    torch.testing.assert_close(truncated[1], chunked[1], atol=1e-5, rtol=0)  # a short document is one window
+    with torch.no_grad():
+        first = model(input_ids=torch.tensor([docs[0][: limit - 1] + [2]])).logits[0]
+    torch.testing.assert_close(truncated[0], first, atol=1e-5, rtol=0)
