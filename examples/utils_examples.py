@@ -199,6 +199,17 @@ def supports_global_attention(model) -> bool:
     return "global_attention_mask" in inspect.signature(model.forward).parameters
 
 
+def model_max_tokens(encoder: torch.nn.Module) -> int:
+    """How many tokens ``encoder`` reads: hfx models say so; RoBERTa-style position tables (with a
+    ``padding_idx``) lose ``padding_idx + 1`` rows to the offset; otherwise ``max_position_embeddings``."""
+    embeddings = getattr(encoder, "embeddings", None)
+    if hasattr(embeddings, "max_tokens"):
+        return int(embeddings.max_tokens)
+    limit = encoder.config.max_position_embeddings
+    offset = getattr(embeddings, "padding_idx", None)
+    return limit - offset - 1 if offset is not None else limit
+
+
 def packed_collator(
     model, training_args: TrainingArguments, log: logging.Logger, **options
 ) -> DataCollatorForPackedDocuments:
