@@ -190,11 +190,11 @@ def supports_global_attention(model) -> bool:
     """Whether ``model``'s forward accepts a ``global_attention_mask`` that it actually uses.
 
     hfx models say so on their attention class (every hfx base model *accepts* the argument but refuses it
-    with a ValueError when its attention has no global tokens); other models (e.g. transformers' Longformer)
-    are judged by their forward signature.
+    with a ValueError when its attention has no global tokens; Reformer's, which has no single attention class,
+    refuses it too); other models (e.g. transformers' Longformer) are judged by their forward signature.
     """
     attention_class = getattr(model, "attention_class", None)
-    if attention_class is not None:
+    if attention_class is not None or getattr(model.config, "model_type", None) in REGISTRY:
         return bool(getattr(attention_class, "supports_global_attention", False))
     return "global_attention_mask" in inspect.signature(model.forward).parameters
 

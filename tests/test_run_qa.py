@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from transformers import AutoModelForQuestionAnswering, RobertaConfig, RobertaModel
 
 import hf_xformers
-from examples import run_qa
+from examples import run_qa, utils_examples
 from tests.tiny_tokenizers import SENTENCES, roberta_tokenizer
 
 # Short answers at known places of a long context; each question asks for one.
@@ -36,10 +37,10 @@ def long_context(n_sentences: int = 44) -> tuple[str, list[int]]:
     return " ".join(pieces), starts
 
 
-def squad_file(path: Path, n_examples: int, unanswerable: int = 0) -> str:
-    """A SQuAD-format file (flattened rows under ``data``): ``n_examples`` questions over the long context, then
-    ``unanswerable`` questions without an answer (SQuAD v2)."""
-    context, starts = long_context()
+def squad_file(path: Path, n_examples: int, unanswerable: int = 0, n_sentences: int = 44) -> str:
+    """A SQuAD-format file (flattened rows under ``data``): ``n_examples`` questions over the long context (of
+    ``n_sentences``), then ``unanswerable`` questions without an answer (SQuAD v2)."""
+    context, starts = long_context(n_sentences)
     rows = []
     for i in range(n_examples):
         k = i % len(ANSWERS)
@@ -359,3 +360,47 @@ def test_run_qa_v1_data_without_answer_says_version_2(short_model, tmp_path):
     data = squad_file(tmp_path / "d.json", 1, unanswerable=1)
     with pytest.raises(ValueError, match="has no answer; pass --version_2_with_negative"):
         run_qa.main(qa_args(short_model, tmp_path / "out", data, data))
+
+
+def tiny_base_model(name: str, vocab_size: int):
+    """A tiny base model of each architecture with a QA head (and transformers' RoBERTa), 128 to 256 tokens."""
+    common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=37, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    if name == "hfx-bigbird":
+        config = hf_xformers.HfxBigBirdConfig(**common, max_position_embeddings=258, block_size=8, num_random_blocks=1)
+        return hf_xformers.HfxBigBirdModel(config)
+    if name == "hfx-linformer":
+        return hf_xformers.HfxLinformerModel(hf_xformers.HfxLinformerConfig(**common, max_position_embeddings=66))
+    if name == "hfx-performer":
+        return hf_xformers.HfxPerformerModel(hf_xformers.HfxPerformerConfig(**common, max_position_embeddings=130))
+    if name == "hfx-reformer":
+        config = hf_xformers.HfxReformerConfig(
+            vocab_size=vocab_size, hidden_size=32, num_attention_heads=2, attention_head_size=8, feed_forward_size=37,
+            attn_layers=["local", "lsh"], local_attn_chunk_length=4, lsh_attn_chunk_length=8, num_buckets=4,
+            axial_pos_shape=[8, 16], axial_pos_embds_dim=[16, 16], max_position_embeddings=128, pad_token_id=1,
+            eos_token_id=None,
+        )  # fmt: skip
+        return hf_xformers.HfxReformerModel(config)
+    return RobertaModel(RobertaConfig(**common, max_position_embeddings=130, type_vocab_size=1))
+
+
+@pytest.mark.parametrize("name", ["hfx-bigbird", "hfx-linformer", "hfx-performer", "hfx-reformer", "roberta"])
+def test_run_qa_each_architectures_head_in_windows(name, tmp_path):
+    """Each QA head trains a step and answers every question from doc_stride windows; only Longformer's gets a
+    global_attention_mask (Reformer's forward takes the argument but refuses it)."""
+    tokenizer = roberta_tokenizer()
+    torch.manual_seed(0)
+    tiny_base_model(name, len(tokenizer)).save_pretrained(tmp_path / name)
+    tokenizer.save_pretrained(tmp_path / name)
+    data = squad_file(tmp_path / "d.json", 1, n_sentences=10)  # about 280 tokens
+    out = tmp_path / "out"
+    metrics = run_qa.main(qa_args(tmp_path / name, out, data, data, "--doc_stride", "16", "--max_steps", "1"))
+    assert metrics["eval_windows"] >= 2 and math.isfinite(metrics["train_loss"])
+    assert list(json.loads((out / "predictions.json").read_text())) == ["q0"]
+    model = AutoModelForQuestionAnswering.from_pretrained(out)
+    assert not utils_examples.supports_global_attention(model.base_model)
+
+
+def test_global_attention_goes_to_longformer_only(short_model):
+    model = AutoModelForQuestionAnswering.from_pretrained(short_model)
+    assert utils_examples.supports_global_attention(model.base_model)
