@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from datasets import Dataset
+from datasets import Dataset, DatasetDict
 from transformers import AutoModelForQuestionAnswering, RobertaConfig, RobertaModel
 
 import hf_xformers
@@ -37,9 +37,9 @@ def long_context(n_sentences: int = 44) -> tuple[str, list[int]]:
     return " ".join(pieces), starts
 
 
-def squad_file(path: Path, n_examples: int, unanswerable: int = 0, n_sentences: int = 44) -> str:
-    """A SQuAD-format file (flattened rows under ``data``): ``n_examples`` questions over the long context (of
-    ``n_sentences``), then ``unanswerable`` questions without an answer (SQuAD v2)."""
+def squad_rows(n_examples: int, unanswerable: int = 0, n_sentences: int = 44) -> list[dict]:
+    """Flattened SQuAD rows: ``n_examples`` questions over the long context (of ``n_sentences``), then
+    ``unanswerable`` questions without an answer (SQuAD v2)."""
     context, starts = long_context(n_sentences)
     rows = []
     for i in range(n_examples):
@@ -49,7 +49,21 @@ def squad_file(path: Path, n_examples: int, unanswerable: int = 0, n_sentences: 
     for i in range(unanswerable):
         rows.append({"id": f"n{i}", "title": "tiny", "context": context, "question": "who owns the red balloon?",
                      "answers": {"text": [], "answer_start": []}})  # fmt: skip
-    path.write_text(json.dumps({"version": "tiny", "data": rows}))
+    return rows
+
+
+def squad_file(path: Path, n_examples: int, unanswerable: int = 0, n_sentences: int = 44, nested: bool = False) -> str:
+    """:func:`squad_rows` written as a SQuAD-format file: flattened rows under ``data``, or with ``nested`` the
+    official layout (articles -> paragraphs -> qas)."""
+    rows = squad_rows(n_examples, unanswerable, n_sentences)
+    data = rows
+    if nested:
+        qas = [{"id": r["id"], "question": r["question"], "is_impossible": not r["answers"]["text"],
+                "answers": [{"text": t, "answer_start": a} for t, a in zip(*r["answers"].values())]}
+               for r in rows]  # fmt: skip
+        data = [{"title": "tiny", "paragraphs": [{"context": rows[0]["context"], "qas": qas}]}]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": "tiny", "data": data}))
     return str(path)
 
 
@@ -326,11 +340,22 @@ def test_run_qa_v1_short_model_doc_stride_windows(short_model, tmp_path, capsys)
     assert "2 of 2 contexts are longer than a window and were cut" in capsys.readouterr().out
 
 
-def test_run_qa_v2_with_unanswerable_questions(long_model, tmp_path):
-    train = squad_file(tmp_path / "train.json", 2, unanswerable=2)
-    dev = squad_file(tmp_path / "dev.json", 2, unanswerable=2)
+def test_run_qa_v2_with_unanswerable_questions(long_model, tmp_path, monkeypatch):
+    """SQuAD v2 from a Hub dataset's layout (train and validation splits of flattened rows; the Hub is replaced by
+    an in-memory copy)."""
+    calls = []
+
+    def fake_load_dataset(name, config=None, cache_dir=None):
+        calls.append((name, config))
+        rows = squad_rows(2, unanswerable=2)
+        return DatasetDict(train=Dataset.from_list(rows), validation=Dataset.from_list(rows))
+
+    monkeypatch.setattr(run_qa, "load_dataset", fake_load_dataset)
     out = tmp_path / "out"
-    run_qa.main(qa_args(long_model, out, train, dev, "--version_2_with_negative", "--max_steps", "1"))
+    args = qa_args(long_model, out, "", "", "--version_2_with_negative", "--max_steps", "1")
+    args = [a for a in args if a not in ("--train_file", "--validation_file", "")]
+    run_qa.main([*args, "--dataset_name", "rajpurkar/squad_v2"])
+    assert calls == [("rajpurkar/squad_v2", None)]  # read once for both splits
     results = json.loads((out / "eval_results.json").read_text())
     assert results["eval_HasAns_total"] == 2 and results["eval_NoAns_total"] == 2
     for key in ("eval_HasAns_f1", "eval_NoAns_exact_match", "eval_best_f1", "eval_best_f1_thresh"):
