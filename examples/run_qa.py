@@ -196,9 +196,8 @@ def check_answers(dataset: Dataset, data_args: DataTrainingArguments, source: st
     require_columns(
         dataset, [data_args.question_column_name, data_args.context_column_name, data_args.answer_column_name], source
     )
-    ids = dataset["id"] if "id" in dataset.column_names else range(len(dataset))
     for example_id, context, answers in zip(
-        ids, dataset[data_args.context_column_name], dataset[data_args.answer_column_name]
+        dataset["id"], dataset[data_args.context_column_name], dataset[data_args.answer_column_name]
     ):
         texts, starts = answers["text"], answers["answer_start"]
         if len(texts) != len(starts):
@@ -249,7 +248,7 @@ def featurize(
         return_token_type_ids=return_token_type_ids,
     )
     owners = encoded.pop("overflow_to_sample_mapping")
-    ids = examples["id"] if "id" in examples else [str(i) for i in range(len(contexts))]
+    ids = examples["id"]
     keep = [w for w, owner in enumerate(owners) if chunks or w == 0 or owners[w - 1] != owner]
     windows_per_example = collections.Counter(owners)
     features = {key: [encoded[key][w] for w in keep] for key in encoded if key != "offset_mapping"}
@@ -276,7 +275,7 @@ def featurize(
                 end = next(i for i in reversed(context_tokens) if offsets[i][0] < last_char)
         features["start_positions"].append(start)
         features["end_positions"].append(end)
-        features["example_id"].append(ids[owner])
+        features["example_id"].append(str(ids[owner]))
         features["cls_index"].append(cls_index)
         features["offset_mapping"].append(offsets)
         features["example_windows"].append(windows_per_example[owner])
@@ -344,7 +343,7 @@ def postprocess(
     offsets_of, cls_of = windows["offset_mapping"], windows["cls_index"]
     top = data_args.n_best_size
     answers = Answers({}, {}, {}, {})
-    ids = examples["id"] if "id" in examples.column_names else [str(i) for i in range(len(examples))]
+    ids = [str(example_id) for example_id in examples["id"]]
     for example_id, context in zip(ids, examples[data_args.context_column_name]):
         candidates, null_score = [], None
         for w in by_example[example_id]:
@@ -476,8 +475,9 @@ def best_null_threshold(
 
 def gold_answers(examples: Dataset, answer_column: str) -> dict[str, list[str]]:
     """id -> the example's gold answer texts (empty for an unanswerable question)."""
-    ids = examples["id"] if "id" in examples.column_names else [str(i) for i in range(len(examples))]
-    return {example_id: list(answers["text"]) for example_id, answers in zip(ids, examples[answer_column])}
+    return {
+        str(example_id): list(answers["text"]) for example_id, answers in zip(examples["id"], examples[answer_column])
+    }
 
 
 @dataclass
@@ -539,6 +539,8 @@ def load_raw_splits(data_args: DataTrainingArguments, training_args: TrainingArg
             flag = "--train_file" if name == "train" else "--validation_file"
             raise ValueError(f"--do_{name} needs data: pass {flag} (SQuAD-format JSON) or --dataset_name.")
         data = take(data, limit)
+        if "id" not in data.column_names:  # answers are matched to their questions by id
+            data = data.add_column("id", [str(i) for i in range(len(data))])
         check_answers(data, data_args, path or f"{data_args.dataset_name} ({hub_split})")
         splits[name] = data
     return splits
@@ -633,13 +635,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if "eval" in splits:
         evaluation = windows_of(splits["eval"], "evaluation data")
         evaluator = QAEvaluation(splits["eval"], evaluation.select_columns(list(WINDOW_COLUMNS)), data_args)
-    model_columns = lambda windows: windows.remove_columns(list(WINDOW_COLUMNS))  # noqa: E731
 
     trainer = Trainer(
         model=model,
         args=training_args,
-        train_dataset=model_columns(train) if train is not None else None,
-        eval_dataset=model_columns(evaluation) if evaluation is not None else None,
+        train_dataset=model_inputs(train),
+        eval_dataset=model_inputs(evaluation),
         processing_class=tokenizer,
         data_collator=QACollator(tokenizer.pad_token_id),
         compute_metrics=evaluator,
@@ -683,6 +684,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         },
     )
     return metrics
+
+
+def model_inputs(windows: Dataset | None) -> Dataset | None:
+    """``windows`` without the columns only post-processing reads (:data:`WINDOW_COLUMNS`)."""
+    return None if windows is None else windows.remove_columns(list(WINDOW_COLUMNS))
 
 
 def report_windows(examples: Dataset, windows: Dataset, long_documents: str, desc: str) -> None:
