@@ -429,3 +429,17 @@ def test_run_qa_each_architectures_head_in_windows(name, tmp_path):
 def test_global_attention_goes_to_longformer_only(short_model):
     model = AutoModelForQuestionAnswering.from_pretrained(short_model)
     assert utils_examples.supports_global_attention(model.base_model)
+
+
+def test_collator_pads_every_mask_on_the_right():
+    windows = [
+        {"input_ids": [0, 7, 2, 9, 2], "attention_mask": [1] * 5, "global_attention_mask": [1, 1, 0, 0, 0],
+         "start_positions": 3, "end_positions": 3},
+        {"input_ids": [0, 7, 2], "attention_mask": [1] * 3, "global_attention_mask": [1, 1, 0],
+         "start_positions": 0, "end_positions": 0},
+    ]  # fmt: skip
+    batch = run_qa.QACollator(pad_token_id=1)(windows)
+    assert batch["input_ids"].tolist() == [[0, 7, 2, 9, 2], [0, 7, 2, 1, 1]]
+    assert batch["attention_mask"].tolist() == [[1] * 5, [1, 1, 1, 0, 0]]
+    assert batch["global_attention_mask"].tolist() == [[1, 1, 0, 0, 0], [1, 1, 0, 0, 0]]
+    assert batch["start_positions"].tolist() == [3, 0] and batch["end_positions"].tolist() == [3, 0]
