@@ -60,6 +60,7 @@ from examples.utils_examples import (
     finish_output_dir,
     hub_model_id,
     load_local_file,
+    model_max_tokens,
     model_origin,
     packed_collator,
     parse_script_args,
@@ -247,17 +248,6 @@ class WikiHopModel(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def model_max_tokens(encoder: nn.Module) -> int:
-    """How many tokens ``encoder`` reads: hfx models say so; RoBERTa-style position tables (with a
-    ``padding_idx``) lose ``padding_idx + 1`` rows to the offset; otherwise ``max_position_embeddings``."""
-    embeddings = getattr(encoder, "embeddings", None)
-    if hasattr(embeddings, "max_tokens"):
-        return int(embeddings.max_tokens)
-    limit = encoder.config.max_position_embeddings
-    offset = getattr(embeddings, "padding_idx", None)
-    return limit - offset - 1 if offset is not None else limit
 
 
 def check_examples(dataset: Dataset, source: str) -> None:

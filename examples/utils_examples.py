@@ -279,13 +279,24 @@ def supports_global_attention(model) -> bool:
     """Whether ``model``'s forward accepts a ``global_attention_mask`` that it actually uses.
 
     hfx models say so on their attention class (every hfx base model *accepts* the argument but refuses it
-    with a ValueError when its attention has no global tokens); other models (e.g. transformers' Longformer)
-    are judged by their forward signature.
+    with a ValueError when its attention has no global tokens; Reformer's, which has no single attention class,
+    refuses it too); other models (e.g. transformers' Longformer) are judged by their forward signature.
     """
     attention_class = getattr(model, "attention_class", None)
-    if attention_class is not None:
+    if attention_class is not None or getattr(model.config, "model_type", None) in REGISTRY:
         return bool(getattr(attention_class, "supports_global_attention", False))
     return "global_attention_mask" in inspect.signature(model.forward).parameters
+
+
+def model_max_tokens(encoder: torch.nn.Module) -> int:
+    """How many tokens ``encoder`` reads: hfx models say so; RoBERTa-style position tables (with a
+    ``padding_idx``) lose ``padding_idx + 1`` rows to the offset; otherwise ``max_position_embeddings``."""
+    embeddings = getattr(encoder, "embeddings", None)
+    if hasattr(embeddings, "max_tokens"):
+        return int(embeddings.max_tokens)
+    limit = encoder.config.max_position_embeddings
+    offset = getattr(embeddings, "padding_idx", None)
+    return limit - offset - 1 if offset is not None else limit
 
 
 def packed_collator(

@@ -36,6 +36,7 @@ from transformers import RobertaConfig, RobertaForMaskedLM  # noqa: E402
 from tests.test_examples import glue_rows, write_rows  # noqa: E402
 from tests.test_run_classification import classification_files  # noqa: E402
 from tests.test_run_mlm import NEW_MODELS, documents  # noqa: E402
+from tests.test_run_qa import squad_file  # noqa: E402
 from tests.tiny_tokenizers import roberta_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +67,10 @@ SIZE_FLAGS = {
     "examples.run_classification": ["--max_steps", "1", "--max_seq_length", "64", "--doc_stride", "8",
                                     "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "4",
                                     *TRAINER_QUIET],
+    "examples.run_qa": ["--max_steps", "1", "--max_seq_length", "128", "--doc_stride", "32",
+                        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+                        "--per_device_eval_batch_size", "8", "--max_train_samples", "2", "--max_eval_samples", "3",
+                        *TRAINER_QUIET],
     "hf_xformers.conversion.convert_roberta_to_long": ["--max-length", "128", "--attention-window", "16"],
 }  # fmt: skip
 # A new model from scratch (--model_type): the README's sizes give way to the tiny ones of tests/test_run_mlm.py.
@@ -121,6 +126,8 @@ def why_not_here(command: str) -> str | None:
     if module == "examples.long_vs_truncated":
         # Four fine-tunings and evaluations, each a process of its own, of a real 22M-parameter encoder.
         return "tests/test_run_classification.py::test_long_vs_truncated_end_to_end runs this script at tiny size"
+    if module == "examples.run_qa" and "--dataset_name" in argv:
+        return "reads SQuAD from the Hub (tests/test_run_qa.py::test_run_qa_v2_with_unanswerable_questions reads its layout)"
     return None
 
 
@@ -192,6 +199,9 @@ def build_stand_ins(root: Path, longformer_dir: Path) -> None:
     fixtures = REPO / "tests" / "fixtures" / "wikihop"
     shutil.copytree(fixtures, root / "qangaroo_v1.1" / "wikihop")
     shutil.copytree(fixtures, root / "tests" / "fixtures" / "wikihop")
+    for version, unanswerable in (("v1.1", 0), ("v2.0", 2)):
+        for split in ("train", "dev"):
+            squad_file(root / "squad" / f"{split}-{version}.json", 3, unanswerable, n_sentences=12, nested=True)
     (root / "train.txt").write_text("\n".join(documents(40)) + "\n", encoding="utf-8")
     (root / "valid.txt").write_text("\n".join(documents(12, seed=1)) + "\n", encoding="utf-8")
     _image_folder(root / "data/train", 8)
@@ -242,7 +252,7 @@ def test_the_readme_shows_the_commands_the_tests_run():
     and every script module they name has size flags here."""
     modules = {parse(command)[1] for command in COMMANDS if why_not_here(command) is None}
     assert {"examples.run_glue", "examples.run_wikihop", "examples.run_mlm", "examples.run_image_classification",
-            "hf_xformers.conversion.convert_roberta_to_long"} <= modules  # fmt: skip
+            "examples.run_qa", "hf_xformers.conversion.convert_roberta_to_long"} <= modules  # fmt: skip
     assert modules <= set(SIZE_FLAGS), f"add size flags for {modules - set(SIZE_FLAGS)}"
     assert any("--bf16" in command and why_not_here(command) is None for command in COMMANDS)
 
