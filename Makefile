@@ -23,7 +23,7 @@ COMPAT_TESTS ?= tests
 PYTEST_WORKERS ?= logical
 PYTEST := -m pytest -q -n $(PYTEST_WORKERS)
 
-.PHONY: demo test lint docs bench install test-compat test-newest test-lowest gpu-check
+.PHONY: demo test fuzz lint docs bench install test-compat test-newest test-lowest gpu-check
 
 install: $(VENV)/.installed
 
@@ -43,6 +43,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) $(PYTEST)
+
+# The generative test of packed batches with the "fuzz" profile (tests/conftest.py): fresh draws, twenty times the
+# examples make test runs (about 10 minutes of CPU); a failure prints its case, to keep as an explicit regression.
+fuzz: $(VENV)/.installed
+	HYPOTHESIS_PROFILE=fuzz $(PY) $(PYTEST) --hypothesis-show-statistics tests/test_packing_fuzz.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
