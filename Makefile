@@ -45,9 +45,12 @@ test: $(VENV)/.installed
 	$(PY) $(PYTEST)
 
 # The generative test of packed batches with the "fuzz" profile (tests/conftest.py): fresh draws, twenty times the
-# examples make test runs (about 10 minutes of CPU); a failure prints its case, to keep as an explicit regression.
+# examples make test runs (FUZZ_EXAMPLES=800; 10 of them compiled); a failure prints its case, to keep as an explicit
+# regression in the file.
+FUZZ_EXAMPLES ?= 800
 fuzz: $(VENV)/.installed
-	HYPOTHESIS_PROFILE=fuzz $(PY) $(PYTEST) --hypothesis-show-statistics tests/test_packing_fuzz.py
+	HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:xdist --hypothesis-show-statistics \
+		tests/test_packing_fuzz.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
