@@ -412,7 +412,8 @@ def check(case: PackedCase, compiled: bool = False) -> bool:
 
     A refusal must not be a false one: where the CPU form refuses, the accelerator form (which reads nothing back,
     so checks less) must refuse too, or its answers are what the CPU form should have given; a compiled model must
-    not refuse rows of one document each (nothing is packed)."""
+    not refuse rows of one document each (nothing is packed), nor an unpadded row that carries ``cu_seq_lens`` and
+    ``max_length`` (all that tracing needs)."""
     model = model_for(case.arch, case.head).train(case.train)
     docs = documents_of(case)
     labels = labels_of(case, model, docs)
@@ -435,6 +436,10 @@ def check(case: PackedCase, compiled: bool = False) -> bool:
         note(f"refused: {str(refusal)[:50]}")
         if compiled and all(len(row) == 1 for row in case.rows):
             raise AssertionError(f"a compiled model refuses a batch that packs nothing: {refusal}") from error
+        if compiled and "cu_seq_lens" in case.form and case.padding == "none":
+            raise AssertionError(
+                f"a compiled model refuses a batch that carries cu_seq_lens + max_length: {refusal}"
+            ) from error
         if not case.accelerator and not compiled and check(dataclasses.replace(case, accelerator=True)):
             raise AssertionError(
                 f"the CPU form refuses a batch whose documents the accelerator form answers as their own: {refusal}"
@@ -573,11 +578,16 @@ def _compiled_row_of_one_document(case: PackedCase, compiled: bool) -> bool:
     return compiled and case.padding == "none" and case.rows == ((case.rows[0][0],),)
 
 
+def _compiled_reformer_with_seq_idx(case: PackedCase, compiled: bool) -> bool:
+    return compiled and case.arch == "reformer" and "seq_idx" in case.form
+
+
 OPEN_FINDINGS: dict[str, Callable[[PackedCase, bool], bool]] = {
     "1: rows of restarting position_ids, no boundaries": _several_rows_of_positions,
     "2: restarting position_ids + all-ones mask, accelerator form": _positions_with_all_ones_mask_on_accelerator,
     "3: Longformer from inputs_embeds without its default global tokens": _longformer_classification_from_embeddings,
     "5: a compiled row of one document read as packed": _compiled_row_of_one_document,
+    "6: Reformer refuses seq_idx while tracing": _compiled_reformer_with_seq_idx,
     "7: Longformer QA counts trailing padding as a document without separator": _longformer_qa_over_trailing_padding,
     "new A: a padded row of restarting position_ids, no boundaries": _padded_row_of_positions,
     "new B: padded rows of one document each read as an ordinary batch": _padded_rows_of_one_document,
@@ -676,6 +686,14 @@ REGRESSIONS = [
     # Classification from inputs_embeds: no global <s> per document (logits 2.1e-2 off).
     finding(
         "3-embeds", PackedCase("longformer", "AutoModelForSequenceClassification", ((2, 3),), "seq_idx", embeds=True)
+    ),
+    # Compiled, one ordinary row: read as packed, so no pooled output (eager mode pools it).
+    finding("5-compiled-row", PackedCase("performer", "AutoModel", ((6,),), "position_ids"), compiled=True),
+    # Compiled Reformer given seq_idx and cu_seq_lens refuses (while cu_seq_lens alone compiles).
+    finding(
+        "6-compiled-seq-idx",
+        PackedCase("reformer", "AutoModelForMaskedLM", ((3, 4),), "seq_idx+cu_seq_lens", collator="transformers"),
+        compiled=True,
     ),
     # QA on a seq_idx row with trailing padding, training: the CPU form refuses ("some documents of the packed batch
     # have none" separator), the accelerator form answers every document exactly.
