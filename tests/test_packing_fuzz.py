@@ -48,12 +48,13 @@ HEADS = {arch: tuple(h for h in suite.heads if h != "AutoModelForMultipleChoice"
 TOKEN_HEADS = ("AutoModelForMaskedLM", "AutoModelForCausalLM", "AutoModelForTokenClassification")
 FP32_ATOL = 1e-5
 # bfloat16 keeps 8 bits of mantissa (a relative step of 2**-8 = 3.9e-3 of a value's magnitude): a packed row and a
-# lone document round differently wherever the kernels split a work differently (packed attention, reductions over
-# other shapes), and two layers and a backward pass compound that, so documents agree to some steps of the largest
-# value compared (gradients reach ~10), not bit for bit. A mixing of documents moves values by a large share of
-# their scale. The bound: BF16_TOL times the larger of 1 and the largest magnitude compared; the largest gap seen
-# over the correct bf16 cases of a fuzz run was under half of it (see the report of issue 46).
-BF16_TOL = 4e-2
+# lone document round differently wherever the kernels split the work differently (packed attention, reductions
+# over other shapes), and two layers and a backward pass compound that, so documents agree to some steps of the
+# largest value compared (gradients reach ~10), not bit for bit. The bound: BF16_TOL times the larger of 1 and the
+# largest magnitude compared. Measured over 150 draws forced to bf16 (1,645 comparisons of answered batches): the
+# largest gap was 0.033 of that scale, 2.4 times below the bound. bf16 draws find dtype faults and gross mixing;
+# the fp32 draws find the small gaps (findings of 1e-3).
+BF16_TOL = 8e-2
 # The longest row: every tiny config has 64 positions (Reformer's axial grid is 8 x 8).
 MAX_ROW = 48
 PAD = 1
