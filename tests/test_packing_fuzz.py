@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import traceback
 from collections.abc import Callable
 from functools import cache
 
@@ -383,10 +385,13 @@ def note(what: str) -> None:
 
 
 def refusal_of(error: Exception) -> Exception | None:
-    """The ``ValueError`` with which a forward refused the batch, or None. While tracing (``fullgraph=True``) a
-    refusal reaches the caller as dynamo's ``Unsupported`` ("Observed exception") caused by the ``ValueError``."""
+    """The ``ValueError`` with which a forward refused the batch, or None. A refusal is raised by the package's own
+    checks (a ValueError out of torch, such as ``cross_entropy``'s "Expected input batch_size (3) to match target
+    batch_size (2)", is a fault that slipped past them). While tracing (``fullgraph=True``) a refusal reaches the
+    caller as dynamo's ``Unsupported`` ("Observed exception") caused by the ``ValueError``."""
     if isinstance(error, ValueError):
-        return error
+        innermost = traceback.extract_tb(error.__traceback__)[-1].filename
+        return error if f"{os.sep}hf_xformers{os.sep}" in innermost else None
     cause = error.__cause__
     if isinstance(error, torch._dynamo.exc.Unsupported) and "raised exception ValueError(" in str(cause):
         return cause
@@ -583,11 +588,16 @@ def _compiled_reformer_with_seq_idx(case: PackedCase, compiled: bool) -> bool:
     return compiled and case.arch == "reformer" and "seq_idx" in case.form
 
 
+def _compiled_pooling_without_count(case: PackedCase, compiled: bool) -> bool:
+    return compiled and case.head == "AutoModel" and "cu_seq_lens" not in case.form
+
+
 OPEN_FINDINGS: dict[str, Callable[[PackedCase, bool], bool]] = {
     "1: rows of restarting position_ids, no boundaries": _several_rows_of_positions,
     "2: restarting position_ids + all-ones mask, accelerator form": _positions_with_all_ones_mask_on_accelerator,
     "3: Longformer from inputs_embeds without its default global tokens": _longformer_classification_from_embeddings,
     "5: a compiled row of one document read as packed": _compiled_row_of_one_document,
+    "new C: compiled base model returns no pooled output per document": _compiled_pooling_without_count,
     "6: Reformer refuses seq_idx while tracing": _compiled_reformer_with_seq_idx,
     "7: Longformer QA counts trailing padding as a document without separator": _longformer_qa_over_trailing_padding,
     "new A: a padded row of restarting position_ids, no boundaries": _padded_row_of_positions,
