@@ -700,6 +700,8 @@ REGRESSIONS = [
     ),
     # Compiled, one ordinary row: read as packed, so no pooled output (eager mode pools it).
     finding("5-compiled-row", PackedCase("performer", "AutoModel", ((6,),), "position_ids"), compiled=True),
+    # New: compiled, a packed row marked by positions alone: no pooled output at all (eager mode: one per document).
+    finding("new-C-compiled-pooling", PackedCase("performer", "AutoModel", ((1, 1),), "position_ids"), compiled=True),
     # Compiled Reformer given seq_idx and cu_seq_lens refuses (while cu_seq_lens alone compiles).
     finding(
         "6-compiled-seq-idx",
