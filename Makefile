@@ -28,7 +28,7 @@ PYTEST := -m pytest -q -n $(PYTEST_WORKERS)
 TORCH_INDEX ?=
 TORCH_INSTALL := torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: demo test lint docs bench install test-compat test-newest test-lowest test-wheel gpu-check
+.PHONY: demo test fuzz lint docs bench install test-compat test-newest test-lowest test-wheel gpu-check
 
 install: $(VENV)/.installed
 
@@ -49,6 +49,14 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) $(PYTEST)
+
+# The generative test of packed batches with the "fuzz" profile (tests/conftest.py): fresh draws, twenty times the
+# examples make test runs (FUZZ_EXAMPLES=800; 10 of them compiled); a failure prints its case, to keep as an explicit
+# regression in the file.
+FUZZ_EXAMPLES ?= 800
+fuzz: $(VENV)/.installed
+	HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:xdist --hypothesis-show-statistics \
+		tests/test_packing_fuzz.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -8,6 +8,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Generative tests (tests/test_packing_fuzz.py): "ci" for make test, the same draws on every run and a budget that
+# keeps the file well under a minute on 2 cores; "fuzz" for make fuzz, fresh draws and twenty times the examples
+# (FUZZ_EXAMPLES sets another number). HYPOTHESIS_PROFILE picks one. No example database: a failure prints its case
+# (and, under the fuzz profile, the blob that replays it).
+settings.register_profile("ci", max_examples=40, derandomize=True, deadline=None, database=None, print_blob=True)
+settings.register_profile(
+    "fuzz", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "800")), deadline=None, database=None, print_blob=True
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Under pytest-xdist (make test runs one worker per core) each worker gets its share of the cores: more threads would
 # only oversubscribe them.
