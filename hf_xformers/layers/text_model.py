@@ -96,8 +96,10 @@ class HfxTextModel:
         """The pooler's output, or None without a pooler, or for a packed batch whose number of documents a traced
         graph cannot know (boundaries from ``seq_idx``; ``cu_seq_lens`` give it). Restarting ``position_ids`` alone
         are pooled per row there (:func:`~hf_xformers.ops.packing.documents_to_answer`)."""
+        if self.pooler is None:
+            return None
         packed = documents_to_answer(packed)
-        if self.pooler is None or (packed is not None and packed.count is None):
+        if packed is not None and packed.count is None:
             return None
         return self.pooler(hidden_states, packed)
 

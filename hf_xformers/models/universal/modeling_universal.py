@@ -579,7 +579,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         loss = None
         if self.config.use_act:
             loss = ponder_loss(out.ponder_steps, out.ponder_remainders, real_mask, self.config.act_loss_weight)
-        answered = documents_to_answer(packed)
+        answered = documents_to_answer(packed) if self.pooler is not None else None
         pools = self.pooler is not None and (answered is None or answered.count is not None)
         return HfxUniversalModelOutput(
             last_hidden_state=out.last_hidden_state,
