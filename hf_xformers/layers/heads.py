@@ -34,7 +34,7 @@ from transformers.utils import ModelOutput
 from typing_extensions import Unpack
 
 from ..ops.compat import CACHE_NAME, output_cache, resolve_cache_argument
-from ..ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs
+from ..ops.packing import PackedBatch, PackedBatchKwargs, documents_to_answer, packing_kwargs
 from .generation import HfxGenerationMixin
 from .head_base import HfxHeadMixin, HfxLMHeadMixin
 
@@ -169,10 +169,10 @@ class HfxSequenceClassificationHeadMixin(HfxLogitsHeadMixin):
         self.post_init()
 
     def head_logits(self, out, attention_mask, documents) -> torch.Tensor:
-        return self.classifier(out.last_hidden_state, attention_mask, documents)
+        return self.classifier(out.last_hidden_state, attention_mask, documents_to_answer(documents))
 
     def head_loss(self, logits, labels, documents) -> torch.Tensor:
-        if documents is not None:
+        if documents_to_answer(documents) is not None:
             fix = (
                 "give one label per document (DataCollatorForPackedDocuments collects them from the features), in the "
                 "order the documents are packed."
@@ -475,6 +475,7 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
             output_attentions, output_hidden_states, kwargs,
         )  # fmt: skip
+        documents = documents_to_answer(documents)
         start_logits, end_logits = self.qa_outputs(out.last_hidden_state).unbind(-1)
         if documents is not None:
             lowest = torch.finfo(start_logits.dtype).min

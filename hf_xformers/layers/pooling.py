@@ -63,7 +63,15 @@ def unpack_document_rows(values: torch.Tensor, packed: PackedBatch, fill: float)
     document's end set to ``fill`` (padding dropped)."""
     count, longest = packed.num_documents(), packed.longest_document()
     out = values.new_full((count + 1, longest), fill)
-    positions = packed.positions.clamp(max=longest - 1)  # padding runs may be longer; their slot is dropped
+    # Padding runs may be longer than any document: their slot is dropped, so any place in it will do. A real token
+    # past `longest` (an understated `max_length_q`, unchecked where values cannot be read) fails here instead of
+    # overwriting its document's last place.
+    positions = packed.positions.masked_fill(packed.index == count, 0)
+    torch._assert_async(
+        (positions < longest).all(),
+        f"`max_length_q/k` ({longest}) understate the longest document of this packed batch; pass the collator's "
+        "values unchanged (DataCollatorWithFlattening(return_flash_attn_kwargs=True)), or leave them out.",
+    )
     out = out.index_put((packed.index.reshape(-1), positions.reshape(-1)), values.reshape(-1))
     return out[:count]
 

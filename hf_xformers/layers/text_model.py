@@ -24,7 +24,14 @@ from ..ops.input_checks import (
     token_shape,
     unpadded_to_none,
 )
-from ..ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs, refuse_packed, resolve_packed_batch
+from ..ops.packing import (
+    PackedBatch,
+    PackedBatchKwargs,
+    documents_to_answer,
+    packing_kwargs,
+    refuse_packed,
+    resolve_packed_batch,
+)
 from .embeddings import HfxTextEmbeddings
 from .encoder import HfxEncoder, HfxModelOutput, HfxPooler
 from .pretrained import HfxPreTrainedModel  # noqa: F401 (its old import path)
@@ -90,8 +97,12 @@ class HfxTextModel:
 
     def _pool(self, hidden_states: torch.Tensor, packed: PackedBatch | None) -> torch.Tensor | None:
         """The pooler's output, or None without a pooler, or for a packed batch whose number of documents a traced
-        graph cannot know (boundaries from ``seq_idx`` or ``position_ids``; ``cu_seq_lens`` give it)."""
-        if self.pooler is None or (packed is not None and packed.count is None):
+        graph cannot know (boundaries from ``seq_idx``; ``cu_seq_lens`` give it). Restarting ``position_ids`` alone
+        are pooled per row there (:func:`~hf_xformers.ops.packing.documents_to_answer`)."""
+        if self.pooler is None:
+            return None
+        packed = documents_to_answer(packed)
+        if packed is not None and packed.count is None:
             return None
         return self.pooler(hidden_states, packed)
 
@@ -208,8 +219,8 @@ class HfxTextModel:
         Returns:
             :class:`HfxModelOutput` with ``last_hidden_state`` ``(batch, seq_len, hidden)`` and
             ``pooler_output`` ``(batch, hidden)`` (None without a pooler); for a packed batch ``pooler_output`` is
-            ``(num_documents, hidden)``, one row per document in order (None in a traced graph given ``seq_idx`` or
-            ``position_ids`` only: the number of documents is unknown there without a read).
+            ``(num_documents, hidden)``, one row per document in order (None in a traced graph given ``seq_idx``: the
+            number of documents is unknown there without a read).
         """
         shape = token_shape(input_ids, inputs_embeds)
         device = input_ids.device if input_ids is not None else inputs_embeds.device

@@ -15,14 +15,19 @@ Forms, in the order they are used when several are given:
   documents, which a traced graph cannot read from ``seq_idx`` (``return_seq_idx=True`` with
   ``return_flash_attn_kwargs=True`` gives both).
 * ``seq_idx`` ``(batch, seq_len)``: any integer labels; a new document starts wherever the label changes.
-* ``position_ids`` alone, ``batch == 1``, nothing padded, eager mode: a new document starts wherever the position does
-  not follow on from the previous one (as transformers infers packing). A batch of several rows, or a padded row, is
-  never inferred packed from its positions (padding restarts them too); give ``seq_idx`` to pack several rows, and
-  ``seq_idx`` or ``cu_seq_lens`` to a compiled model.
+* ``position_ids`` alone: a new document starts wherever the position does not follow on from the previous token's
+  (as transformers infers packing), among real tokens (padding, which restarts positions too, never starts one). In
+  eager mode this holds for any batch, padded or not, read once (a ``Trainer`` keeps a pre-packed dataset's
+  ``position_ids`` column, named in ``forward``'s signature, and drops ``seq_idx`` / ``cu_seq_lens``, which are not);
+  a traced graph reads positions only of a single row without ``attention_mask`` (as transformers does under
+  compile), and cannot count the documents then: the heads that answer per document take such a row as one document,
+  and a graph assertion fails when it runs on a row that holds several (:func:`documents_to_answer`). Give
+  ``cu_seq_lens`` to a compiled model that answers per document.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,7 +139,8 @@ class PackedBatch:
         longest: the longest document's length when the batch says (``max_length_q``) or it was read, else None.
         cu_seq_lens: ``(count + 1,)`` int32 cumulative lengths over the flattened batch when nothing is padded and
             the batch is one row (FlashAttention's varlen form), else None.
-        padded: whether any token is padding (``attention_mask`` given and not all ones).
+        padded: whether any token may be padding (``attention_mask`` given, and not known to be all ones).
+        from_positions: whether restarting ``position_ids`` alone marked the documents.
     """
 
     document_ids: torch.Tensor
@@ -145,6 +151,7 @@ class PackedBatch:
     longest: int | None
     cu_seq_lens: torch.Tensor | None
     padded: bool
+    from_positions: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -161,12 +168,14 @@ class PackedBatch:
         return document_spans(ids, self.cu_seq_lens)
 
     def num_documents(self, what: str = "this head") -> int:
-        """``count``, or a ``ValueError`` when it is unknown (a traced graph given restarting positions only)."""
+        """``count``, or a ``ValueError`` when it is unknown (a traced graph given ``seq_idx``, or ``cu_seq_lens`` of
+        a padded row)."""
         if self.count is None:
             raise ValueError(
                 f"{what} answers per document, and the number of documents of this packed batch is unknown while "
-                "tracing (only `position_ids` mark them); pass `cu_seq_lens_q/k` (DataCollatorWithFlattening("
-                "return_flash_attn_kwargs=True)) or `seq_idx` with per-document `labels`."
+                "tracing: `seq_idx` (and `cu_seq_lens` of a padded row) give it only by a read. Pass the documents as "
+                "one unpadded row with `cu_seq_lens_q/k` (DataCollatorWithFlattening(return_flash_attn_kwargs=True)), "
+                "whose shape gives the count, or run this model in eager mode."
             )
         return self.count
 
@@ -266,20 +275,22 @@ def resolve_packed_batch(
 
     Forms are read in the order of the module doc (``cu_seq_lens`` of one row, then ``seq_idx``, then
     ``position_ids``).
-    Restarting ``position_ids`` mark documents in a single row with nothing padded: in eager mode when the row holds
-    more than one document (one read), and while tracing whenever ``attention_mask`` is None (as transformers detects
-    packed rows under compile), so that a compiled model never lets documents see each other. A caller whose
+    Restarting ``position_ids`` mark documents among the real tokens of every row: in eager mode when a row holds
+    more than one document (one read, whether or not the mask could be read, so that the CPU and an accelerator's
+    training step agree), and while tracing in a single row whenever ``attention_mask`` is None (as transformers
+    detects packed rows under compile), so that a compiled model never lets documents see each other. A caller whose
     positions continue a cache (a decoding step) passes ``positions_while_tracing=False``: its positions are
     positions, as transformers reads them only without a cache.
 
     Raises:
         ValueError: a boundary tensor of the wrong shape; ``cu_seq_lens`` that do not rise strictly from 0 to the row's
-            length (an empty document) or that differ between q and k (checked where values may be read:
-            :func:`~hf_xformers.ops.input_checks.reads_values`).
+            length (an empty document) or that differ between q and k; ``max_length_q/k`` below the longest
+            document (both checked where values may be read: :func:`~hf_xformers.ops.input_checks.reads_values`).
     """
     batch, length = shape
     real = _real_tokens(attention_mask, device)
     cu_given = cu_seq_lens_q is not None or cu_seq_lens_k is not None
+    from_positions = False
     if seq_idx is not None and not (cu_given and batch == 1):
         if tuple(seq_idx.shape) != (batch, length):
             raise ValueError(
@@ -290,26 +301,22 @@ def resolve_packed_batch(
         cu, count = None, None
     elif cu_given:
         document_ids, run_starts, cu, count = _runs_from_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, shape, device, real)
-    elif (
-        position_ids is not None
-        and batch == 1
-        and length > 1
-        and real is None
-        and (positions_while_tracing or not is_tracing())
-    ):
-        if attention_mask is not None and is_tracing():
-            return None  # padding may restart positions: a traced graph cannot tell, so positions are positions
-        if tuple(position_ids.shape) != (batch, length):
-            return None  # a broadcast (1, seq_len) table of a wider batch: not a packed row
+    elif position_ids is not None and length > 1 and tuple(position_ids.shape) == (batch, length):
+        # (a broadcast (1, seq_len) table of a wider batch marks nothing)
+        if is_tracing() and not (positions_while_tracing and batch == 1 and attention_mask is None):
+            return None  # a traced graph cannot tell packed rows from padded or continued ones: positions are positions
         position_ids = position_ids.to(device)
         restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
-        run_starts = torch.cat([torch.ones_like(restarts[:, :1]), restarts], dim=-1)
-        document_ids = run_starts.long().cumsum(-1) - 1
-        cu, count = None, None
+        runs = torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=-1).long().cumsum(-1)
+        document_ids, run_starts = _run_ids(runs, real)
+        cu, count, from_positions = None, None, True
     else:
         return None
     longest = max_length_q if max_length_q is not None else max_length_k
-    return _packed_from_runs(document_ids, run_starts, real, cu, count, longest)
+    packed = _packed_from_runs(document_ids, run_starts, real, cu, count, longest)
+    if packed is not None and from_positions:
+        packed = dataclasses.replace(packed, from_positions=True)
+    return packed
 
 
 def _real_tokens(attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -360,6 +367,9 @@ def _packed_from_runs(
     batch, length = document_ids.shape
     starts = run_starts if real is None else run_starts & real
     flat_index = starts.reshape(-1).long().cumsum(0).reshape(batch, length) - 1
+    positions = _positions_in_runs(run_starts)
+    if longest is not None and reads_values(starts):
+        _check_longest(longest, positions, real)
     if count is None and not is_tracing():
         per_row = starts.sum(-1)
         if bool((per_row <= 1).all()):
@@ -375,12 +385,42 @@ def _packed_from_runs(
         document_ids=document_ids,
         starts=starts,
         index=flat_index,
-        positions=_positions_in_runs(run_starts),
+        positions=positions,
         count=count,
         longest=longest,
         cu_seq_lens=None if cu is None else cu.to(torch.int32),
         padded=real is not None,
     )
+
+
+def _check_longest(longest: int, positions: torch.Tensor, real: torch.Tensor | None) -> None:
+    """A ``ValueError`` where the batch's ``max_length_q/k`` understates its longest document (a read: where
+    :func:`~hf_xformers.ops.input_checks.reads_values` allows it). Layouts and the per-document rows of question
+    answering are sized by it, and would cut the longer documents."""
+    inside = positions if real is None else positions.masked_fill(~real, -1)
+    actual = int(inside.max()) + 1
+    if actual > longest:
+        raise ValueError(
+            f"`max_length_q/k` say the longest document of this packed batch has {longest} tokens, but one has "
+            f"{actual}; pass the collator's `max_length_q/k` unchanged (DataCollatorWithFlattening("
+            "return_flash_attn_kwargs=True)), or leave them out."
+        )
+
+
+def documents_to_answer(packed: PackedBatch | None) -> PackedBatch | None:
+    """The documents that the heads answering per document (pooler, sequence classification, question answering)
+    answer for: ``packed``, or None (one answer per row) for a traced graph given restarting ``position_ids`` alone,
+    which cannot count the documents without a read. Such a row is most often an ordinary one with explicit positions;
+    its attention kept any documents apart all the same, and an assertion in the graph fails when it runs on a row
+    that holds several, naming the boundaries that give the count."""
+    if packed is None or packed.count is not None or not packed.from_positions:
+        return packed
+    torch._assert_async(
+        (packed.starts.sum(-1) <= 1).all(),
+        "A row of restarting `position_ids` holds several documents, which a traced graph cannot count, and this "
+        "head answers per document: pass `cu_seq_lens_q/k` (DataCollatorWithFlattening(return_flash_attn_kwargs=True)).",
+    )
+    return None
 
 
 def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
@@ -403,9 +443,7 @@ def document_lengths(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(counts)
 
 
-def document_spans(
-    document_ids: torch.Tensor, cu_seq_lens: torch.Tensor | None = None
-) -> tuple[tuple[int, int], ...]:
+def document_spans(document_ids: torch.Tensor, cu_seq_lens: torch.Tensor | None = None) -> tuple[tuple[int, int], ...]:
     """The ``(start, end)`` token spans of the documents of a single packed row ``(1, seq_len)`` (a host read: eager
     only), for mechanisms that run each document as its own forward would (SDPA, FAVOR+, BigBird per document);
     from the row's ``cu_seq_lens`` when given (the same spans), else the runs of equal ids in ``document_ids`` (any
@@ -455,6 +493,7 @@ __all__ = [
     "packing_kwargs",
     "resolve_packed_batch",
     "document_ids_from_inputs",
+    "documents_to_answer",
     "document_lengths",
     "document_spans",
     "document_starts",

@@ -106,7 +106,10 @@ class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
         seen = running - (running - is_sep).gather(1, first_token)
         last_token = torch.ones_like(starts)
         last_token[:, :-1] = starts[:, 1:]
-        if reads_values(input_ids) and not bool(((seen > 0) | ~last_token).all()):
+        has_separator = (seen > 0) | ~last_token
+        if attention_mask is not None:
+            has_separator = has_separator | ~attention_mask.bool()  # a run of padding is no document
+        if reads_values(input_ids) and not bool(has_separator.all()):
             self._missing_separator(task, "documents of the packed batch")
         if task == "question_answering":
             return seen == 0

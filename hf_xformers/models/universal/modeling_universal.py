@@ -57,7 +57,14 @@ from ...ops.input_checks import (
     token_shape,
     unpadded_to_none,
 )
-from ...ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs, refuse_packed, resolve_packed_batch
+from ...ops.packing import (
+    PackedBatch,
+    PackedBatchKwargs,
+    documents_to_answer,
+    packing_kwargs,
+    refuse_packed,
+    resolve_packed_batch,
+)
 from ...ops.varlen import DocumentLayout, compute_dtype, document_layout, varlen_applies
 from .adaptive_computation_time import HfxHaltingUnit, ponder_loss
 from .configuration_universal import HfxUniversalConfig
@@ -596,10 +603,11 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         loss = None
         if self.config.use_act:
             loss = ponder_loss(out.ponder_steps, out.ponder_remainders, real_mask, self.config.act_loss_weight)
-        pools = self.pooler is not None and (packed is None or packed.count is not None)
+        answered = documents_to_answer(packed) if self.pooler is not None else None
+        pools = self.pooler is not None and (answered is None or answered.count is not None)
         return HfxUniversalModelOutput(
             last_hidden_state=out.last_hidden_state,
-            pooler_output=self.pooler(out.last_hidden_state, packed) if pools else None,
+            pooler_output=self.pooler(out.last_hidden_state, answered) if pools else None,
             hidden_states=out.hidden_states,
             attentions=out.attentions,
             cross_attentions=out.cross_attentions,
