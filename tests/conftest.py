@@ -14,7 +14,7 @@ from hypothesis import settings  # noqa: E402
 # keeps the file well under a minute on 2 cores; "fuzz" for make fuzz, fresh draws and twenty times the examples
 # (FUZZ_EXAMPLES sets another number). HYPOTHESIS_PROFILE picks one. No example database: a failure prints its case
 # (and, under the fuzz profile, the blob that replays it).
-settings.register_profile("ci", max_examples=40, derandomize=True, deadline=None, database=None, print_blob=True)
+settings.register_profile("ci", max_examples=30, derandomize=True, deadline=None, database=None, print_blob=True)
 settings.register_profile(
     "fuzz", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "800")), deadline=None, database=None, print_blob=True
 )

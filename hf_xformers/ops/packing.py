@@ -313,7 +313,9 @@ def resolve_packed_batch(
     else:
         return None
     longest = max_length_q if max_length_q is not None else max_length_k
-    packed = _packed_from_runs(document_ids, run_starts, real, cu, count, longest)
+    # Padded rows of one document each stay packed when the batch marks its documents (seq_idx, cu_seq_lens): as an
+    # ordinary padded batch, left padding would shift their positions and a QA head would score their padding.
+    packed = _packed_from_runs(document_ids, run_starts, real, cu, count, longest, marked=not from_positions)
     if packed is not None and from_positions:
         packed = dataclasses.replace(packed, from_positions=True)
     return packed
@@ -360,9 +362,10 @@ def _packed_from_runs(
     cu: torch.Tensor | None,
     count: int | None,
     longest: int | None,
+    marked: bool = False,
 ) -> PackedBatch | None:
     """The :class:`PackedBatch` of the runs ``(batch, seq_len)`` of a batch (``real``: its real tokens, None when
-    nothing is padded), or None when every row holds one document. ``count`` and ``cu`` are worked out here (eager
+    nothing is padded), or None when every row holds one document (nothing padded, or the documents unmarked: boundaries read from positions). ``count`` and ``cu`` are worked out here (eager
     mode) when the boundaries did not give them."""
     batch, length = document_ids.shape
     starts = run_starts if real is None else run_starts & real
@@ -372,8 +375,8 @@ def _packed_from_runs(
         _check_longest(longest, positions, real)
     if count is None and not is_tracing():
         per_row = starts.sum(-1)
-        if bool((per_row <= 1).all()):
-            return None  # one document per row (padding aside): an ordinary batch
+        if bool((per_row <= 1).all()) and not (marked and real is not None):
+            return None  # one document per row, nothing padded or unmarked: an ordinary batch
         count = int(per_row.sum())
     elif count == batch == 1:
         return None
