@@ -461,7 +461,11 @@ def test_torchrun_without_gpus_uses_cpu_processes(monkeypatch, tmp_path):
 def test_bf16_without_use_cpu_parses_on_a_cpu(script, required, tmp_path):
     """Every Trainer script takes --bf16 as the README shows it, without --use_cpu, on a machine without a GPU
     (TrainingArguments alone refuses it: "Your setup doesn't support bf16/gpu ...")."""
-    parsed = script.parse_args([*required, "--output_dir", str(tmp_path), "--bf16"])
+    model = tmp_path / "model"  # the scripts check at parse time that the model folder exists
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    required = [str(model) if arg == "unused" else arg for arg in required]
+    parsed = script.parse_args([*required, "--output_dir", str(tmp_path / "out"), "--bf16"])
     (training_args,) = [args for args in parsed if isinstance(args, TrainingArguments)]
     assert training_args.bf16 and training_args.use_cpu and training_args.device.type == "cpu"
 

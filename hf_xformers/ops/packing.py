@@ -306,8 +306,12 @@ def resolve_packed_batch(
         if is_tracing() and not (positions_while_tracing and batch == 1 and attention_mask is None):
             return None  # a traced graph cannot tell packed rows from padded or continued ones: positions are positions
         position_ids = position_ids.to(device)
-        restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
-        runs = torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=-1).long().cumsum(-1)
+        restarts = _position_restarts(position_ids, real)
+        if not is_tracing() and not bool(restarts.any()):
+            # One document per row (the read positions need anyway): a padded batch, or generate()'s mask with holes,
+            # whose padding must not split a row into runs.
+            return None
+        runs = restarts.long().cumsum(-1)
         document_ids, run_starts = _run_ids(runs, real)
         cu, count, from_positions = None, None, True
     else:
@@ -319,6 +323,20 @@ def resolve_packed_batch(
     if packed is not None and from_positions:
         packed = dataclasses.replace(packed, from_positions=True)
     return packed
+
+
+def _position_restarts(position_ids: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """``(batch, seq_len)`` bool: the real tokens whose position does not follow on from the previous *real* token's.
+    Padding is skipped, wherever it lies: ``generate()`` gives a mask with holes or left padding positions that count
+    real tokens only, and those rows hold one document."""
+    if real is None:
+        restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+        return torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=-1)
+    index = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
+    last_real = torch.where(real, index, -1).cummax(-1).values
+    previous = torch.cat([torch.full_like(last_real[:, :1], -1), last_real[:, :-1]], dim=-1)
+    follows_on = position_ids == position_ids.gather(-1, previous.clamp(min=0)) + 1
+    return real & (previous >= 0) & ~follows_on
 
 
 def _real_tokens(attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
