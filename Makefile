@@ -21,7 +21,8 @@ LOWEST_TRANSFORMERS ?= 5.18.0
 # hypothesis fuzzer of packed batches: the packed-batch conformance files still run), so that CI's three runs fit its
 # time. A narrower or wider selection can be given, e.g. COMPAT_TESTS="tests/test_generation.py tests/test_peft.py".
 COMPAT_ONLY_PINNED := test_docs.py test_doc_examples.py test_tutorials.py test_attention_pictures.py test_wheel.py \
-	test_cli.py test_benchmarks.py test_benchmark_packing.py test_lra.py test_lra_data.py test_demo.py test_packing_fuzz.py
+	test_cli.py test_benchmarks.py test_benchmark_packing.py test_lra.py test_lra_data.py test_demo.py test_packing_fuzz.py \
+	test_packing_faithful.py
 COMPAT_TESTS ?= tests $(addprefix --ignore=tests/,$(COMPAT_ONLY_PINNED))
 # pytest-xdist: one test process per logical CPU (PYTEST_WORKERS=0: all in this process).
 PYTEST_WORKERS ?= logical
