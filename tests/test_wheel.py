@@ -13,6 +13,7 @@ import configparser
 import importlib
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -32,6 +33,17 @@ def _missing_build_tools() -> str | None:
     return None
 
 
+def source_copy(tmp_path_factory) -> Path:
+    """The repository's files in a folder of this test's own: setuptools writes the sdist's tree
+    (``hf_xformers-<version>/``) beside ``setup.py`` and deletes it after archiving, so two builds of one folder at once
+    (this module's fixture on two pytest-xdist workers) delete each other's trees."""
+    copy = tmp_path_factory.mktemp("source") / "hf_xformers"
+    skip = shutil.ignore_patterns(".git", ".venv*", "site", "dist", "build", "*.egg-info", "hf_xformers-*", "__pycache__",
+                                  ".hypothesis", ".pytest_cache", ".ruff_cache")  # fmt: skip
+    shutil.copytree(REPO, copy, ignore=skip)
+    return copy
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict[str, Path]:
     """``{"wheel": path, "sdist": path}``: the sdist, then the wheel built from it (about 4 s).
@@ -43,7 +55,7 @@ def built(tmp_path_factory) -> dict[str, Path]:
         pytest.skip(reason)
     out = tmp_path_factory.mktemp("dist")
     result = subprocess.run(
-        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(REPO)],
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(source_copy(tmp_path_factory))],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
