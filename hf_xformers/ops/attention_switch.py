@@ -141,6 +141,12 @@ def eager_attention(
 # Outside torch.compile, run FlexAttention compiled (its eager form materialises every score: a reference, slow and
 # quadratic in memory). Tests set this to False to check the eager form too.
 FLEX_COMPILE = True
+# The CPU kernel of compiled FlexAttention (torch 2.13's inductor C++ template) computes wrong rows, NaN at times, for
+# head sizes of 8 and 16 when its key split (the BlockMask's block size, or the whole length when shorter) is 8 modulo
+# 16: e.g. (2, 1, 40, 8) queries, keys and values under a 128-block mask are 0.6 off the eager form in the last batch
+# element, with different garbage from run to run (an uninitialised buffer). Head sizes of 32 and 64 are exact at every
+# length measured, so smaller heads reach the CPU kernel zero-padded to this width (tests/test_attention_switch.py).
+CPU_FLEX_MIN_HEAD_DIM = 32
 # Compiled FlexAttention kernels kept per process (one per length and pattern kind) before dynamo gives up on compiling.
 FLEX_RECOMPILE_LIMIT = 64
 
@@ -429,15 +435,26 @@ def flex_attention(
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    head_dim, value_dim = query.shape[-1], value.shape[-1]
+    if device_type == "cpu" and head_dim < CPU_FLEX_MIN_HEAD_DIM and (FLEX_COMPILE or torch.compiler.is_compiling()):
+        # Zero columns leave every score (and so the normaliser) unchanged; the value's extra columns are cut below.
+        scale = head_dim**-0.5 if scale is None else scale
+        width = CPU_FLEX_MIN_HEAD_DIM
+        query, key = F.pad(query, (0, width - head_dim)), F.pad(key, (0, width - head_dim))
+        value = F.pad(value, (0, max(width - value_dim, 0)))
     extra = {"return_lse": True} if return_lse else {}
     options = kernel_options_for(query, value, block_mask)
     if options is not None:
         extra["kernel_options"] = options
     if torch.compiler.is_compiling() or not FLEX_COMPILE:
-        return flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, **extra)
-    with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
-        compiled = _compiled_flex(query.device.type != "cpu")
-        return compiled(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, **extra)
+        out = flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, **extra)
+    else:
+        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+            compiled = _compiled_flex(query.device.type != "cpu")
+            out = compiled(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, **extra)
+    if value.shape[-1] == value_dim:
+        return out
+    return (out[0][..., :value_dim], out[1]) if return_lse else out[..., :value_dim]
 
 
 __all__ = [
