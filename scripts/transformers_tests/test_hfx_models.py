@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import unittest
 
+import torch
 from tests.generation.test_utils import GenerationTesterMixin
 from tests.test_modeling_common import ModelTesterMixin, floats_tensor, ids_tensor, random_attention_mask
 from transformers.models.auto import modeling_auto
@@ -79,6 +80,30 @@ class TextModelTester:
         return self.get_config(), {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+class LongformerModelTester(TextModelTester):
+    """As transformers' Longformer tester: one explicit global token (the last) in every input, so that every head has
+    the same attention layout, ``(batch, heads, seq, 1 + window + 1)``: the global key, then the band."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.key_length = self.get_config().attention_window + 2
+
+    def prepare_config_and_inputs_for_common(self):
+        config, inputs = super().prepare_config_and_inputs_for_common()
+        global_attention_mask = torch.zeros_like(inputs["input_ids"])
+        global_attention_mask[:, -1] = 1
+        inputs["global_attention_mask"] = global_attention_mask
+        return config, inputs
+
+
+class LinformerModelTester(TextModelTester):
+    """Linformer's keys and values are projected to ``linformer_k`` rows: its attentions are ``(batch, heads, seq, k)``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.key_length = self.get_config().linformer_k
+
+
 class Seq2SeqModelTester(TextModelTester):
     """Encoder and decoder inputs for an encoder-decoder head."""
 
@@ -143,7 +168,10 @@ _TEXT = dict(
 
 class HfxLongformerTest(HfxTextTests, unittest.TestCase):
     model_type = "hfx-longformer"
-    config_kwargs = dict(_TEXT, attention_window=[4, 6], type_vocab_size=1)
+    # One window for both layers, as in transformers' tester: the common attention test expects one shape per class
+    # (per-layer windows are checked by tests/test_longformer.py).
+    config_kwargs = dict(_TEXT, attention_window=4, type_vocab_size=1)
+    model_tester_class = LongformerModelTester
     all_model_classes = classes(model_type)
 
 
@@ -157,6 +185,7 @@ class HfxBigBirdTest(HfxTextTests, unittest.TestCase):
 class HfxLinformerTest(HfxTextTests, unittest.TestCase):
     model_type = "hfx-linformer"
     config_kwargs = dict(_TEXT, linformer_k=8, type_vocab_size=1, max_position_embeddings=18)
+    model_tester_class = LinformerModelTester
     all_model_classes = classes(model_type)
 
 
