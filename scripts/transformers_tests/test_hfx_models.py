@@ -16,6 +16,7 @@ import torch
 from tests.generation.test_utils import GenerationTesterMixin
 from tests.test_modeling_common import ModelTesterMixin, floats_tensor, ids_tensor, random_attention_mask
 from transformers.models.auto import modeling_auto
+from transformers.testing_utils import torch_device
 
 from hf_xformers.registration import REGISTRY
 
@@ -140,6 +141,8 @@ class SwinModelTester:
         self.hidden_size = config.hidden_size
         self.num_hidden_layers = config.num_hidden_layers
         self.seq_length = (self.image_size // self.patch_size) ** 2
+        # Masked image modelling masks this many patches in the common tests' inputs (forward takes bool_masked_pos).
+        self.num_masks = self.seq_length // 2
 
     def get_config(self):
         return self.config_class(num_labels=self.num_labels, **self.config_kwargs)
@@ -294,3 +297,43 @@ class HfxSwinTest(ModelTesterMixin, unittest.TestCase):
 
     def setUp(self):
         self.model_tester = SwinModelTester(self, self.config_kwargs)
+
+    # transformers' Swin test file replaces the next three common tests with Swin's own: attention runs per window and
+    # each stage has its own width, length and heads. tests/test_swin.py compares every stage's hidden states
+    # (plain and reshaped) and attentions with transformers' Swin on the same weights.
+    def _outputs(self, model_class, **flags):
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        model = model_class(config).to(torch_device).eval()
+        with torch.no_grad():
+            return config, model(**self._prepare_for_class(inputs, model_class), **flags)
+
+    def test_attention_outputs(self):
+        for model_class in self.all_model_classes:
+            config, out = self._outputs(model_class, output_attentions=True)
+            window = config.window_size**2
+            # One per stage (its last block's), as transformers' Swin returns them.
+            self.assertEqual(len(out.attentions), len(config.depths))
+            for stage, attentions in enumerate(out.attentions):
+                self.assertListEqual(list(attentions.shape[-3:]), [config.num_heads[stage], window, window])
+
+    def test_hidden_states_output(self):
+        for model_class in self.all_model_classes:
+            config, out = self._outputs(model_class, output_hidden_states=True)
+            self.assertEqual(len(out.hidden_states), len(config.depths) + 1)
+            if not hasattr(out, "reshaped_hidden_states"):
+                continue  # the backbone's BackboneOutput: its feature maps are checked by the backbone tests
+            side = config.image_size // config.patch_size
+            for stage, (hidden, reshaped) in enumerate(zip(out.hidden_states, out.reshaped_hidden_states)):
+                # Each stage but the last ends by merging 2 x 2 patches: half the side, twice the width.
+                scale = 2 ** min(stage, len(config.depths) - 1)
+                width = config.embed_dim * scale
+                self.assertListEqual(list(hidden.shape[1:]), [(side // scale) ** 2, width])
+                self.assertListEqual(list(reshaped.shape[1:]), [width, side // scale, side // scale])
+
+    def test_model_get_set_embeddings(self):
+        config, _ = self.model_tester.prepare_config_and_inputs_for_common()
+        for model_class in self.all_model_classes:
+            model = model_class(config)
+            self.assertIsInstance(model.get_input_embeddings(), torch.nn.Module)
+            output = model.get_output_embeddings()
+            self.assertTrue(output is None or isinstance(output, torch.nn.Linear))
