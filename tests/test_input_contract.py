@@ -23,26 +23,10 @@ from hf_xformers import (
 from hf_xformers.models import ARCHITECTURES
 from hf_xformers.ops.input_checks import INPUT_CONTRACT, as_if_on_accelerator
 
-VOCAB = 99
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=37,
-    max_position_embeddings=64,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-    num_labels=3,
-)
-
-
-def token_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    """``(batch, length)`` ids of ordinary tokens between ``<s>`` (0) and ``</s>`` (2)."""
-    ids = torch.randint(5, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-    ids[:, 0], ids[:, -1] = 0, 2
-    return ids
-
+# The conformance suites' tiny config (hidden 32, 2 layers, 3 labels) and ids between <s> (0) and </s> (2).
+from .conformance import _TINY as TINY
+from .conformance import VOCAB
+from .conformance import _ids as token_ids
 
 # ----- finding 3: Longformer's default global token from inputs_embeds ------------------------------------------------
 
