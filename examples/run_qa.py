@@ -312,14 +312,59 @@ class QACollator:
 @dataclass
 class Answers:
     """What post-processing chose: ``predictions`` (id -> answer text, ``""`` for no answer), ``nbest`` (id -> the
-    best candidates, each ``{"text", "start", "score"}`` with ``start`` the answer's first character), and
-    ``null_odds`` (id -> null score minus best span score; v2 only, else empty), ``best_spans`` (id -> the best
-    span's text, ``""`` when there is none, whatever the null score says)."""
+    best candidates, each ``{"text", "start", "score", "start_logit", "end_logit", "probability"}`` with ``start``
+    the answer's first character, -1 for the null answer), ``null_odds`` (id -> null score minus the best non-empty
+    span's score; v2 only, else empty) and ``best_spans`` (id -> the best non-empty span's text, ``""`` when there
+    is none, whatever the null score says)."""
 
     predictions: dict[str, str]
     nbest: dict[str, list[dict]]
     null_odds: dict[str, float]
     best_spans: dict[str, str]
+
+
+def candidate(text: str, start: int, start_logit: float, end_logit: float) -> dict:
+    """One n-best entry; its score is the sum of the two logits."""
+    return {"text": text, "start": start, "score": start_logit + end_logit, "start_logit": start_logit,
+            "end_logit": end_logit}  # fmt: skip
+
+
+def window_spans(
+    context: str,
+    offsets: list,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    data_args: DataTrainingArguments,
+) -> list[dict]:
+    """The candidate spans of one window, best start first, then best end (the order ties keep).
+
+    ``offsets``: per token of the window the context characters it covers (None outside the context);
+    ``starts`` / ``ends``: the window's logits ``(tokens,)``, possibly padded past ``len(offsets)``. A candidate
+    is a start and an end among the ``n_best_size`` best, both in the context, the end not before the start, at
+    most ``max_answer_length`` tokens; its text runs from the start token's first character to the end token's
+    last, and is empty when both tokens cover no character (e.g. a whitespace token of a byte-level BPE).
+    """
+    top = data_args.n_best_size
+    # Only the window's own tokens: a padded row's tail holds the padding value, not logits.
+    best_starts = np.argsort(starts[: len(offsets)])[::-1][:top]
+    best_ends = np.argsort(ends[: len(offsets)])[::-1][:top]
+    spans = []
+    for s in best_starts:
+        for e in best_ends:
+            if offsets[s] is None or offsets[e] is None or e < s or e - s + 1 > data_args.max_answer_length:
+                continue
+            first, last = offsets[s][0], offsets[e][1]
+            spans.append(candidate(context[first:last], int(first), float(starts[s]), float(ends[e])))
+    return spans
+
+
+def with_probabilities(nbest: list[dict]) -> list[dict]:
+    """``nbest`` with each entry's ``probability``: the softmax of the scores over the list."""
+    if not nbest:
+        return nbest
+    scores = np.array([c["score"] for c in nbest])
+    weights = np.exp(scores - scores.max())
+    return [{**c, "probability": float(p)} for c, p in zip(nbest, weights / weights.sum())]
 
 
 def postprocess(
@@ -329,52 +374,46 @@ def postprocess(
     end_logits: np.ndarray,
     data_args: DataTrainingArguments,
 ) -> Answers:
-    """An answer per example from its windows' logits.
+    """An answer per example from its windows' logits, by the rules of transformers' ``postprocess_qa_predictions``
+    (``examples/pytorch/question-answering/utils_qa.py``).
 
     ``windows`` holds ``example_id``, ``cls_index`` and ``offset_mapping`` per window (:func:`featurize`), in the
     order of ``start_logits`` / ``end_logits`` ``(windows, tokens)`` (rows may be padded past a window's length;
-    those places are never read). A candidate is a start and an end among the ``n_best_size`` best of its window,
-    both in the context, the end not before the start, at most ``max_answer_length`` tokens; its score is the sum
-    of the two logits and its text the context's characters from the start token's first to the end token's last.
+    those places are never read). The candidates are every window's :func:`window_spans`, ranked by score (a stable
+    sort: ties keep the window order). v1 answers the top candidate's text (an empty one too, as transformers'
+    does; no candidate at all gives ``""``). v2 (``version_2_with_negative``): the null score is the lowest over the
+    windows of the logits on ``[CLS]``; a span with an empty text is no answer, so the best span is the best
+    non-empty one, and the answer is ``""`` exactly when ``null score - best span score`` exceeds
+    ``null_score_diff_threshold`` (or no non-empty span exists). The n-best list holds the ``n_best_size`` best
+    candidates (v2: with the null answer among them, ranked after spans of equal score, and appended when it
+    ranks lower).
     """
     by_example = collections.defaultdict(list)
     for w, example_id in enumerate(windows["example_id"]):
         by_example[example_id].append(w)
     offsets_of, cls_of = windows["offset_mapping"], windows["cls_index"]
-    top = data_args.n_best_size
+    top, v2 = data_args.n_best_size, data_args.version_2_with_negative
     answers = Answers({}, {}, {}, {})
     ids = [str(example_id) for example_id in examples["id"]]
     for example_id, context in zip(ids, examples[data_args.context_column_name]):
-        candidates, null_score = [], None
+        spans, null = [], None
         for w in by_example[example_id]:
-            offsets, starts, ends = offsets_of[w], start_logits[w], end_logits[w]
             cls = cls_of[w]
-            window_null = float(starts[cls] + ends[cls])
-            null_score = window_null if null_score is None else min(null_score, window_null)
-            # Only the window's own tokens: a padded row's tail holds the padding value, not logits.
-            best_starts = np.argsort(starts[: len(offsets)])[::-1][:top]
-            best_ends = np.argsort(ends[: len(offsets)])[::-1][:top]
-            for s in best_starts:
-                for e in best_ends:
-                    if offsets[s] is None or offsets[e] is None or e < s or e - s + 1 > data_args.max_answer_length:
-                        continue
-                    first, last = offsets[s][0], offsets[e][1]
-                    candidates.append({"text": context[first:last], "start": int(first),
-                                       "score": float(starts[s] + ends[e])})  # fmt: skip
-        candidates = sorted(candidates, key=lambda c: c["score"], reverse=True)[:top]
-        best = candidates[0] if candidates else None
-        answer = best["text"] if best else ""
-        answers.best_spans[example_id] = answer
-        if data_args.version_2_with_negative:
-            null_score = 0.0 if null_score is None else null_score
-            odds = null_score - best["score"] if best else float("inf")
-            answers.null_odds[example_id] = odds
-            if odds > data_args.null_score_diff_threshold:
-                answer = ""
-            candidates = sorted([*candidates, {"text": "", "start": -1, "score": null_score}],
-                                key=lambda c: c["score"], reverse=True)[:top]  # fmt: skip
-        answers.predictions[example_id] = answer
-        answers.nbest[example_id] = candidates
+            window_null = candidate("", -1, float(start_logits[w][cls]), float(end_logits[w][cls]))
+            null = window_null if null is None or window_null["score"] < null["score"] else null
+            spans += window_spans(context, offsets_of[w], start_logits[w], end_logits[w], data_args)
+        ranked = sorted(spans, key=lambda c: c["score"], reverse=True)
+        best = next((c for c in ranked if c["text"]), None)
+        answers.best_spans[example_id] = best["text"] if best else ""
+        if not v2:
+            answers.predictions[example_id] = ranked[0]["text"] if ranked else ""
+            answers.nbest[example_id] = with_probabilities(ranked[:top])
+            continue
+        odds = null["score"] - best["score"] if best else float("inf")
+        answers.null_odds[example_id] = odds
+        answers.predictions[example_id] = "" if odds > data_args.null_score_diff_threshold else best["text"]
+        nbest = sorted([*ranked, null], key=lambda c: c["score"], reverse=True)[:top]
+        answers.nbest[example_id] = with_probabilities(nbest if any(c is null for c in nbest) else [*nbest, null])
     return answers
 
 

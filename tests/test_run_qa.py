@@ -4,8 +4,11 @@ windows of a short one, v2 with unanswerable questions) on tiny local data and t
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import math
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -185,7 +188,9 @@ def test_postprocess_picks_the_best_span_across_windows():
     answers = run_qa.postprocess(examples, windows, start, end, data_args())
     assert answers.predictions == {"x": "gamma delta"}
     best = answers.nbest["x"][0]
-    assert best == {"text": "gamma delta", "start": 11, "score": 7.5}
+    assert {k: best[k] for k in ("text", "start", "score", "start_logit", "end_logit")} == {
+        "text": "gamma delta", "start": 11, "score": 7.5, "start_logit": 4.0, "end_logit": 3.5}  # fmt: skip
+    assert sum(c["probability"] for c in answers.nbest["x"]) == pytest.approx(1.0)
     assert answers.nbest["x"][1]["text"] == "beta gamma" and answers.null_odds == {}
     # An end before its start, or a span longer than max_answer_length, is no candidate.
     start, end = np.full((2, 8), -5.0), np.full((2, 8), -5.0)
@@ -210,6 +215,105 @@ def test_postprocess_v2_null_answer_against_the_threshold():
     assert answers.nbest["x"][0]["text"] == ""  # the null answer competes in the n-best list
     lenient = run_qa.postprocess(examples, windows, start, end, data_args(null_score_diff_threshold=1.0, **v2))
     assert lenient.predictions["x"] == "gamma delta"
+
+
+def test_postprocess_v2_answers_the_best_non_empty_span():
+    """The planted case of issue 51: a span of one whitespace token (it covers no character: its text is empty) tops
+    the candidates, and the best real span beats the null score by 30. transformers answers the real span."""
+    context = "alpha beta gamma delta  "  # a byte-level BPE makes a token of the last space, offsets (23, 23)
+    tokens = [None, None, None, (0, 5), (6, 10), (11, 16), (17, 22), (23, 23), None]
+    examples = Dataset.from_list([{"id": "x", "context": context, "answers": {"text": [], "answer_start": []}}])
+    windows = Dataset.from_dict({"example_id": ["x"], "cls_index": [0], "offset_mapping": [tokens]})
+    start, end = np.zeros((1, 9), np.float32), np.zeros((1, 9), np.float32)
+    start[0, 0], end[0, 0] = 1.0, 1.0  # null score 2
+    start[0, 7], end[0, 7] = 30.0, 10.0  # the whitespace token alone: score 40, text ""
+    start[0, 5], end[0, 6] = 16.0, 16.0  # "gamma delta": score 32, 30 above the null score ("gamma delta " 26)
+    args = data_args(version_2_with_negative=True)
+    answers = run_qa.postprocess(examples, windows, start, end, args)
+    assert answers.nbest["x"][0]["text"] == "" and answers.nbest["x"][0]["score"] == 40.0  # the empty span ranks first
+    assert answers.predictions["x"] == answers.best_spans["x"] == "gamma delta"
+    assert answers.null_odds["x"] == pytest.approx(-30.0)
+    reference = transformers_utils_qa().postprocess_qa_predictions(
+        examples, windows, (start, end), version_2_with_negative=True, log_level=logging.ERROR
+    )
+    assert reference == {"x": "gamma delta"}
+    # Raised by 31, the null score beats the span by 1: no answer, as in transformers.
+    start[0, 0] += 31.0
+    assert run_qa.postprocess(examples, windows, start, end, args).predictions["x"] == ""
+
+
+def transformers_utils_qa():
+    """transformers' ``examples/pytorch/question-answering/utils_qa.py`` (its ``postprocess_qa_predictions``): a
+    test-time reference kept in tests/fixtures, since transformers' wheel does not ship its examples."""
+    spec = importlib.util.spec_from_file_location(
+        "transformers_utils_qa", Path(__file__).parent / "fixtures" / "transformers_utils_qa.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def random_qa_windows(n_examples: int, seed: int) -> tuple[Dataset, Dataset, np.ndarray, np.ndarray]:
+    """``n_examples`` contexts with irregular whitespace (whose byte-level BPE tokens cover no character), read by
+    :func:`run_qa.featurize` in windows of 48 tokens, and standard normal float32 logits padded with -100 past each
+    window, as Trainer pads them."""
+    rng = np.random.default_rng(seed)
+    separators = [" ", " ", " ", "  ", "   ", "\n\n "]
+    rows = []
+    for i in range(n_examples):
+        words = " ".join(rng.choice(SENTENCES, size=rng.integers(1, 5))).split()
+        context = "".join(word + separators[k] for word, k in zip(words, rng.integers(0, len(separators), len(words))))
+        rows.append({"id": f"e{i}", "question": "what is it?", "context": context,
+                     "answers": {"text": [], "answer_start": []}})  # fmt: skip
+    examples = Dataset.from_list(rows)
+    windows = examples.map(
+        run_qa.featurize, batched=True, remove_columns=examples.column_names,
+        fn_kwargs={"tokenizer": roberta_tokenizer(), "data_args": data_args(version_2_with_negative=True, doc_stride=8),
+                   "max_length": 48, "global_attention": False, "return_token_type_ids": False},
+    )  # fmt: skip
+    lengths = [len(ids) for ids in windows["input_ids"]]
+    start, end = rng.standard_normal((2, len(windows), max(lengths)), dtype=np.float32)
+    padding = np.arange(max(lengths))[None, :] >= np.array(lengths)[:, None]
+    start[padding], end[padding] = -100.0, -100.0
+    return examples, windows, start, end
+
+
+@pytest.mark.parametrize(
+    "n_examples, v2, n_best_size, threshold",
+    [(420, True, 20, 0.0), (120, True, 3, 1.0), (120, False, 20, 0.0), (120, False, 3, 0.0)],
+)
+def test_postprocess_agrees_with_transformers_on_random_logits(n_examples, v2, n_best_size, threshold):
+    """Same windows, same logits: the same answers, null odds and n-best lists as transformers'
+    ``postprocess_qa_predictions`` (479aea5: 5 of the 420 v2 answers differed, each an empty span ranked first)."""
+    examples, windows, start, end = random_qa_windows(n_examples, seed=n_best_size)
+    assert len(windows) > 2 * n_examples  # most contexts take several windows
+    args = data_args(version_2_with_negative=v2, n_best_size=n_best_size, null_score_diff_threshold=threshold)
+    ours = run_qa.postprocess(examples, windows, start, end, args)
+    reference = transformers_utils_qa()
+    with tempfile.TemporaryDirectory() as folder:
+        theirs = reference.postprocess_qa_predictions(
+            examples, windows, (start, end), version_2_with_negative=v2, n_best_size=n_best_size,
+            null_score_diff_threshold=threshold, output_dir=folder, log_level=logging.ERROR,
+        )  # fmt: skip
+        their_nbest = json.loads(Path(folder, "nbest_predictions.json").read_text())
+        their_odds = json.loads(Path(folder, "null_odds.json").read_text()) if v2 else {}
+    empty_spans = 0
+    for qid, answer in theirs.items():
+        spans = [c for c in ours.nbest[qid] if c["start"] >= 0]
+        empty_spans += bool(spans) and spans[0]["text"] == ""
+        if not spans:
+            # No span at all (the few best starts and ends form none): transformers answers its placeholder text
+            # "empty" (v2: when the null score is not above the threshold), which is not in the context; we answer "".
+            assert ours.predictions[qid] == "" and answer in ("", "empty") and their_nbest[qid][0]["text"] == "empty"
+            continue
+        assert ours.predictions[qid] == answer, qid
+        assert [c["text"] for c in ours.nbest[qid]] == [c["text"] for c in their_nbest[qid]], qid
+        for key in ("start_logit", "end_logit", "probability"):
+            assert [c[key] for c in ours.nbest[qid]] == pytest.approx([c[key] for c in their_nbest[qid]], abs=1e-5)
+        if v2:
+            assert ours.null_odds[qid] == pytest.approx(their_odds[qid], abs=1e-5)
+    if n_best_size == 20:  # (with only the 3 best starts and ends, a whitespace token rarely makes the top span)
+        assert empty_spans > 0  # the data holds the case that made 479aea5 differ
 
 
 # ---------------------------------------------------------------------------------------------------------------
