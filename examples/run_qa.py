@@ -11,11 +11,16 @@ first; the head predicts the answer's first and last token.
   the first window instead (a short model's baseline; the log says how many contexts were cut).
 * Global attention on the question (``[CLS]`` and the question tokens) for models that have it (hfx-longformer,
   transformers' Longformer); other models get no ``global_attention_mask``.
-* Post-processing as in transformers' example: the ``--n_best_size`` best starts and ends of every window, spans of
-  at most ``--max_answer_length`` tokens inside the context, the best by start + end logit across windows, mapped
-  back to the context's characters. SQuAD v2 (``--version_2_with_negative``): the answer is empty when the null
-  score (start + end logit on ``[CLS]``, the lowest over the windows) beats the best span by more than
-  ``--null_score_diff_threshold``.
+* Post-processing by the rules of transformers' example (``postprocess_qa_predictions`` in its ``utils_qa.py``;
+  the tests compare the two on the same logits): the ``--n_best_size`` best starts and ends of every window, spans
+  of at most ``--max_answer_length`` tokens inside the context, ranked by start + end logit across windows, mapped
+  back to the context's characters. SQuAD v2 (``--version_2_with_negative``): the best span is the best one whose
+  text is not empty (a span of tokens that cover no character, such as a byte-level BPE's whitespace token, is no
+  answer), and the answer is empty when the null score (start + end logit on ``[CLS]``, the lowest over the
+  windows) beats it by more than ``--null_score_diff_threshold``.
+* Answers are checked before any model is loaded: an ``answer_start`` at which the context does not read the
+  answer's text (a shifted offset would train on the wrong span) stops the run, naming the examples;
+  ``--misaligned_answers skip`` leaves those examples out instead, with a warning that counts them.
 * Metrics computed here (no Hub download): exact match and F1 in percent, after SQuAD's normalisation (lower case,
   no punctuation, no articles, single spaces), the best over the gold answers; v2 adds them for answerable
   (``HasAns_*``) and unanswerable (``NoAns_*``) questions, and the best null threshold (``best_*``).
@@ -80,6 +85,8 @@ logger = logging.getLogger("run_qa")
 
 # Columns of a featurized window that only post-processing reads; the model never sees them.
 WINDOW_COLUMNS = ("example_id", "offset_mapping", "cls_index", "example_windows")
+# What to do with an example whose answer text is not at its answer_start (see check_answers).
+MISALIGNED_ANSWERS = ("error", "skip")
 
 
 @dataclass
@@ -130,12 +137,23 @@ class DataTrainingArguments:
         default=0.0,
         metadata={"help": "v2: answer nothing when the null score beats the best span by more than this."},
     )
+    misaligned_answers: str = field(
+        default="error",
+        metadata={
+            "help": "An answer whose text is not the context's characters at its answer_start (a shifted offset): "
+            "'error' (stop, naming the examples) or 'skip' (leave those examples out, with a warning that counts them)."
+        },
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training examples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation examples."})
 
     def __post_init__(self) -> None:
         if self.long_documents not in LONG_DOCUMENTS:
             raise ValueError(f"--long_documents must be one of {list(LONG_DOCUMENTS)}, got {self.long_documents!r}.")
+        if self.misaligned_answers not in MISALIGNED_ANSWERS:
+            raise ValueError(
+                f"--misaligned_answers must be one of {list(MISALIGNED_ANSWERS)}, got {self.misaligned_answers!r}."
+            )
         if self.doc_stride < 0:
             raise ValueError(f"--doc_stride must be >= 0, got {self.doc_stride}.")
         if self.n_best_size < 1 or self.max_answer_length < 1:
@@ -190,14 +208,17 @@ def load_squad_file(path: str, cache_dir: str | None = None) -> Dataset:
         return Dataset.from_list(squad_rows(json.load(f)))
 
 
-def check_answers(dataset: Dataset, data_args: DataTrainingArguments, source: str) -> None:
-    """Raise a ``ValueError`` naming the example when an answer lies outside its context, when answers and starts
-    differ in number, or when a v1 run meets a question without an answer."""
+def check_answers(dataset: Dataset, data_args: DataTrainingArguments, source: str) -> Dataset:
+    """``dataset`` with its answers checked: a ``ValueError`` naming the example when answers and starts differ in
+    number, or when a v1 run meets a question without an answer; misaligned answers (:func:`misaligned_answer`)
+    are refused, naming the examples, or with ``--misaligned_answers skip`` those examples are left out (a warning
+    counts them). Returns the examples kept."""
     require_columns(
         dataset, [data_args.question_column_name, data_args.context_column_name, data_args.answer_column_name], source
     )
-    for example_id, context, answers in zip(
-        dataset["id"], dataset[data_args.context_column_name], dataset[data_args.answer_column_name]
+    misaligned = []  # (index, what is wrong with its first misaligned answer)
+    for index, (example_id, context, answers) in enumerate(
+        zip(dataset["id"], dataset[data_args.context_column_name], dataset[data_args.answer_column_name])
     ):
         texts, starts = answers["text"], answers["answer_start"]
         if len(texts) != len(starts):
@@ -208,12 +229,44 @@ def check_answers(dataset: Dataset, data_args: DataTrainingArguments, source: st
             raise ValueError(
                 f"{source}: example {example_id!r} has no answer; pass --version_2_with_negative for SQuAD v2 data."
             )
-        for text, start in zip(texts, starts):
-            if not 0 <= start <= start + len(text) <= len(context):
-                raise ValueError(
-                    f"{source}: example {example_id!r}: the answer {text!r} at character {start} lies outside its "
-                    f"context of {len(context)} characters."
-                )
+        problems = [p for text, start in zip(texts, starts) if (p := misaligned_answer(context, text, start))]
+        if problems:
+            misaligned.append((index, f"example {example_id!r}: {problems[0]}"))
+    if not misaligned:
+        return dataset
+    shown = "; ".join(problem for _, problem in misaligned[:3]) + ("; ..." if len(misaligned) > 3 else "")
+    summary = (
+        f"{source}: {len(misaligned)} of {len(dataset)} examples have an answer whose text is not the context's "
+        f"characters at its answer_start ({shown})"
+    )
+    fix = "Correct answer_start (the character offset of the answer's text in its context)"
+    if data_args.misaligned_answers == "error":
+        raise ValueError(
+            f"{summary}. Training on them would teach a shifted span. {fix}, or pass --misaligned_answers skip to "
+            "leave these examples out."
+        )
+    if len(misaligned) == len(dataset):
+        raise ValueError(f"{summary}: --misaligned_answers skip leaves no example. {fix}.")
+    kept = len(dataset) - len(misaligned)
+    logger.warning("%s. Left out (--misaligned_answers skip): %d examples remain.", summary, kept)
+    left_out = {index for index, _ in misaligned}
+    return dataset.select([i for i in range(len(dataset)) if i not in left_out])
+
+
+def misaligned_answer(context: str, text: str, start: int) -> str | None:
+    """What is wrong when ``text`` is not ``context``'s characters from ``start`` (None when it is): where the context
+    differs, or that the answer lies outside it, and where the text does occur (the nearest place), if anywhere."""
+    there = context[start : start + len(text)] if start >= 0 else None
+    if there == text:
+        return None
+    if not 0 <= start <= start + len(text) <= len(context):
+        problem = f"the answer {text!r} at character {start} lies outside its context of {len(context)} characters"
+    else:
+        problem = f"the answer {text!r} at character {start}, where the context reads {there!r}"
+    places = [m.start() for m in re.finditer(re.escape(text), context)] if text else []
+    if places:
+        problem += f", the text is at character {min(places, key=lambda p: abs(p - start))}"
+    return problem
 
 
 def featurize(
@@ -559,7 +612,8 @@ def load_raw_splits(data_args: DataTrainingArguments, training_args: TrainingArg
     """``{"train": Dataset, "eval": Dataset}``, the splits the ``--do_*`` flags ask for, checked.
 
     Raises:
-        ValueError: a split that is asked for has no data, or its answers are malformed (:func:`check_answers`).
+        ValueError: a split that is asked for has no data, or its answers are malformed or misaligned
+            (:func:`check_answers`; misaligned examples are left out instead under ``--misaligned_answers skip``).
     """
     wanted = {"train": (training_args.do_train, data_args.train_file, "train", data_args.max_train_samples),
               "eval": (training_args.do_eval, data_args.validation_file, "validation", data_args.max_eval_samples)}  # fmt: skip
@@ -580,8 +634,7 @@ def load_raw_splits(data_args: DataTrainingArguments, training_args: TrainingArg
         data = take(data, limit)
         if "id" not in data.column_names:  # answers are matched to their questions by id
             data = data.add_column("id", [str(i) for i in range(len(data))])
-        check_answers(data, data_args, path or f"{data_args.dataset_name} ({hub_split})")
-        splits[name] = data
+        splits[name] = check_answers(data, data_args, path or f"{data_args.dataset_name} ({hub_split})")
     return splits
 
 

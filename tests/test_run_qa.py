@@ -8,6 +8,7 @@ import importlib.util
 import json
 import logging
 import math
+import re
 import tempfile
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
-from transformers import AutoModelForQuestionAnswering, RobertaConfig, RobertaModel
+from transformers import AutoModelForQuestionAnswering, RobertaConfig, RobertaModel, TrainingArguments
 
 import hf_xformers
 from examples import run_qa, utils_examples
@@ -478,6 +479,7 @@ def test_run_qa_v2_with_unanswerable_questions(long_model, tmp_path, monkeypatch
         (["--long_documents", "split"], "--long_documents must be one of"),
         (["--max_seq_length", "4096"], "exceeds the 128 tokens"),
         (["--doc_stride", "64"], "--doc_stride 64 must be under half"),
+        (["--misaligned_answers", "fix"], "--misaligned_answers must be one of"),
     ],
 )
 def test_run_qa_clear_errors(extra, match, short_model, tmp_path, capsys):
@@ -490,6 +492,46 @@ def test_run_qa_v1_data_without_answer_says_version_2(short_model, tmp_path):
     data = squad_file(tmp_path / "d.json", 1, unanswerable=1)
     with pytest.raises(ValueError, match="has no answer; pass --version_2_with_negative"):
         run_qa.main(qa_args(short_model, tmp_path / "out", data, data))
+
+
+def shifted_squad_file(path: Path, shift: int) -> tuple[str, list[dict]]:
+    """:func:`squad_file` of 3 questions, the second's ``answer_start`` moved ``shift`` characters on; returns the
+    file and its rows."""
+    squad_file(path, 3)
+    document = json.loads(path.read_text())
+    document["data"][1]["answers"]["answer_start"][0] += shift
+    path.write_text(json.dumps(document))
+    return str(path), document["data"]
+
+
+def test_run_qa_refuses_an_answer_start_37_characters_off(short_model, tmp_path):
+    """479aea5 trained on the span 37 characters past the answer, with no warning."""
+    data, rows = shifted_squad_file(tmp_path / "d.json", 37)
+    answer, start = rows[1]["answers"]["text"][0], rows[1]["answers"]["answer_start"][0]
+    shifted = rows[1]["context"][start : start + len(answer)]
+    message = (
+        f"1 of 3 examples have an answer whose text is not the context's characters at its answer_start (example "
+        f"'q1': the answer {answer!r} at character {start}, where the context reads {shifted!r}, the text is at "
+        f"character {start - 37})"
+    )
+    with pytest.raises(ValueError, match=re.escape(message) + ".*--misaligned_answers skip"):
+        run_qa.main(qa_args(short_model, tmp_path / "out", data, data, "--doc_stride", "32", "--max_steps", "1"))
+    assert not (tmp_path / "out").exists()  # refused before any training
+
+
+def test_misaligned_answers_skip_leaves_the_examples_out_with_a_warning(tmp_path, caplog):
+    data, _ = shifted_squad_file(tmp_path / "d.json", 37)
+    training = TrainingArguments(str(tmp_path / "out"), do_train=True, report_to="none")
+    args = data_args(train_file=data, misaligned_answers="skip")
+    with caplog.at_level(logging.WARNING, logger="run_qa"):
+        splits = run_qa.load_raw_splits(args, training, cache_dir=None)
+    assert splits["train"]["id"] == ["q0", "q2"]
+    assert "1 of 3 examples have an answer whose text is not" in caplog.text and "2 examples remain" in caplog.text
+    # An answer past the context's end counts too; skipping every example is refused.
+    lost = Dataset.from_list([{"id": "z", "question": "q?", "context": "alpha beta",
+                               "answers": {"text": ["beta"], "answer_start": [9]}}])  # fmt: skip
+    with pytest.raises(ValueError, match=r"at character 9 lies outside .*at character 6.*leaves no example"):
+        run_qa.check_answers(lost, args, "lost.json")
 
 
 def tiny_base_model(name: str, vocab_size: int):
