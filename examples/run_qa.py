@@ -654,7 +654,41 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # Data first: a bad file fails before any model is loaded.
     splits = load_raw_splits(data_args, training_args, model_args.cache_dir)
+    config, tokenizer, model = load_model(model_args)
+    options = window_options(model, config, data_args)
 
+    train, evaluation, evaluator = None, None, None
+    if "train" in splits:
+        train = windows_of(splits["train"], "training data", tokenizer, data_args, options, training_args)
+    if "eval" in splits:
+        evaluation = windows_of(splits["eval"], "evaluation data", tokenizer, data_args, options, training_args)
+        evaluator = QAEvaluation(splits["eval"], evaluation.select_columns(list(WINDOW_COLUMNS)), data_args)
+
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=model_inputs(train),
+        eval_dataset=model_inputs(evaluation),
+        processing_class=tokenizer,
+        data_collator=QACollator(tokenizer.pad_token_id),
+        compute_metrics=evaluator,
+    )
+    metrics: dict[str, float] = {}
+    if training_args.do_train:
+        metrics.update(run_training(trainer, checkpoint, splits["train"], train))
+    if training_args.do_eval:
+        metrics.update(run_evaluation(trainer, evaluator, splits["eval"], evaluation))
+    record_run(trainer, model_args, data_args, run_args, options["max_length"])
+    return metrics
+
+
+def load_model(model_args: ModelArguments) -> tuple:
+    """``(config, tokenizer, model)``: the model with its question-answering head, and its fast tokenizer.
+
+    Raises:
+        ValueError: the model type has no question-answering head, or the tokenizer is not a fast one (answers are
+            mapped to characters through a fast tokenizer's offsets).
+    """
     config = AutoConfig.from_pretrained(
         model_args.config_name or model_args.model_name_or_path,
         cache_dir=model_args.cache_dir,
@@ -682,7 +716,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         cache_dir=model_args.cache_dir,
         trust_remote_code=model_args.trust_remote_code,
     )
+    return config, tokenizer, model
 
+
+def window_options(model, config, data_args: DataTrainingArguments) -> dict:
+    """How :func:`featurize` cuts the examples into windows for ``model``: ``max_length`` (``--max_seq_length``, by
+    default all the model reads), ``global_attention`` (for models that take a ``global_attention_mask``) and
+    ``return_token_type_ids`` (False for models with a single segment, else the tokenizer's default).
+
+    Raises:
+        ValueError: ``--max_seq_length`` exceeds what the model reads, or ``--doc_stride`` is not under half a window.
+    """
     limit = model_max_tokens(model.base_model)
     max_length = data_args.max_seq_length or limit
     if max_length > limit:
@@ -702,65 +746,68 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data_args.doc_stride if data_args.long_documents == "chunks" else 0,
         global_attention,
     )
+    return {"max_length": max_length, "global_attention": global_attention, "return_token_type_ids": token_types}
 
-    def windows_of(data: Dataset, desc: str) -> Dataset:
-        # The main process featurizes first and caches; torchrun replicas then read the cache.
-        with training_args.main_process_first(desc=desc):
-            windows = data.map(
-                featurize,
-                batched=True,
-                remove_columns=data.column_names,
-                fn_kwargs={
-                    "tokenizer": tokenizer,
-                    "data_args": data_args,
-                    "max_length": max_length,
-                    "global_attention": global_attention,
-                    "return_token_type_ids": token_types,
-                },  # fmt: skip
-                desc=desc,
-            )
-        report_windows(data, windows, data_args.long_documents, desc)
-        return windows
 
-    train = windows_of(splits["train"], "training data") if "train" in splits else None
-    evaluation, evaluator = None, None
-    if "eval" in splits:
-        evaluation = windows_of(splits["eval"], "evaluation data")
-        evaluator = QAEvaluation(splits["eval"], evaluation.select_columns(list(WINDOW_COLUMNS)), data_args)
+def windows_of(
+    data: Dataset,
+    desc: str,
+    tokenizer,
+    data_args: DataTrainingArguments,
+    options: dict,
+    training_args: TrainingArguments,
+) -> Dataset:
+    """``data``'s examples featurized into windows (:func:`featurize` with the :func:`window_options`), logged."""
+    # The main process featurizes first and caches; torchrun replicas then read the cache.
+    with training_args.main_process_first(desc=desc):
+        windows = data.map(
+            featurize,
+            batched=True,
+            remove_columns=data.column_names,
+            fn_kwargs={"tokenizer": tokenizer, "data_args": data_args, **options},
+            desc=desc,
+        )
+    report_windows(data, windows, data_args.long_documents, desc)
+    return windows
 
-    trainer = Trainer(
-        model=model,
-        args=training_args,
-        train_dataset=model_inputs(train),
-        eval_dataset=model_inputs(evaluation),
-        processing_class=tokenizer,
-        data_collator=QACollator(tokenizer.pad_token_id),
-        compute_metrics=evaluator,
-    )
 
-    metrics: dict[str, float] = {}
-    if training_args.do_train:
-        result = trainer.train(resume_from_checkpoint=checkpoint)
-        trainer.save_model()  # model, config and tokenizer in output_dir
-        train_metrics = {**result.metrics, "train_samples": len(splits["train"]), "train_windows": len(train)}
-        trainer.log_metrics("train", train_metrics)
-        trainer.save_metrics("train", train_metrics)
-        trainer.save_state()
-        metrics.update(train_metrics)
+def run_training(trainer: Trainer, checkpoint: str | None, examples: Dataset, windows: Dataset) -> dict[str, float]:
+    """Train (resuming from ``checkpoint``); save the model with its config and tokenizer, the training metrics
+    (``train_results.json``) and the trainer state. Returns the metrics."""
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.save_model()  # model, config and tokenizer in output_dir
+    metrics = {**result.metrics, "train_samples": len(examples), "train_windows": len(windows)}
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    return metrics
 
-    if training_args.do_eval:
-        eval_metrics = {**trainer.evaluate(), "eval_samples": len(splits["eval"]), "eval_windows": len(evaluation)}
-        trainer.log_metrics("eval", eval_metrics)
-        trainer.save_metrics("eval", eval_metrics)  # eval_results.json
-        if trainer.is_world_process_zero():
-            evaluator.save(training_args.output_dir)
-        metrics.update(eval_metrics)
 
+def run_evaluation(trainer: Trainer, evaluator: QAEvaluation, examples: Dataset, windows: Dataset) -> dict[str, float]:
+    """Evaluate; save the metrics (``eval_results.json``) and, on the main process, the answers
+    (:meth:`QAEvaluation.save`). Returns the metrics."""
+    metrics = {**trainer.evaluate(), "eval_samples": len(examples), "eval_windows": len(windows)}
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)  # eval_results.json
+    if trainer.is_world_process_zero():
+        evaluator.save(trainer.args.output_dir)
+    return metrics
+
+
+def record_run(
+    trainer: Trainer,
+    model_args: ModelArguments,
+    data_args: DataTrainingArguments,
+    run_args: RunArguments,
+    max_length: int,
+) -> None:
+    """Record the run in ``output_dir``'s model card, and upload it with ``--push_to_hub``
+    (:func:`finish_output_dir`)."""
     from_hub = data_args.dataset_name is not None and not (data_args.train_file or data_args.validation_file)
     finish_output_dir(
         trainer,
         run_args,
-        trained=training_args.do_train,
+        trained=trainer.args.do_train,
         base_model=hub_model_id(model_args.model_name_or_path),
         summary=f"Fine-tuned from {model_origin(model_args.model_name_or_path)} for extractive question answering "
         f"(SQuAD {'v2' if data_args.version_2_with_negative else 'v1'} format) with `examples/run_qa.py` of "
@@ -775,7 +822,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "doc_stride": data_args.doc_stride,
         },
     )
-    return metrics
 
 
 def model_inputs(windows: Dataset | None) -> Dataset | None:
