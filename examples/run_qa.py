@@ -11,11 +11,16 @@ first; the head predicts the answer's first and last token.
   the first window instead (a short model's baseline; the log says how many contexts were cut).
 * Global attention on the question (``[CLS]`` and the question tokens) for models that have it (hfx-longformer,
   transformers' Longformer); other models get no ``global_attention_mask``.
-* Post-processing as in transformers' example: the ``--n_best_size`` best starts and ends of every window, spans of
-  at most ``--max_answer_length`` tokens inside the context, the best by start + end logit across windows, mapped
-  back to the context's characters. SQuAD v2 (``--version_2_with_negative``): the answer is empty when the null
-  score (start + end logit on ``[CLS]``, the lowest over the windows) beats the best span by more than
-  ``--null_score_diff_threshold``.
+* Post-processing by the rules of transformers' example (``postprocess_qa_predictions`` in its ``utils_qa.py``;
+  the tests compare the two on the same logits): the ``--n_best_size`` best starts and ends of every window, spans
+  of at most ``--max_answer_length`` tokens inside the context, ranked by start + end logit across windows, mapped
+  back to the context's characters. SQuAD v2 (``--version_2_with_negative``): the best span is the best one whose
+  text is not empty (a span of tokens that cover no character, such as a byte-level BPE's whitespace token, is no
+  answer), and the answer is empty when the null score (start + end logit on ``[CLS]``, the lowest over the
+  windows) beats it by more than ``--null_score_diff_threshold``.
+* Answers are checked before any model is loaded: an ``answer_start`` at which the context does not read the
+  answer's text (a shifted offset would train on the wrong span) stops the run, naming the examples;
+  ``--misaligned_answers skip`` leaves those examples out instead, with a warning that counts them.
 * Metrics computed here (no Hub download): exact match and F1 in percent, after SQuAD's normalisation (lower case,
   no punctuation, no articles, single spaces), the best over the gold answers; v2 adds them for answerable
   (``HasAns_*``) and unanswerable (``NoAns_*``) questions, and the best null threshold (``best_*``).
@@ -80,6 +85,8 @@ logger = logging.getLogger("run_qa")
 
 # Columns of a featurized window that only post-processing reads; the model never sees them.
 WINDOW_COLUMNS = ("example_id", "offset_mapping", "cls_index", "example_windows")
+# What to do with an example whose answer text is not at its answer_start (see check_answers).
+MISALIGNED_ANSWERS = ("error", "skip")
 
 
 @dataclass
@@ -130,12 +137,23 @@ class DataTrainingArguments:
         default=0.0,
         metadata={"help": "v2: answer nothing when the null score beats the best span by more than this."},
     )
+    misaligned_answers: str = field(
+        default="error",
+        metadata={
+            "help": "An answer whose text is not the context's characters at its answer_start (a shifted offset): "
+            "'error' (stop, naming the examples) or 'skip' (leave those examples out, with a warning that counts them)."
+        },
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training examples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N evaluation examples."})
 
     def __post_init__(self) -> None:
         if self.long_documents not in LONG_DOCUMENTS:
             raise ValueError(f"--long_documents must be one of {list(LONG_DOCUMENTS)}, got {self.long_documents!r}.")
+        if self.misaligned_answers not in MISALIGNED_ANSWERS:
+            raise ValueError(
+                f"--misaligned_answers must be one of {list(MISALIGNED_ANSWERS)}, got {self.misaligned_answers!r}."
+            )
         if self.doc_stride < 0:
             raise ValueError(f"--doc_stride must be >= 0, got {self.doc_stride}.")
         if self.n_best_size < 1 or self.max_answer_length < 1:
@@ -190,14 +208,17 @@ def load_squad_file(path: str, cache_dir: str | None = None) -> Dataset:
         return Dataset.from_list(squad_rows(json.load(f)))
 
 
-def check_answers(dataset: Dataset, data_args: DataTrainingArguments, source: str) -> None:
-    """Raise a ``ValueError`` naming the example when an answer lies outside its context, when answers and starts
-    differ in number, or when a v1 run meets a question without an answer."""
+def check_answers(dataset: Dataset, data_args: DataTrainingArguments, source: str) -> Dataset:
+    """``dataset`` with its answers checked: a ``ValueError`` naming the example when answers and starts differ in
+    number, or when a v1 run meets a question without an answer; misaligned answers (:func:`misaligned_answer`)
+    are refused, naming the examples, or with ``--misaligned_answers skip`` those examples are left out (a warning
+    counts them). Returns the examples kept."""
     require_columns(
         dataset, [data_args.question_column_name, data_args.context_column_name, data_args.answer_column_name], source
     )
-    for example_id, context, answers in zip(
-        dataset["id"], dataset[data_args.context_column_name], dataset[data_args.answer_column_name]
+    misaligned = []  # (index, what is wrong with its first misaligned answer)
+    for index, (example_id, context, answers) in enumerate(
+        zip(dataset["id"], dataset[data_args.context_column_name], dataset[data_args.answer_column_name])
     ):
         texts, starts = answers["text"], answers["answer_start"]
         if len(texts) != len(starts):
@@ -208,12 +229,44 @@ def check_answers(dataset: Dataset, data_args: DataTrainingArguments, source: st
             raise ValueError(
                 f"{source}: example {example_id!r} has no answer; pass --version_2_with_negative for SQuAD v2 data."
             )
-        for text, start in zip(texts, starts):
-            if not 0 <= start <= start + len(text) <= len(context):
-                raise ValueError(
-                    f"{source}: example {example_id!r}: the answer {text!r} at character {start} lies outside its "
-                    f"context of {len(context)} characters."
-                )
+        problems = [p for text, start in zip(texts, starts) if (p := misaligned_answer(context, text, start))]
+        if problems:
+            misaligned.append((index, f"example {example_id!r}: {problems[0]}"))
+    if not misaligned:
+        return dataset
+    shown = "; ".join(problem for _, problem in misaligned[:3]) + ("; ..." if len(misaligned) > 3 else "")
+    summary = (
+        f"{source}: {len(misaligned)} of {len(dataset)} examples have an answer whose text is not the context's "
+        f"characters at its answer_start ({shown})"
+    )
+    fix = "Correct answer_start (the character offset of the answer's text in its context)"
+    if data_args.misaligned_answers == "error":
+        raise ValueError(
+            f"{summary}. Training on them would teach a shifted span. {fix}, or pass --misaligned_answers skip to "
+            "leave these examples out."
+        )
+    if len(misaligned) == len(dataset):
+        raise ValueError(f"{summary}: --misaligned_answers skip leaves no example. {fix}.")
+    kept = len(dataset) - len(misaligned)
+    logger.warning("%s. Left out (--misaligned_answers skip): %d examples remain.", summary, kept)
+    left_out = {index for index, _ in misaligned}
+    return dataset.select([i for i in range(len(dataset)) if i not in left_out])
+
+
+def misaligned_answer(context: str, text: str, start: int) -> str | None:
+    """What is wrong when ``text`` is not ``context``'s characters from ``start`` (None when it is): where the context
+    differs, or that the answer lies outside it, and where the text does occur (the nearest place), if anywhere."""
+    there = context[start : start + len(text)] if start >= 0 else None
+    if there == text:
+        return None
+    if not 0 <= start <= start + len(text) <= len(context):
+        problem = f"the answer {text!r} at character {start} lies outside its context of {len(context)} characters"
+    else:
+        problem = f"the answer {text!r} at character {start}, where the context reads {there!r}"
+    places = [m.start() for m in re.finditer(re.escape(text), context)] if text else []
+    if places:
+        problem += f", the text is at character {min(places, key=lambda p: abs(p - start))}"
+    return problem
 
 
 def featurize(
@@ -312,14 +365,59 @@ class QACollator:
 @dataclass
 class Answers:
     """What post-processing chose: ``predictions`` (id -> answer text, ``""`` for no answer), ``nbest`` (id -> the
-    best candidates, each ``{"text", "start", "score"}`` with ``start`` the answer's first character), and
-    ``null_odds`` (id -> null score minus best span score; v2 only, else empty), ``best_spans`` (id -> the best
-    span's text, ``""`` when there is none, whatever the null score says)."""
+    best candidates, each ``{"text", "start", "score", "start_logit", "end_logit", "probability"}`` with ``start``
+    the answer's first character, -1 for the null answer), ``null_odds`` (id -> null score minus the best non-empty
+    span's score; v2 only, else empty) and ``best_spans`` (id -> the best non-empty span's text, ``""`` when there
+    is none, whatever the null score says)."""
 
     predictions: dict[str, str]
     nbest: dict[str, list[dict]]
     null_odds: dict[str, float]
     best_spans: dict[str, str]
+
+
+def candidate(text: str, start: int, start_logit: float, end_logit: float) -> dict:
+    """One n-best entry; its score is the sum of the two logits."""
+    return {"text": text, "start": start, "score": start_logit + end_logit, "start_logit": start_logit,
+            "end_logit": end_logit}  # fmt: skip
+
+
+def window_spans(
+    context: str,
+    offsets: list,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    data_args: DataTrainingArguments,
+) -> list[dict]:
+    """The candidate spans of one window, best start first, then best end (the order ties keep).
+
+    ``offsets``: per token of the window the context characters it covers (None outside the context);
+    ``starts`` / ``ends``: the window's logits ``(tokens,)``, possibly padded past ``len(offsets)``. A candidate
+    is a start and an end among the ``n_best_size`` best, both in the context, the end not before the start, at
+    most ``max_answer_length`` tokens; its text runs from the start token's first character to the end token's
+    last, and is empty when both tokens cover no character (e.g. a whitespace token of a byte-level BPE).
+    """
+    top = data_args.n_best_size
+    # Only the window's own tokens: a padded row's tail holds the padding value, not logits.
+    best_starts = np.argsort(starts[: len(offsets)])[::-1][:top]
+    best_ends = np.argsort(ends[: len(offsets)])[::-1][:top]
+    spans = []
+    for s in best_starts:
+        for e in best_ends:
+            if offsets[s] is None or offsets[e] is None or e < s or e - s + 1 > data_args.max_answer_length:
+                continue
+            first, last = offsets[s][0], offsets[e][1]
+            spans.append(candidate(context[first:last], int(first), float(starts[s]), float(ends[e])))
+    return spans
+
+
+def with_probabilities(nbest: list[dict]) -> list[dict]:
+    """``nbest`` with each entry's ``probability``: the softmax of the scores over the list."""
+    if not nbest:
+        return nbest
+    scores = np.array([c["score"] for c in nbest])
+    weights = np.exp(scores - scores.max())
+    return [{**c, "probability": float(p)} for c, p in zip(nbest, weights / weights.sum())]
 
 
 def postprocess(
@@ -329,52 +427,46 @@ def postprocess(
     end_logits: np.ndarray,
     data_args: DataTrainingArguments,
 ) -> Answers:
-    """An answer per example from its windows' logits.
+    """An answer per example from its windows' logits, by the rules of transformers' ``postprocess_qa_predictions``
+    (``examples/pytorch/question-answering/utils_qa.py``).
 
     ``windows`` holds ``example_id``, ``cls_index`` and ``offset_mapping`` per window (:func:`featurize`), in the
     order of ``start_logits`` / ``end_logits`` ``(windows, tokens)`` (rows may be padded past a window's length;
-    those places are never read). A candidate is a start and an end among the ``n_best_size`` best of its window,
-    both in the context, the end not before the start, at most ``max_answer_length`` tokens; its score is the sum
-    of the two logits and its text the context's characters from the start token's first to the end token's last.
+    those places are never read). The candidates are every window's :func:`window_spans`, ranked by score (a stable
+    sort: ties keep the window order). v1 answers the top candidate's text (an empty one too, as transformers'
+    does; no candidate at all gives ``""``). v2 (``version_2_with_negative``): the null score is the lowest over the
+    windows of the logits on ``[CLS]``; a span with an empty text is no answer, so the best span is the best
+    non-empty one, and the answer is ``""`` exactly when ``null score - best span score`` exceeds
+    ``null_score_diff_threshold`` (or no non-empty span exists). The n-best list holds the ``n_best_size`` best
+    candidates (v2: with the null answer among them, ranked after spans of equal score, and appended when it
+    ranks lower).
     """
     by_example = collections.defaultdict(list)
     for w, example_id in enumerate(windows["example_id"]):
         by_example[example_id].append(w)
     offsets_of, cls_of = windows["offset_mapping"], windows["cls_index"]
-    top = data_args.n_best_size
+    top, v2 = data_args.n_best_size, data_args.version_2_with_negative
     answers = Answers({}, {}, {}, {})
     ids = [str(example_id) for example_id in examples["id"]]
     for example_id, context in zip(ids, examples[data_args.context_column_name]):
-        candidates, null_score = [], None
+        spans, null = [], None
         for w in by_example[example_id]:
-            offsets, starts, ends = offsets_of[w], start_logits[w], end_logits[w]
             cls = cls_of[w]
-            window_null = float(starts[cls] + ends[cls])
-            null_score = window_null if null_score is None else min(null_score, window_null)
-            # Only the window's own tokens: a padded row's tail holds the padding value, not logits.
-            best_starts = np.argsort(starts[: len(offsets)])[::-1][:top]
-            best_ends = np.argsort(ends[: len(offsets)])[::-1][:top]
-            for s in best_starts:
-                for e in best_ends:
-                    if offsets[s] is None or offsets[e] is None or e < s or e - s + 1 > data_args.max_answer_length:
-                        continue
-                    first, last = offsets[s][0], offsets[e][1]
-                    candidates.append({"text": context[first:last], "start": int(first),
-                                       "score": float(starts[s] + ends[e])})  # fmt: skip
-        candidates = sorted(candidates, key=lambda c: c["score"], reverse=True)[:top]
-        best = candidates[0] if candidates else None
-        answer = best["text"] if best else ""
-        answers.best_spans[example_id] = answer
-        if data_args.version_2_with_negative:
-            null_score = 0.0 if null_score is None else null_score
-            odds = null_score - best["score"] if best else float("inf")
-            answers.null_odds[example_id] = odds
-            if odds > data_args.null_score_diff_threshold:
-                answer = ""
-            candidates = sorted([*candidates, {"text": "", "start": -1, "score": null_score}],
-                                key=lambda c: c["score"], reverse=True)[:top]  # fmt: skip
-        answers.predictions[example_id] = answer
-        answers.nbest[example_id] = candidates
+            window_null = candidate("", -1, float(start_logits[w][cls]), float(end_logits[w][cls]))
+            null = window_null if null is None or window_null["score"] < null["score"] else null
+            spans += window_spans(context, offsets_of[w], start_logits[w], end_logits[w], data_args)
+        ranked = sorted(spans, key=lambda c: c["score"], reverse=True)
+        best = next((c for c in ranked if c["text"]), None)
+        answers.best_spans[example_id] = best["text"] if best else ""
+        if not v2:
+            answers.predictions[example_id] = ranked[0]["text"] if ranked else ""
+            answers.nbest[example_id] = with_probabilities(ranked[:top])
+            continue
+        odds = null["score"] - best["score"] if best else float("inf")
+        answers.null_odds[example_id] = odds
+        answers.predictions[example_id] = "" if odds > data_args.null_score_diff_threshold else best["text"]
+        nbest = sorted([*ranked, null], key=lambda c: c["score"], reverse=True)[:top]
+        answers.nbest[example_id] = with_probabilities(nbest if any(c is null for c in nbest) else [*nbest, null])
     return answers
 
 
@@ -520,7 +612,8 @@ def load_raw_splits(data_args: DataTrainingArguments, training_args: TrainingArg
     """``{"train": Dataset, "eval": Dataset}``, the splits the ``--do_*`` flags ask for, checked.
 
     Raises:
-        ValueError: a split that is asked for has no data, or its answers are malformed (:func:`check_answers`).
+        ValueError: a split that is asked for has no data, or its answers are malformed or misaligned
+            (:func:`check_answers`; misaligned examples are left out instead under ``--misaligned_answers skip``).
     """
     wanted = {"train": (training_args.do_train, data_args.train_file, "train", data_args.max_train_samples),
               "eval": (training_args.do_eval, data_args.validation_file, "validation", data_args.max_eval_samples)}  # fmt: skip
@@ -541,8 +634,7 @@ def load_raw_splits(data_args: DataTrainingArguments, training_args: TrainingArg
         data = take(data, limit)
         if "id" not in data.column_names:  # answers are matched to their questions by id
             data = data.add_column("id", [str(i) for i in range(len(data))])
-        check_answers(data, data_args, path or f"{data_args.dataset_name} ({hub_split})")
-        splits[name] = data
+        splits[name] = check_answers(data, data_args, path or f"{data_args.dataset_name} ({hub_split})")
     return splits
 
 
@@ -562,7 +654,41 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # Data first: a bad file fails before any model is loaded.
     splits = load_raw_splits(data_args, training_args, model_args.cache_dir)
+    config, tokenizer, model = load_model(model_args)
+    options = window_options(model, config, data_args)
 
+    train, evaluation, evaluator = None, None, None
+    if "train" in splits:
+        train = windows_of(splits["train"], "training data", tokenizer, data_args, options, training_args)
+    if "eval" in splits:
+        evaluation = windows_of(splits["eval"], "evaluation data", tokenizer, data_args, options, training_args)
+        evaluator = QAEvaluation(splits["eval"], evaluation.select_columns(list(WINDOW_COLUMNS)), data_args)
+
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=model_inputs(train),
+        eval_dataset=model_inputs(evaluation),
+        processing_class=tokenizer,
+        data_collator=QACollator(tokenizer.pad_token_id),
+        compute_metrics=evaluator,
+    )
+    metrics: dict[str, float] = {}
+    if training_args.do_train:
+        metrics.update(run_training(trainer, checkpoint, splits["train"], train))
+    if training_args.do_eval:
+        metrics.update(run_evaluation(trainer, evaluator, splits["eval"], evaluation))
+    record_run(trainer, model_args, data_args, run_args, options["max_length"])
+    return metrics
+
+
+def load_model(model_args: ModelArguments) -> tuple:
+    """``(config, tokenizer, model)``: the model with its question-answering head, and its fast tokenizer.
+
+    Raises:
+        ValueError: the model type has no question-answering head, or the tokenizer is not a fast one (answers are
+            mapped to characters through a fast tokenizer's offsets).
+    """
     config = AutoConfig.from_pretrained(
         model_args.config_name or model_args.model_name_or_path,
         cache_dir=model_args.cache_dir,
@@ -590,7 +716,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         cache_dir=model_args.cache_dir,
         trust_remote_code=model_args.trust_remote_code,
     )
+    return config, tokenizer, model
 
+
+def window_options(model, config, data_args: DataTrainingArguments) -> dict:
+    """How :func:`featurize` cuts the examples into windows for ``model``: ``max_length`` (``--max_seq_length``, by
+    default all the model reads), ``global_attention`` (for models that take a ``global_attention_mask``) and
+    ``return_token_type_ids`` (False for models with a single segment, else the tokenizer's default).
+
+    Raises:
+        ValueError: ``--max_seq_length`` exceeds what the model reads, or ``--doc_stride`` is not under half a window.
+    """
     limit = model_max_tokens(model.base_model)
     max_length = data_args.max_seq_length or limit
     if max_length > limit:
@@ -610,65 +746,68 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data_args.doc_stride if data_args.long_documents == "chunks" else 0,
         global_attention,
     )
+    return {"max_length": max_length, "global_attention": global_attention, "return_token_type_ids": token_types}
 
-    def windows_of(data: Dataset, desc: str) -> Dataset:
-        # The main process featurizes first and caches; torchrun replicas then read the cache.
-        with training_args.main_process_first(desc=desc):
-            windows = data.map(
-                featurize,
-                batched=True,
-                remove_columns=data.column_names,
-                fn_kwargs={
-                    "tokenizer": tokenizer,
-                    "data_args": data_args,
-                    "max_length": max_length,
-                    "global_attention": global_attention,
-                    "return_token_type_ids": token_types,
-                },  # fmt: skip
-                desc=desc,
-            )
-        report_windows(data, windows, data_args.long_documents, desc)
-        return windows
 
-    train = windows_of(splits["train"], "training data") if "train" in splits else None
-    evaluation, evaluator = None, None
-    if "eval" in splits:
-        evaluation = windows_of(splits["eval"], "evaluation data")
-        evaluator = QAEvaluation(splits["eval"], evaluation.select_columns(list(WINDOW_COLUMNS)), data_args)
+def windows_of(
+    data: Dataset,
+    desc: str,
+    tokenizer,
+    data_args: DataTrainingArguments,
+    options: dict,
+    training_args: TrainingArguments,
+) -> Dataset:
+    """``data``'s examples featurized into windows (:func:`featurize` with the :func:`window_options`), logged."""
+    # The main process featurizes first and caches; torchrun replicas then read the cache.
+    with training_args.main_process_first(desc=desc):
+        windows = data.map(
+            featurize,
+            batched=True,
+            remove_columns=data.column_names,
+            fn_kwargs={"tokenizer": tokenizer, "data_args": data_args, **options},
+            desc=desc,
+        )
+    report_windows(data, windows, data_args.long_documents, desc)
+    return windows
 
-    trainer = Trainer(
-        model=model,
-        args=training_args,
-        train_dataset=model_inputs(train),
-        eval_dataset=model_inputs(evaluation),
-        processing_class=tokenizer,
-        data_collator=QACollator(tokenizer.pad_token_id),
-        compute_metrics=evaluator,
-    )
 
-    metrics: dict[str, float] = {}
-    if training_args.do_train:
-        result = trainer.train(resume_from_checkpoint=checkpoint)
-        trainer.save_model()  # model, config and tokenizer in output_dir
-        train_metrics = {**result.metrics, "train_samples": len(splits["train"]), "train_windows": len(train)}
-        trainer.log_metrics("train", train_metrics)
-        trainer.save_metrics("train", train_metrics)
-        trainer.save_state()
-        metrics.update(train_metrics)
+def run_training(trainer: Trainer, checkpoint: str | None, examples: Dataset, windows: Dataset) -> dict[str, float]:
+    """Train (resuming from ``checkpoint``); save the model with its config and tokenizer, the training metrics
+    (``train_results.json``) and the trainer state. Returns the metrics."""
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.save_model()  # model, config and tokenizer in output_dir
+    metrics = {**result.metrics, "train_samples": len(examples), "train_windows": len(windows)}
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    return metrics
 
-    if training_args.do_eval:
-        eval_metrics = {**trainer.evaluate(), "eval_samples": len(splits["eval"]), "eval_windows": len(evaluation)}
-        trainer.log_metrics("eval", eval_metrics)
-        trainer.save_metrics("eval", eval_metrics)  # eval_results.json
-        if trainer.is_world_process_zero():
-            evaluator.save(training_args.output_dir)
-        metrics.update(eval_metrics)
 
+def run_evaluation(trainer: Trainer, evaluator: QAEvaluation, examples: Dataset, windows: Dataset) -> dict[str, float]:
+    """Evaluate; save the metrics (``eval_results.json``) and, on the main process, the answers
+    (:meth:`QAEvaluation.save`). Returns the metrics."""
+    metrics = {**trainer.evaluate(), "eval_samples": len(examples), "eval_windows": len(windows)}
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)  # eval_results.json
+    if trainer.is_world_process_zero():
+        evaluator.save(trainer.args.output_dir)
+    return metrics
+
+
+def record_run(
+    trainer: Trainer,
+    model_args: ModelArguments,
+    data_args: DataTrainingArguments,
+    run_args: RunArguments,
+    max_length: int,
+) -> None:
+    """Record the run in ``output_dir``'s model card, and upload it with ``--push_to_hub``
+    (:func:`finish_output_dir`)."""
     from_hub = data_args.dataset_name is not None and not (data_args.train_file or data_args.validation_file)
     finish_output_dir(
         trainer,
         run_args,
-        trained=training_args.do_train,
+        trained=trainer.args.do_train,
         base_model=hub_model_id(model_args.model_name_or_path),
         summary=f"Fine-tuned from {model_origin(model_args.model_name_or_path)} for extractive question answering "
         f"(SQuAD {'v2' if data_args.version_2_with_negative else 'v1'} format) with `examples/run_qa.py` of "
@@ -683,7 +822,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "doc_stride": data_args.doc_stride,
         },
     )
-    return metrics
 
 
 def model_inputs(windows: Dataset | None) -> Dataset | None:

@@ -4,15 +4,18 @@ windows of a short one, v2 with unanswerable questions) on tiny local data and t
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
-from transformers import AutoModelForQuestionAnswering, RobertaConfig, RobertaModel
+from transformers import AutoModelForQuestionAnswering, RobertaConfig, RobertaModel, TrainingArguments
 
 import hf_xformers
 from examples import run_qa, utils_examples
@@ -185,7 +188,9 @@ def test_postprocess_picks_the_best_span_across_windows():
     answers = run_qa.postprocess(examples, windows, start, end, data_args())
     assert answers.predictions == {"x": "gamma delta"}
     best = answers.nbest["x"][0]
-    assert best == {"text": "gamma delta", "start": 11, "score": 7.5}
+    assert {k: best[k] for k in ("text", "start", "score", "start_logit", "end_logit")} == {
+        "text": "gamma delta", "start": 11, "score": 7.5, "start_logit": 4.0, "end_logit": 3.5}  # fmt: skip
+    assert sum(c["probability"] for c in answers.nbest["x"]) == pytest.approx(1.0)
     assert answers.nbest["x"][1]["text"] == "beta gamma" and answers.null_odds == {}
     # An end before its start, or a span longer than max_answer_length, is no candidate.
     start, end = np.full((2, 8), -5.0), np.full((2, 8), -5.0)
@@ -210,6 +215,156 @@ def test_postprocess_v2_null_answer_against_the_threshold():
     assert answers.nbest["x"][0]["text"] == ""  # the null answer competes in the n-best list
     lenient = run_qa.postprocess(examples, windows, start, end, data_args(null_score_diff_threshold=1.0, **v2))
     assert lenient.predictions["x"] == "gamma delta"
+
+
+def test_postprocess_v2_answers_the_best_non_empty_span():
+    """The planted case of issue 51: a span of one whitespace token (it covers no character: its text is empty) tops
+    the candidates, and the best real span beats the null score by 30. transformers' rules answer the real span."""
+    context = "alpha beta gamma delta  "  # a byte-level BPE makes a token of the last space, offsets (23, 23)
+    tokens = [None, None, None, (0, 5), (6, 10), (11, 16), (17, 22), (23, 23), None]
+    examples = Dataset.from_list([{"id": "x", "context": context, "answers": {"text": [], "answer_start": []}}])
+    windows = Dataset.from_dict({"example_id": ["x"], "cls_index": [0], "offset_mapping": [tokens]})
+    start, end = np.zeros((1, 9), np.float32), np.zeros((1, 9), np.float32)
+    start[0, 0], end[0, 0] = 1.0, 1.0  # null score 2
+    start[0, 7], end[0, 7] = 30.0, 10.0  # the whitespace token alone: score 40, text ""
+    start[0, 5], end[0, 6] = 16.0, 16.0  # "gamma delta": score 32, 30 above the null score ("gamma delta " 26)
+    args = data_args(version_2_with_negative=True)
+    answers = run_qa.postprocess(examples, windows, start, end, args)
+    assert answers.nbest["x"][0]["text"] == "" and answers.nbest["x"][0]["score"] == 40.0  # the empty span ranks first
+    assert answers.predictions["x"] == answers.best_spans["x"] == "gamma delta"
+    assert answers.null_odds["x"] == pytest.approx(-30.0)
+    # The oracle says the same (the many equal scores of this case rank in another order in its n-best list).
+    oracle = oracle_postprocess(examples, windows, start, end, v2=True)["x"]
+    assert (oracle["answer"], oracle["best_span"], oracle["null_odds"]) == ("gamma delta", "gamma delta", -30.0)
+    # Raised by 31, the null score beats the span by 1: no answer, by the same rules.
+    start[0, 0] += 31.0
+    assert run_qa.postprocess(examples, windows, start, end, args).predictions["x"] == ""
+    assert oracle_postprocess(examples, windows, start, end, v2=True)["x"]["answer"] == ""
+
+
+def oracle_postprocess(
+    examples: Dataset,
+    windows: Dataset,
+    start_logits: np.ndarray,
+    end_logits: np.ndarray,
+    v2: bool = False,
+    n_best_size: int = 20,
+    max_answer_length: int = 30,
+    threshold: float = 0.0,
+) -> dict[str, dict]:
+    """The rules of transformers' ``postprocess_qa_predictions`` (its example's ``utils_qa.py``), restated and
+    applied by brute force: every (start, end) token pair of every window of an example is tried. Returns id ->
+    ``{"answer", "best_span", "nbest", "null_odds"}`` (``null_odds`` None in v1).
+
+    A pair is a candidate when both tokens lie in the context (their offset is not None), ``0 <= end - start <
+    max_answer_length``, and its start (end) is among the ``n_best_size`` highest start (end) logits of the window.
+    Its score is start logit + end logit; its text runs from the start token's first character to the end token's
+    last. The n-best list is the ``n_best_size`` best candidates; v2 ranks the null answer among them (text "",
+    score the start + end logit on CLS, the lowest over the windows; after candidates of equal score) and appends
+    it when it falls out of the list. Probabilities: the softmax of the list's scores. v1 answers the top
+    candidate; v2 the best candidate with a non-empty text, unless the null score beats it by more than
+    ``threshold``. Where no candidate (v2: no non-empty one) exists, the answer is "" and, in v2, the null odds
+    infinite: transformers answers its placeholder "empty" there. Equal scores rank by window, start, end
+    (transformers: by its argsort); random logits have none.
+    """
+    example_of, offsets_of, cls_of = (list(windows[column]) for column in ("example_id", "offset_mapping", "cls_index"))
+    results = {}
+    for example in examples:
+        context, candidates, null = example["context"], [], None
+        for w in [w for w, example_id in enumerate(example_of) if example_id == example["id"]]:
+            offsets = offsets_of[w]
+            starts = [float(x) for x in start_logits[w][: len(offsets)]]
+            ends = [float(x) for x in end_logits[w][: len(offsets)]]
+            cls = cls_of[w]
+            if null is None or starts[cls] + ends[cls] < null["score"]:
+                null = {"text": "", "start": -1, "score": starts[cls] + ends[cls], "start_logit": starts[cls],
+                        "end_logit": ends[cls]}  # fmt: skip
+            # The n best tokens of the window: those at or above its n-th highest logit.
+            start_cut, end_cut = (sorted(logits, reverse=True)[:n_best_size][-1] for logits in (starts, ends))
+            for s, e in itertools.product(range(len(offsets)), repeat=2):
+                if offsets[s] is None or offsets[e] is None or not 0 <= e - s < max_answer_length:
+                    continue
+                if starts[s] >= start_cut and ends[e] >= end_cut:
+                    candidates.append({"text": context[offsets[s][0] : offsets[e][1]], "start": offsets[s][0],
+                                       "score": starts[s] + ends[e], "start_logit": starts[s],
+                                       "end_logit": ends[e]})  # fmt: skip
+        ranked = sorted(candidates + ([null] if v2 else []), key=lambda c: -c["score"])  # stable: null after ties
+        nbest = ranked[:n_best_size] + ([null] if v2 and null not in ranked[:n_best_size] else [])
+        if nbest:
+            weights = np.exp(np.array([c["score"] for c in nbest]) - max(c["score"] for c in nbest))
+            nbest = [{**c, "probability": float(p)} for c, p in zip(nbest, weights / weights.sum())]
+        spans = [c for c in ranked if c["text"]]
+        result = {"best_span": spans[0]["text"] if spans else "", "nbest": nbest, "null_odds": None}
+        if v2:
+            result["null_odds"] = null["score"] - spans[0]["score"] if spans else math.inf
+            result["answer"] = result["best_span"] if result["null_odds"] <= threshold else ""
+        else:
+            result["answer"] = ranked[0]["text"] if ranked else ""
+        results[example["id"]] = result
+    return results
+
+
+def random_qa_windows(n_examples: int, seed: int) -> tuple[Dataset, Dataset, np.ndarray, np.ndarray]:
+    """``n_examples`` contexts with irregular whitespace (whose byte-level BPE tokens cover no character), read by
+    :func:`run_qa.featurize` in windows of 48 tokens, and standard normal float32 logits padded with -100 past each
+    window, as Trainer pads them."""
+    rng = np.random.default_rng(seed)
+    separators = [" ", " ", " ", "  ", "   ", "\n\n "]
+    rows = []
+    for i in range(n_examples):
+        words = " ".join(rng.choice(SENTENCES, size=rng.integers(1, 5))).split()
+        context = "".join(word + separators[k] for word, k in zip(words, rng.integers(0, len(separators), len(words))))
+        rows.append({"id": f"e{i}", "question": "what is it?", "context": context,
+                     "answers": {"text": [], "answer_start": []}})  # fmt: skip
+    examples = Dataset.from_list(rows)
+    windows = examples.map(
+        run_qa.featurize, batched=True, remove_columns=examples.column_names,
+        fn_kwargs={"tokenizer": roberta_tokenizer(), "data_args": data_args(version_2_with_negative=True, doc_stride=8),
+                   "max_length": 48, "global_attention": False, "return_token_type_ids": False},
+    )  # fmt: skip
+    lengths = [len(ids) for ids in windows["input_ids"]]
+    start, end = rng.standard_normal((2, len(windows), max(lengths)), dtype=np.float32)
+    padding = np.arange(max(lengths))[None, :] >= np.array(lengths)[:, None]
+    start[padding], end[padding] = -100.0, -100.0
+    return examples, windows, start, end
+
+
+def assert_matches_oracle(answers: run_qa.Answers, oracle: dict[str, dict]) -> None:
+    """``answers`` (:func:`run_qa.postprocess`) are :func:`oracle_postprocess`'s: the same answers, best spans, null
+    odds (v2) and n-best lists (texts, starts, scores, logits, probabilities, in the same order)."""
+    assert answers.predictions == {qid: o["answer"] for qid, o in oracle.items()}
+    assert answers.best_spans == {qid: o["best_span"] for qid, o in oracle.items()}
+    null_odds = {qid: o["null_odds"] for qid, o in oracle.items() if o["null_odds"] is not None}  # v2 only
+    assert answers.null_odds == pytest.approx(null_odds)
+    for qid, o in oracle.items():
+        assert [(c["text"], c["start"]) for c in answers.nbest[qid]] == [(c["text"], c["start"]) for c in o["nbest"]]
+        for key in ("score", "start_logit", "end_logit", "probability"):
+            assert [c[key] for c in answers.nbest[qid]] == pytest.approx([c[key] for c in o["nbest"]], abs=1e-6), qid
+
+
+@pytest.mark.parametrize(
+    "n_examples, v2, n_best_size, threshold",
+    [(420, True, 20, 0.0), (120, True, 3, -6.0), (120, False, 20, 0.0), (120, False, 3, 0.0)],
+)
+def test_postprocess_agrees_with_the_oracle_on_random_logits(n_examples, v2, n_best_size, threshold):
+    """Same windows, same logits: the same answers, null odds and n-best lists as :func:`oracle_postprocess`
+    (479aea5: 5 of the 420 v2 answers differed, each an empty span ranked first). Checked once against transformers'
+    ``postprocess_qa_predictions`` (a copy kept outside the repository), the oracle agreed on all 780 examples of
+    these settings (18 of them where transformers answers its placeholder "empty" and the oracle "") and on 1,000
+    more (n-best sizes 5 to 40, max_answer_length 1 to 4)."""
+    examples, windows, start, end = random_qa_windows(n_examples, seed=n_best_size)
+    assert len(windows) > 2 * n_examples  # most contexts take several windows
+    args = data_args(version_2_with_negative=v2, n_best_size=n_best_size, null_score_diff_threshold=threshold)
+    oracle = oracle_postprocess(examples, windows, start, end, v2, n_best_size, threshold=threshold)
+    assert_matches_oracle(run_qa.postprocess(examples, windows, start, end, args), oracle)
+    # The data holds the cases the rules are about.
+    top_spans = [[c for c in o["nbest"] if c["start"] >= 0][:1] for o in oracle.values()]
+    if n_best_size == 20:  # (with only the 3 best starts and ends, a whitespace token rarely makes the top span)
+        assert any(top and top[0]["text"] == "" for top in top_spans)  # what made 479aea5 differ
+    else:
+        assert not all(top_spans)  # some example has no span at all
+    if threshold:  # the threshold decides some answers: below it they would be spans, above it they are ""
+        assert any(threshold < o["null_odds"] <= 0.0 for o in oracle.values())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -374,6 +529,7 @@ def test_run_qa_v2_with_unanswerable_questions(long_model, tmp_path, monkeypatch
         (["--long_documents", "split"], "--long_documents must be one of"),
         (["--max_seq_length", "4096"], "exceeds the 128 tokens"),
         (["--doc_stride", "64"], "--doc_stride 64 must be under half"),
+        (["--misaligned_answers", "fix"], "--misaligned_answers must be one of"),
     ],
 )
 def test_run_qa_clear_errors(extra, match, short_model, tmp_path, capsys):
@@ -386,6 +542,46 @@ def test_run_qa_v1_data_without_answer_says_version_2(short_model, tmp_path):
     data = squad_file(tmp_path / "d.json", 1, unanswerable=1)
     with pytest.raises(ValueError, match="has no answer; pass --version_2_with_negative"):
         run_qa.main(qa_args(short_model, tmp_path / "out", data, data))
+
+
+def shifted_squad_file(path: Path, shift: int) -> tuple[str, list[dict]]:
+    """:func:`squad_file` of 3 questions, the second's ``answer_start`` moved ``shift`` characters on; returns the
+    file and its rows."""
+    squad_file(path, 3)
+    document = json.loads(path.read_text())
+    document["data"][1]["answers"]["answer_start"][0] += shift
+    path.write_text(json.dumps(document))
+    return str(path), document["data"]
+
+
+def test_run_qa_refuses_an_answer_start_37_characters_off(short_model, tmp_path):
+    """479aea5 trained on the span 37 characters past the answer, with no warning."""
+    data, rows = shifted_squad_file(tmp_path / "d.json", 37)
+    answer, start = rows[1]["answers"]["text"][0], rows[1]["answers"]["answer_start"][0]
+    shifted = rows[1]["context"][start : start + len(answer)]
+    message = (
+        f"1 of 3 examples have an answer whose text is not the context's characters at its answer_start (example "
+        f"'q1': the answer {answer!r} at character {start}, where the context reads {shifted!r}, the text is at "
+        f"character {start - 37})"
+    )
+    with pytest.raises(ValueError, match=re.escape(message) + ".*--misaligned_answers skip"):
+        run_qa.main(qa_args(short_model, tmp_path / "out", data, data, "--doc_stride", "32", "--max_steps", "1"))
+    assert not (tmp_path / "out").exists()  # refused before any training
+
+
+def test_misaligned_answers_skip_leaves_the_examples_out_with_a_warning(tmp_path, caplog):
+    data, _ = shifted_squad_file(tmp_path / "d.json", 37)
+    training = TrainingArguments(str(tmp_path / "out"), do_train=True, report_to="none")
+    args = data_args(train_file=data, misaligned_answers="skip")
+    with caplog.at_level(logging.WARNING, logger="run_qa"):
+        splits = run_qa.load_raw_splits(args, training, cache_dir=None)
+    assert splits["train"]["id"] == ["q0", "q2"]
+    assert "1 of 3 examples have an answer whose text is not" in caplog.text and "2 examples remain" in caplog.text
+    # An answer past the context's end counts too; skipping every example is refused.
+    lost = Dataset.from_list([{"id": "z", "question": "q?", "context": "alpha beta",
+                               "answers": {"text": ["beta"], "answer_start": [9]}}])  # fmt: skip
+    with pytest.raises(ValueError, match=r"at character 9 lies outside .*at character 6.*leaves no example"):
+        run_qa.check_answers(lost, args, "lost.json")
 
 
 def tiny_base_model(name: str, vocab_size: int):
