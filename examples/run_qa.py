@@ -12,8 +12,8 @@ first; the head predicts the answer's first and last token.
 * Global attention on the question (``[CLS]`` and the question tokens) for models that have it (hfx-longformer,
   transformers' Longformer); other models get no ``global_attention_mask``.
 * Post-processing by the rules of transformers' example (``postprocess_qa_predictions`` in its ``utils_qa.py``;
-  the tests check it against an oracle of those rules): the ``--n_best_size`` best starts and ends of every window, spans
-  of at most ``--max_answer_length`` tokens inside the context, ranked by start + end logit across windows, mapped
+  the tests check it against an oracle of those rules): the ``--n_best_size`` best starts and ends of every window,
+  spans of at most ``--max_answer_length`` tokens inside the context, ranked by start + end logit across windows, mapped
   back to the context's characters. SQuAD v2 (``--version_2_with_negative``): the best span is the best one whose
   text is not empty (a span of tokens that cover no character, such as a byte-level BPE's whitespace token, is no
   answer), and the answer is empty when the null score (start + end logit on ``[CLS]``, the lowest over the
