@@ -503,8 +503,8 @@ def test_seeded_features_are_orthogonal_blocks_of_gaussian_rows():
     within each block of ``head_dim`` rows, and built from standard normal numbers."""
     from hf_xformers.attention.favor_features import counter_normals, draw_key, seeded_random_features
 
-    keys = torch.tensor([draw_key(0, 0, 0), draw_key(0, 0, 1), draw_key(0, 1, 0)])
-    assert len(set(keys.tolist())) == 3
+    keys = torch.stack([draw_key(0, 0, 0), draw_key(0, 0, 1), draw_key(0, 1, 0)])
+    assert len({tuple(key) for key in keys.tolist()}) == 3
     rows = seeded_random_features(40, 16, keys)
     assert rows.shape == (3, 40, 16)
     torch.testing.assert_close(rows, seeded_random_features(40, 16, keys), rtol=0, atol=0)

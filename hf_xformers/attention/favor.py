@@ -203,12 +203,13 @@ class HfxFavorSelfAttention(HfxSelfAttention, QKVProjection):
 
     Buffers (saved with the checkpoint): ``projection_matrix`` ``(m, head_dim)``, and ``num_redraws``, the index of
     the current draw. Draw ``t`` of layer ``l`` is keyed by ``(random_feature_seed, l, t)``
-    (:func:`~hf_xformers.attention.favor_features.draw_key`, counter-based Gaussians: no generator, so a scheduled redraw
-    traces): a fresh model from the same config has the same features, and only :meth:`redraw_projection` and
-    :meth:`redraw_where` change them. The first draw and explicit redraws are made on the CPU (float32) and the buffer
-    moves with the model, so the features are the same numbers on every device; ``model.to(half dtype)`` rounds them
-    to that dtype (the attention still computes in float32), and so does building the model in a 16-bit dtype
-    (``torch.set_default_dtype``, ``from_pretrained(dtype=...)``): never a 16-bit draw, which would be other numbers.
+    (:func:`~hf_xformers.attention.favor_features.draw_key`, Gaussians from the counter-based Philox-4x32-10: no
+    generator, so a scheduled redraw traces): a fresh model from the same config has the same features, and only
+    :meth:`redraw_projection` and :meth:`redraw_where` change them. The first draw and explicit redraws are made on
+    the CPU (float32) and the buffer moves with the model, so the features are the same numbers on every device;
+    ``model.to(half dtype)`` rounds them to that dtype (the attention still computes in float32), and so does
+    building the model in a 16-bit dtype (``torch.set_default_dtype``, ``from_pretrained(dtype=...)``): never a 16-bit
+    draw, which would be other numbers.
 
     ``attentions`` (with ``output_attentions=True``): the implied attention matrix ``(batch, heads, seq_len, seq_len)``
     (formed explicitly, quadratic in memory); the context is the linear-time one either way.
@@ -236,10 +237,7 @@ class HfxFavorSelfAttention(HfxSelfAttention, QKVProjection):
     def draw_projection_matrix(self, draw: int | torch.Tensor) -> torch.Tensor:
         """Draw number ``draw`` of this layer's ``(num_features, head_dim)`` projection, float32: on the CPU for an int
         ``draw``, on its device for a 0-dim int64 tensor (a traced redraw's counter, never read back)."""
-        if isinstance(draw, torch.Tensor):
-            key = draw_key(self.seed, self.layer_idx, draw.long()).reshape(1)
-        else:
-            key = torch.tensor([draw_key(self.seed, self.layer_idx, draw)], dtype=torch.long, device="cpu")
+        key = draw_key(self.seed, self.layer_idx, draw)[None]
         return seeded_random_features(self.num_features, self.head_dim, key, self.orthogonal)[0]
 
     def next_draw_key(self) -> torch.Tensor:

@@ -89,54 +89,92 @@ def features_from_gaussians(blocks: torch.Tensor, norm_gaussians: torch.Tensor, 
 
 
 _MASK32 = 0xFFFFFFFF
+MAX_SEED = 2**64 - 1
+# Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011), as in the reference
+# implementation Random123: the round multipliers and the Weyl increments of the key schedule.
+_PHILOX_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_KEY_STEPS = (0x9E3779B9, 0xBB67AE85)
+PHILOX_ROUNDS = 10
 
 
-def _mul32(x, factor: int):
-    """``x * factor mod 2**32`` for ``x`` in ``[0, 2**32)`` (an int or an int64 tensor), in halves of 16 bits so that
-    no int64 product overflows."""
-    return ((x & 0xFFFF) * factor + ((((x >> 16) * factor) & 0xFFFF) << 16)) & _MASK32
+def _mulhilo32(x, factor: int):
+    """The high and the low 32 bits of ``x * factor`` for ``x`` and ``factor`` in ``[0, 2**32)`` (an int, or an int64
+    tensor elementwise), from two products of ``x``'s 16-bit halves: no int64 product overflows (a wrapping product
+    would be undefined behaviour in compiled kernels), so every backend gives the same integers."""
+    low = (x & 0xFFFF) * factor
+    high = (x >> 16) * factor
+    return (high + (low >> 16)) >> 16, (((high & 0xFFFF) << 16) + low) & _MASK32
 
 
-def mix32(x):
-    """A bijective 32-bit integer hash (Wellons' "lowbias32": xor-shift, multiply, three times) of ``x`` in
-    ``[0, 2**32)``; an int in, an int out, or an int64 tensor elementwise. The same numbers as ints and on every
-    device: integer arithmetic only."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+def philox4x32(counter, key):
+    """Philox-4x32-10: four 32-bit words of ``counter`` under the two 32-bit words of ``key`` -> four 32-bit words.
+
+    Each word is an int in ``[0, 2**32)`` or an int64 tensor of such (tensors broadcast, elementwise). A bijection of
+    the counter for each key whose outputs pass TestU01's BigCrush as a stream over consecutive counters (the paper),
+    and the same integers on every device: integer arithmetic only, so it traces (``torch.compile(fullgraph=True)``,
+    ``torch.export``). Checked against Random123's known-answer vectors in the tests."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for round_index in range(PHILOX_ROUNDS):
+        if round_index:
+            k0, k1 = (k0 + _PHILOX_KEY_STEPS[0]) & _MASK32, (k1 + _PHILOX_KEY_STEPS[1]) & _MASK32
+        hi0, lo0 = _mulhilo32(c0, _PHILOX_MULTIPLIERS[0])
+        hi1, lo1 = _mulhilo32(c2, _PHILOX_MULTIPLIERS[1])
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
 
 
-def draw_key(seed: int, layer_idx: int, draw):
-    """The 32-bit key of draw number ``draw`` (an int, or an int64 tensor: the draw counter of a traced graph) of
-    layer ``layer_idx``'s features under ``config.random_feature_seed`` ``seed``: layers get different features, and
-    the sequence of redraws is the same on every run and every process (so DDP ranks stay in step)."""
-    key = mix32(mix32((seed & _MASK32) ^ mix32((seed >> 32) & _MASK32)) ^ (layer_idx & _MASK32))
-    return mix32(key ^ (draw & _MASK32))
+def draw_key(seed: int, layer_idx: int, draw: int | torch.Tensor) -> torch.Tensor:
+    """The key of draw number ``draw`` of layer ``layer_idx``'s features under ``config.random_feature_seed``
+    ``seed``: the int64 words ``(seed low, seed high, layer, draw low, draw high)`` ``(5,)``, each 32 bits.
+
+    ``draw``: an int (a CPU key), or a 0-dim int64 tensor (the draw counter of a traced graph: the key is made on its
+    device, with no host read). :func:`counter_normals` makes the seed Philox's key and ``(layer, draw)`` part of its
+    counter, so every (seed, layer, draw) has its own numbers, and the sequence of redraws is the same on every run
+    and every process (so DDP ranks stay in step)."""
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"random_feature_seed must be in [0, 2**64), got {seed}.")
+    fixed = [seed & _MASK32, seed >> 32, layer_idx & _MASK32]
+    if isinstance(draw, torch.Tensor):
+        draw = draw.long().reshape(1)
+        return torch.cat([torch.tensor(fixed, device=draw.device), draw & _MASK32, (draw >> 32) & _MASK32])
+    return torch.tensor([*fixed, draw & _MASK32, (draw >> 32) & _MASK32], dtype=torch.long, device="cpu")
+
+
+def _open_unit_interval(words: torch.Tensor) -> torch.Tensor:
+    """32-bit words -> float32 uniforms ``(k + 1/2) / 2**32`` in ``(0, 1]``: never 0, so ``log`` stays finite, and
+    with 32 bits the smallest is 1.2e-10, so Box-Muller's radius reaches 6.8 (a normal passes 6.8 with probability
+    1e-11: the tails are a normal's wherever a test can see them; 24 bits would stop at 5.9)."""
+    return (words.to(torch.float32) + 0.5) * 2.0**-32
 
 
 def counter_normals(keys: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """I.i.d. ``N(0, 1)`` float32 numbers ``(len(keys), *shape)``, a function of the 32-bit ``keys`` ``(n,)`` (int64)
-    alone: element ``i`` of key ``k`` comes from the hashes of ``(k, 2i)`` and ``(k, 2i + 1)`` by Box-Muller.
+    """I.i.d. ``N(0, 1)`` float32 numbers ``(len(keys), *shape)``, a function of the ``keys`` ``(n, 5)``
+    (:func:`draw_key`) alone.
 
-    Unlike a ``torch.Generator`` this traces (``torch.compile(fullgraph=True)`` makes no generator object) and needs no
-    host read of a key held on an accelerator; made on ``keys``' device (integers exactly the same everywhere, the
-    float32 ``log`` / ``cos`` within rounding)."""
+    Element ``4j .. 4j + 3`` of a key comes from Philox-4x32-10 (:func:`philox4x32`) of the counter
+    ``(j, layer, draw low, draw high)`` under the key's seed: two pairs of 32-bit uniforms, each pair two normals by
+    Box-Muller (``r cos``, ``r sin``, ``r = sqrt(-2 log u1)``). Unlike a ``torch.Generator`` this traces
+    (``torch.compile(fullgraph=True)`` makes no generator object) and needs no host read of a key held on an
+    accelerator; made on ``keys``' device (the integers exactly the same everywhere, the float32 ``log`` / ``cos``
+    within rounding)."""
     count = math.prod(shape)
-    index = torch.arange(2 * count, device=keys.device)
-    bits = mix32(mix32(index)[None, :] ^ keys[:, None])
-    # 24 random bits per uniform, centred in their interval: never 0 (log) and exact in float32.
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) / float(1 << 24)
-    radius = torch.sqrt(-2.0 * torch.log(uniform[:, :count]))
-    return (radius * torch.cos(2.0 * math.pi * uniform[:, count:])).view(keys.shape[0], *shape)
+    blocks = torch.arange(-(-count // 4), device=keys.device).expand(keys.shape[0], -1)
+    seed_low, seed_high, layer, draw_low, draw_high = keys.long()[:, :, None].unbind(1)
+    words = philox4x32((blocks, layer, draw_low, draw_high), (seed_low, seed_high))
+    normals = []
+    for radius_word, angle_word in (words[:2], words[2:]):
+        radius = torch.sqrt(-2.0 * torch.log(_open_unit_interval(radius_word)))
+        angle = (2.0 * math.pi) * _open_unit_interval(angle_word)
+        normals += [radius * torch.cos(angle), radius * torch.sin(angle)]
+    return torch.stack(normals, dim=-1).flatten(1)[:, :count].reshape(keys.shape[0], *shape)
 
 
 def seeded_random_features(
     num_features: int, head_dim: int, keys: torch.Tensor, orthogonal: bool = True
 ) -> torch.Tensor:
-    """Random projection rows ``(len(keys), num_features, head_dim)`` float32, one draw per 32-bit key of ``keys``
-    ``(n,)`` (:func:`draw_key`), on ``keys``' device: traceable, no generator, no host read
+    """Random projection rows ``(len(keys), num_features, head_dim)`` float32, one draw per key of ``keys``
+    ``(n, 5)`` (:func:`draw_key`), on ``keys``' device: traceable, no generator, no host read
     (:func:`counter_normals`; :func:`features_from_gaussians` for the orthogonal rows)."""
     if not orthogonal:
         return counter_normals(keys, (num_features, head_dim))

@@ -18,8 +18,9 @@ class HfxPerformerConfig(HfxTextConfig):
             attention, not an approximation of softmax).
         orthogonal_features (`bool`, defaults to True): orthogonal random features (lower variance) instead of
             i.i.d. Gaussian ones.
-        random_feature_seed (`int`, defaults to 0): seed of the random projections. Layer ``l``'s ``t``-th draw is
-            seeded by ``(random_feature_seed, l, t)``, so a fresh model from the same config is reproducible.
+        random_feature_seed (`int`, defaults to 0): seed of the random projections, in ``[0, 2**64)``. Layer ``l``'s
+            ``t``-th draw is keyed by ``(random_feature_seed, l, t)`` (Philox-4x32-10 normals), so a fresh model from
+            the same config is reproducible.
         feature_redraw_interval (`int`, *optional*): in training mode, draw new projections every this many forward
             calls of the model (the first draw serves the first ``feature_redraw_interval`` calls). None (default):
             never redraw automatically; ``model.redraw_projections()`` redraws explicitly. Eval mode never redraws.
@@ -62,6 +63,8 @@ class HfxPerformerConfig(HfxTextConfig):
                 "feature_redraw_interval must be a positive number of training forward calls, or None to never "
                 f"redraw automatically; got {self.feature_redraw_interval!r}."
             )
-        if not isinstance(self.random_feature_seed, int) or self.random_feature_seed < 0:
-            raise ValueError(f"random_feature_seed must be a non-negative integer, got {self.random_feature_seed!r}.")
+        seed = self.random_feature_seed
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+            # The seed is Philox's 64-bit key: a larger one would alias a smaller one's features.
+            raise ValueError(f"random_feature_seed must be an integer in [0, 2**64), got {seed!r}.")
         self.check_roberta_positions()
