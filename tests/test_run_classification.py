@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import resource
 import time
 from pathlib import Path
@@ -269,7 +270,9 @@ def test_clear_errors(longformer_dir, cache_dir, tmp_path, capsys):
     train = write_jsonl(tmp_path / "train.jsonl", rows)
     dev = write_jsonl(tmp_path / "dev.jsonl", [{"text": "hello world", "label": "cooking"}])
     args = common(longformer_dir, tmp_path / "out", cache_dir, "--train_file", train, "--do_train")
-    with refused(capsys, "'cooking' is not among the training labels"):
+    with refused(
+        capsys, r"eval data: label\(s\) \['cooking'\] are not among the training labels \['politics', 'sports'\]"
+    ):
         run_classification.main([*args, "--validation_file", dev, "--do_eval"])
     with refused(capsys, "--metric_name 'mae' does not apply"):
         run_classification.main([*args, "--metric_name", "mae"])
@@ -277,6 +280,129 @@ def test_clear_errors(longformer_dir, cache_dir, tmp_path, capsys):
         run_classification.main([*args, "--long_documents", "slide"])
     with refused(capsys, "--do_eval needs --validation_file"):
         run_classification.main([*args, "--do_eval"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Labels as transformers finds them: the model's ids, integers as integers, the whole training split
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def classifier(longformer_dir: Path, path: Path, id2label: dict, texts: list[str] = ()):
+    """The tiny Longformer with a classification head of ``len(id2label)`` classes named ``id2label``, saved to
+    ``path`` with its tokenizer. With ``texts``, a planted head whose predictions of ``texts`` spread over the
+    classes: a random encoder's pooled states differ little from text to text (all would take one class), so the
+    head's dense layer reads them centred and scaled (over ``texts``) with random weights, and its output layer's
+    logits average 0 per class."""
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        longformer_dir, num_labels=len(id2label), id2label=id2label, label2id={v: k for k, v in id2label.items()}
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(longformer_dir)
+    head = model.classifier
+    if texts:
+        with torch.no_grad():
+            batch = tokenizer(list(texts), padding=True, return_tensors="pt")
+            pooled = []
+            hook = head.dense.register_forward_hook(lambda module, args, output: pooled.append(args[0]))
+            model(**batch)
+            hook.remove()
+            head.dense.weight.copy_(torch.randn_like(head.dense.weight) / pooled[0].std(dim=0))
+            head.dense.bias.copy_(-head.dense.weight @ pooled[0].mean(dim=0))
+            head.out_proj.weight.normal_(0.0, 1.0)
+            head.out_proj.bias -= model(**batch).logits.mean(dim=0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def word_documents(n: int, seed: int = 0) -> list[str]:
+    """``n`` short documents (3 to 12 words of :data:`SENTENCES`; all within the tiny model's 128 tokens)."""
+    words = " ".join(SENTENCES).replace(",", "").split()
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(words, size=int(rng.integers(3, 13)))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("names", ["ints", "LABEL_k"])
+def test_eval_only_integer_labels_are_the_model_ids(names, longformer_dir, cache_dir, tmp_path):
+    """Evaluation alone (no training split) with a 12-class model whose ``id2label`` holds the ints (as transformers
+    saves them) or transformers' default ``LABEL_k``: integer label ``k`` is class ``k``. The gold labels are the
+    model's own predictions, so accuracy is 1.0 exactly when the ids are right (sorted as strings, '10' and '11'
+    came before '2', and a class's id was its rank among the classes present)."""
+    id2label = {i: i if names == "ints" else f"LABEL_{i}" for i in range(12)}
+    texts = word_documents(48)
+    model = classifier(longformer_dir, tmp_path / "model", id2label, texts)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    with torch.no_grad():
+        logits = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits
+    predicted = logits.argmax(dim=-1).tolist()
+    top2 = logits.topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-4  # no near-ties: batching may not change a prediction
+    classes = sorted(set(predicted))
+    # The case that went wrong: classes whose order as strings, or whose rank, is not their id.
+    assert sorted(classes, key=str) != classes or classes != list(range(len(classes))), classes
+    dev = write_jsonl(tmp_path / "dev.jsonl", [{"text": t, "label": k} for t, k in zip(texts, predicted)])
+    metrics = run_classification.main(common(tmp_path / "model", tmp_path / "out", cache_dir, "--validation_file",
+                                             dev, "--do_eval"))  # fmt: skip
+    assert metrics["eval_accuracy"] == 1.0
+
+
+def test_eval_label_the_model_does_not_know_is_refused(longformer_dir, cache_dir, tmp_path, capsys):
+    classifier(longformer_dir, tmp_path / "model", {0: "negative", 1: "positive"})
+    # Before, the evaluation labels sorted became the ids: 'neutral' was the model's 'negative' (id 0).
+    rows = [{"text": t, "label": ["neutral", "positive"][i % 2]} for i, t in enumerate(word_documents(6))]
+    dev = write_jsonl(tmp_path / "dev.jsonl", rows)
+    with refused(capsys, r"eval data: label\(s\) \['neutral'\] are not among the model's labels .*"
+                         r"\['negative', 'positive'\]"):  # fmt: skip
+        run_classification.main(common(tmp_path / "model", tmp_path / "out", cache_dir, "--validation_file", dev,
+                                       "--do_eval"))  # fmt: skip
+
+
+def test_max_train_samples_keeps_every_training_label(longformer_dir, cache_dir, tmp_path):
+    """transformers builds the label list from the whole training split, then samples: a class outside the first
+    ``--max_train_samples`` rows is still a class (here 'founding', which the evaluation set holds)."""
+    texts = word_documents(12)
+    labels = ["war", "economy"] * 3 + ["founding"] * 6
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": t, "label": k} for t, k in zip(texts, labels)])
+    dev = write_jsonl(tmp_path / "dev.jsonl", [{"text": t, "label": k} for t, k in zip(texts[4:8], labels[4:8])])
+    out = tmp_path / "out"
+    metrics = run_classification.main(common(longformer_dir, out, cache_dir, "--train_file", train,
+                                             "--validation_file", dev, "--max_train_samples", "4", "--max_steps", "1",
+                                             "--do_train", "--do_eval"))  # fmt: skip
+    assert metrics["train_samples"] == 4 and metrics["eval_samples"] == 4
+    config = json.loads((out / "config.json").read_text())
+    assert config["id2label"] == {"0": "economy", "1": "founding", "2": "war"}
+
+
+def test_float_class_ids_are_regression_with_a_warning(longformer_dir, cache_dir, tmp_path, capsys):
+    rows = [{"text": t, "label": float(i % 3)} for i, t in enumerate(word_documents(6))]
+    dev = write_jsonl(tmp_path / "dev.jsonl", rows)
+    args = common(longformer_dir, tmp_path / "out", cache_dir, "--validation_file", dev, "--do_eval")
+    metrics = run_classification.main(args)
+    assert "eval_mse" in metrics
+    warned = [line for line in capsys.readouterr().out.splitlines() if " WARNING run_classification: " in line]
+    assert len(warned) == 1 and "float64" in warned[0] and "--problem_type single_label_classification" in warned[0]
+    # As the warning says: classes 0, 1, 2.
+    metrics = run_classification.main([*args, "--problem_type", "single_label_classification"])
+    assert "eval_accuracy" in metrics and "eval_mse" not in metrics
+    assert "WARNING" not in capsys.readouterr().out
+    with refused(capsys, "--problem_type multi_label_classification does not fit a label column that holds one"):
+        run_classification.main([*args, "--problem_type", "multi_label_classification"])
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "match"),
+    [
+        ("train.csv", "", "the file is empty; a csv file needs a header row"),
+        ("train.csv", "text,label\n\n", r"the file has a header row \(text,label\) but no rows of data"),
+        ("train.jsonl", "\n", "the file holds no records"),
+        ("train.json", "[ ]", "the file holds no records"),
+    ],
+)
+def test_files_without_rows_are_named(name, text, match, longformer_dir, cache_dir, tmp_path, capsys):
+    (tmp_path / name).write_text(text)
+    with refused(capsys, f"^{re.escape(str(tmp_path / name))}: {match}"):
+        run_classification.main(common(longformer_dir, tmp_path / "out", cache_dir, "--train_file",
+                                       str(tmp_path / name), "--do_train"))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
