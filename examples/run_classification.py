@@ -81,6 +81,7 @@ from examples.utils_examples import (
     model_max_length,
     model_origin,
     packed_collator,
+    padding_free_message,
     padding_free_refusal,
     parse_script_args,
     require_columns,
@@ -499,7 +500,7 @@ def check_arguments(model_args: ModelArguments, data_args: DataTrainingArguments
             trust_remote_code=model_args.trust_remote_code,
         )
         if refusal is not None:
-            raise ValueError(refusal)
+            raise ValueError(padding_free_message(refusal))
 
 
 def load_labelled_data(
@@ -534,6 +535,10 @@ def load_labelled_data(
             announce_regression(raw[labelled[0]], label_column)
     else:  # prediction only: the fine-tuned model knows its task
         kind = data_args.problem_type or pretrained_config.problem_type or SINGLE_LABEL
+    if extra := data_args.metric_name:
+        allowed = (*DEFAULT_METRICS[kind], *EXTRA_METRICS[kind])
+        if extra not in allowed:
+            raise ValueError(f"--metric_name {extra!r} does not apply to {kind}; choose one of {list(allowed)}.")
     labels = label_names(kind, raw, label_column, pretrained_config)
     if kind != REGRESSION and not labels:
         raise ValueError("No labels found: give labelled training or evaluation data, or a fine-tuned model.")
@@ -547,36 +552,13 @@ def load_labelled_data(
     return raw, kind, labels
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Run the script; returns the training and evaluation metrics (also written to ``output_dir``)."""
-    model_args, data_args, training_args, run_args = parse_args(argv)
-    setup_logging(training_args, logger)
-    check_world_size(training_args)
-    logger.info(
-        "Model %s, output in %s, %d process(es)",
-        model_args.model_name_or_path,
-        training_args.output_dir,
-        training_args.world_size,
-    )
-    checkpoint = resume_checkpoint(training_args, run_args.overwrite_output_dir)
-    set_seed(training_args.seed)
+def load_model(model_args: ModelArguments, data_args: DataTrainingArguments, kind: str, labels: list[str]):
+    """``(model, tokenizer, max_length)``: the classifier of ``kind`` with ``labels`` as its ``id2label``, its
+    tokenizer, and the tokens it reads at once (``--max_seq_length``, at most the model's length).
 
-    # Data: load, pick the columns, find the kind of task and the labels (a bad file fails before any model loads).
-    raw, kind, labels = load_labelled_data(model_args, data_args, training_args)
-    if extra := data_args.metric_name:
-        allowed = (*DEFAULT_METRICS[kind], *EXTRA_METRICS[kind])
-        if extra not in allowed:
-            raise ValueError(f"--metric_name {extra!r} does not apply to {kind}; choose one of {list(allowed)}.")
-    columns = text_columns(data_args, next(iter(raw.values())))
-    encoded = {name: encode(data, columns, data_args, kind, labels, f"{name} data") for name, data in raw.items()}
-    logger.info(
-        "Task %s%s, text from %s",
-        kind,
-        f" with {len(labels)} labels" if labels else "",
-        " + ".join(repr(c) for c in columns),
-    )
-
-    # Model.
+    Raises:
+        ValueError: the model type has no sequence-classification head.
+    """
     label_kwargs = {}
     if labels:
         label_kwargs = {"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}}
@@ -611,15 +593,29 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if max_length > limit:
         logger.warning("max_seq_length %d exceeds the model's %d tokens; using the latter.", max_length, limit)
         max_length = limit
+    return model, tokenizer, max_length
 
-    # A model that cannot take packed batches fails here, before the data are tokenized.
+
+def data_collator(model, tokenizer, max_length: int, data_args: DataTrainingArguments, training_args):
+    """The batches' collator: packed (``--padding_free``; a model that cannot take packed batches fails here,
+    before the data are tokenized), padded to ``max_length`` (``--pad_to_max_length``), or to each batch's longest."""
     if data_args.padding_free:
-        collator = packed_collator(model, training_args, logger, per_document_labels=True)
-    elif data_args.pad_to_max_length:
-        collator = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_length)
-    else:
-        collator = DataCollatorWithPadding(tokenizer)
+        return packed_collator(model, training_args, logger, per_document_labels=True)
+    if data_args.pad_to_max_length:
+        return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_length)
+    return DataCollatorWithPadding(tokenizer)
 
+
+def tokenize_splits(
+    encoded: dict[str, Dataset],
+    tokenizer,
+    max_length: int,
+    data_args: DataTrainingArguments,
+    training_args: TrainingArguments,
+) -> tuple[dict[str, Dataset], dict[str, list[int]], dict[str, dict]]:
+    """``(features, document_index, reports)`` per split: the windows of ``max_length`` tokens the model reads
+    (training truncates; evaluation and prediction follow ``--long_documents``), each window's document, and the
+    token-length report (also written to ``token_lengths.json``)."""
     # Tokenization: every document whole first (its length is reported), then cut into the windows the model reads.
     prefix, suffix = special_token_layout(tokenizer)
 
@@ -653,6 +649,33 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         os.makedirs(training_args.output_dir, exist_ok=True)
         with open(os.path.join(training_args.output_dir, "token_lengths.json"), "w", encoding="utf-8") as f:
             json.dump(reports, f, indent=2)
+    return features, document_index, reports
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run the script; returns the training and evaluation metrics (also written to ``output_dir``)."""
+    model_args, data_args, training_args, run_args = parse_args(argv)
+    setup_logging(training_args, logger)
+    check_world_size(training_args)
+    logger.info(
+        "Model %s, output in %s, %d process(es)",
+        model_args.model_name_or_path,
+        training_args.output_dir,
+        training_args.world_size,
+    )
+    checkpoint = resume_checkpoint(training_args, run_args.overwrite_output_dir)
+    set_seed(training_args.seed)
+
+    # Data: load, pick the columns, find the kind of task and the labels (a bad file fails before any model loads).
+    raw, kind, labels = load_labelled_data(model_args, data_args, training_args)
+    columns = text_columns(data_args, next(iter(raw.values())))
+    encoded = {name: encode(data, columns, data_args, kind, labels, f"{name} data") for name, data in raw.items()}
+    logger.info("Task %s%s, text from %s", kind, f" with {len(labels)} labels" if labels else "",
+                " + ".join(repr(c) for c in columns))  # fmt: skip
+
+    model, tokenizer, max_length = load_model(model_args, data_args, kind, labels)
+    collator = data_collator(model, tokenizer, max_length, data_args, training_args)
+    features, document_index, reports = tokenize_splits(encoded, tokenizer, max_length, data_args, training_args)
 
     def window_metrics(prediction: EvalPrediction) -> dict[str, float]:
         # Periodic evaluation during training scores windows; the final evaluation scores documents.
@@ -693,9 +716,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         scores = compute_metrics(kind, logits, gold, data_args.multi_label_threshold, data_args.metric_name)
         eval_metrics.update({f"eval_{k}": v for k, v in scores.items()})
         eval_metrics.update(eval_samples=len(encoded["eval"]), eval_windows=len(features["eval"]))
-        eval_metrics["eval_tokens_per_document"] = reports["eval"]["tokens_read"] / max(len(encoded["eval"]), 1)
-        if "train" in reports:
-            eval_metrics["train_tokens_per_document"] = reports["train"]["tokens_read"] / max(len(encoded["train"]), 1)
+        for name in ("eval", "train") if "train" in reports else ("eval",):
+            eval_metrics[f"{name}_tokens_per_document"] = reports[name]["tokens_read"] / max(len(encoded[name]), 1)
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)  # eval_results.json
         metrics.update(eval_metrics)
@@ -708,11 +730,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             write_predictions(path, texts)
             logger.info("Wrote %d predictions to %s", len(texts), path)
 
+    finish_run(trainer, run_args, model_args, data_args, kind)
+    return metrics
+
+
+def finish_run(trainer: Trainer, run_args: RunArguments, model_args: ModelArguments, data_args, kind: str) -> None:
+    """The upload-ready output folder (:func:`~examples.utils_examples.finish_output_dir`): card data of the run."""
     from_hub = not data_args.uses_local_files
     finish_output_dir(
         trainer,
         run_args,
-        trained=training_args.do_train,
+        trained=trainer.args.do_train,
         base_model=hub_model_id(model_args.model_name_or_path),
         summary=f"Fine-tuned from {model_origin(model_args.model_name_or_path)} for {kind.replace('_', ' ')} on "
         f"{'the Hub dataset `' + data_args.dataset_name + '`' if from_hub else 'local files'} with "
@@ -723,7 +751,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         dataset_config=data_args.dataset_config_name,
         task_type="text-classification",
     )
-    return metrics
 
 
 if __name__ == "__main__":

@@ -349,18 +349,18 @@ def padding_free_message(refusal: str) -> str:
 
 
 def padding_free_refusal(name_or_path: str, auto_class, **config_kwargs) -> str | None:
-    """Why ``--padding_free`` cannot run the ``auto_class`` head (``AutoModelForSequenceClassification`` ...) of the
-    model ``name_or_path``, or None when it can: the head is built from the config on the meta device (no weights
-    read, no memory) and asked :func:`~hf_xformers.padding_free.packing_refusal`, so a script can refuse before it
-    reads any data. None as well for a config ``auto_class`` has no head for (the script says so itself).
-    ``config_kwargs`` go to ``AutoConfig.from_pretrained`` (``cache_dir``, ``trust_remote_code``)."""
+    """Why the ``auto_class`` head (``AutoModelForSequenceClassification`` ...) of the model ``name_or_path``
+    cannot take packed batches (``--padding_free``), or None when it can: the head is built from the config on the
+    meta device (no weights read, no memory) and asked :func:`~hf_xformers.padding_free.packing_refusal`, so a script
+    can refuse before it reads any data (:func:`padding_free_message`). None as well for a config ``auto_class`` has
+    no head for (the script says so itself). ``config_kwargs`` go to ``AutoConfig.from_pretrained`` (``cache_dir``,
+    ``trust_remote_code``)."""
     config = AutoConfig.from_pretrained(name_or_path, **config_kwargs)
     if type(config) not in auto_class._model_mapping:
         return None
     with torch.device("meta"):
         model = auto_class.from_config(config, trust_remote_code=config_kwargs.get("trust_remote_code", False))
-    refusal = packing_refusal(model)
-    return None if refusal is None else padding_free_message(refusal)
+    return packing_refusal(model)
 
 
 def packed_collator(

@@ -23,6 +23,7 @@ from tests.test_examples import torchrun
 from tests.tiny_tokenizers import SENTENCES, bert_tokenizer
 from tests.usage_errors import refused
 
+REPO = Path(__file__).resolve().parents[1]
 TOPICS = ["sports", "politics", "science", "arts", "travel"]
 
 
@@ -410,29 +411,44 @@ def test_files_without_rows_are_named(name, text, match, longformer_dir, cache_d
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_long_vs_truncated_end_to_end(tmp_path):
-    source = tmp_path / "bert"
+def test_long_vs_truncated_end_to_end(tmp_path, monkeypatch, caplog):
+    """Started in a folder outside the repository with relative paths, as the docs allow: every path is read from
+    that folder, and nothing is written into the repository. The first run is a real process (examples/
+    run_classification.py as a file, started in that folder); the other three run in-process (a process each would
+    take a minute here). run_classification's options reach every run; --padding_free only the long model's, the
+    truncated BERT baseline padding its own."""
+    caller = tmp_path / "caller"
+    (caller / "data").mkdir(parents=True)
+    monkeypatch.chdir(caller)
     tokenizer = bert_tokenizer()
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=37, max_position_embeddings=32)).save_pretrained(source)  # fmt: skip
-    tokenizer.save_pretrained(source)
+                         intermediate_size=37, max_position_embeddings=32)).save_pretrained("bert")  # fmt: skip
+    tokenizer.save_pretrained("bert")
     rows = [{"text": t, "label": TOPICS[i % 2]} for i, t in enumerate(documents(12, seed=2))]
-    train, dev = write_jsonl(tmp_path / "train.jsonl", rows[:8]), write_jsonl(tmp_path / "dev.jsonl", rows[8:])
-    out = tmp_path / "out"
+    write_jsonl(Path("data/train.jsonl"), rows[:8])
+    write_jsonl(Path("data/dev.jsonl"), rows[8:])
+    output_dir = f"out-{tmp_path.name}/lvt"  # relative: before, the runs wrote it into the repository
+    runs = []
 
-    def in_process(args: list[str], log_path: Path) -> tuple[float, float, float]:
-        # The real runner starts a process per run (its own peak memory); four of them would take minutes here.
+    def first_a_process(args: list[str], log_path: Path) -> tuple[float, float, float]:
+        runs.append(args)
+        if len(runs) == 1:
+            return long_vs_truncated.run_measured(args, log_path)
         started, cpu = time.perf_counter(), time.process_time()
         run_classification.main(args)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return time.perf_counter() - started, time.process_time() - cpu, peak
 
+    caplog.set_level("INFO", logger="long_vs_truncated")
     table = long_vs_truncated.main([
-        "--source", str(source), "--train_file", train, "--validation_file", dev, "--long_max_length", "96",
-        "--attention_window", "8", "--doc_stride", "4", "--max_steps", "2", "--gradient_accumulation_steps", "2",
-        "--output_dir", str(out),
-    ], runner=in_process)  # fmt: skip
+        "--source", "bert", "--train_file", "data/train.jsonl", "--validation_file", "data/dev.jsonl",
+        "--long_max_length", "96", "--attention_window", "8", "--doc_stride", "4", "--max_steps", "2",
+        "--gradient_accumulation_steps", "2", "--output_dir", output_dir,
+        # passed on to run_classification.py
+        "--padding_free", "--use_cpu", "--warmup_steps", "0", "--weight_decay", "0.0", "--lr_scheduler_type",
+        "constant",
+    ], runner=first_a_process)  # fmt: skip
     assert [row["run"] for row in table] == [
         "truncated", "long", "truncated, chunked evaluation", "long, chunked evaluation"
     ]  # fmt: skip
@@ -442,5 +458,17 @@ def test_long_vs_truncated_end_to_end(tmp_path):
     assert long["train_tokens_per_document"] > short["train_tokens_per_document"]
     assert short_chunks["eval_tokens_per_document"] > short["eval_tokens_per_document"]
     assert all(row["peak_mib"] > 0 and row["wall_s"] > 0 and 0 <= row["accuracy"] <= 1 for row in table)
-    written = (out / "long_vs_truncated.md").read_text()
+    written = (caller / output_dir / "long_vs_truncated.md").read_text()
     assert written.count("\n") == 6 and "| long, chunked evaluation | 96 tokens |" in written
+    assert not (REPO / output_dir.split("/")[0]).exists()
+    # Every path a run reads or writes is the caller's; the options passed on reach every run.
+    for args in runs:
+        model_args, data_args, training_args, _ = run_classification.parse_args(args)
+        for path in (model_args.model_name_or_path, data_args.validation_file, training_args.output_dir):
+            assert Path(path).is_absolute() and Path(path).is_relative_to(caller), path
+        assert data_args.padding_free == ("/long" in training_args.output_dir)
+        assert training_args.use_cpu and training_args.weight_decay == 0.0
+        assert training_args.lr_scheduler_type == "constant"
+        if training_args.do_train:
+            assert training_args.warmup_steps == 0 and training_args.learning_rate == 5e-5
+    assert "the truncated baseline (" in caplog.text and "pads its own: BertForSequenceClassification" in caplog.text
