@@ -657,12 +657,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model_args, data_args, training_args, run_args = parse_args(argv)
     setup_logging(training_args, logger)
     check_world_size(training_args)
-    logger.info(
-        "Model %s, output in %s, %d process(es)",
-        model_args.model_name_or_path,
-        training_args.output_dir,
-        training_args.world_size,
-    )
+    source, out, processes = model_args.model_name_or_path, training_args.output_dir, training_args.world_size
+    logger.info("Model %s, output in %s, %d process(es)", source, out, processes)
     checkpoint = resume_checkpoint(training_args, run_args.overwrite_output_dir)
     set_seed(training_args.seed)
 
