@@ -674,9 +674,9 @@ def test_run_wikihop_prefix_longer_than_the_model(longformer_dir, cache_dir, tmp
 # folder elsewhere) and ``python -m examples.<script>`` (the working folder, the repository root, first on the path).
 HELP_DRIVER = """
 import contextlib, io, json, os, runpy, sys
-import hf_xformers  # the package as installed (or on PYTHONPATH); examples/ must not come with it
+import hf_xformers  # the package as installed (or on PYTHONPATH); no folder with an examples/ package stays on the path
 repo, outside, names = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
-elsewhere = [p for p in sys.path if p not in ("", ".") and os.path.realpath(p) != repo]
+elsewhere = [p for p in sys.path if p not in ("", ".") and not os.path.isfile(os.path.join(p, "examples", "__init__.py"))]
 results = {}
 for mode in ("file", "module"):
     for name in names:
