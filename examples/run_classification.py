@@ -74,6 +74,7 @@ from examples.run_glue import ModelArguments
 from examples.utils_examples import (
     RunArguments,
     check_world_size,
+    data_file_errors,
     describe_token_lengths,
     finish_output_dir,
     hub_model_id,
@@ -663,7 +664,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     set_seed(training_args.seed)
 
     # Data: load, pick the columns, find the kind of task and the labels (a bad file fails before any model loads).
-    raw, kind, labels = load_labelled_data(model_args, data_args, training_args)
+    with data_file_errors("run_classification.py"):
+        raw, kind, labels = load_labelled_data(model_args, data_args, training_args)
     columns = text_columns(data_args, next(iter(raw.values())))
     encoded = {name: encode(data, columns, data_args, kind, labels, f"{name} data") for name, data in raw.items()}
     logger.info("Task %s%s, text from %s", kind, f" with {len(labels)} labels" if labels else "",

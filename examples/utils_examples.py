@@ -9,6 +9,7 @@ script puts the repository root on ``sys.path`` first when it runs without a pac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import logging
@@ -38,6 +39,22 @@ logger = logging.getLogger(__name__)
 
 # File extensions load_dataset can read without a loading script, and the builder that reads them.
 LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json"}
+
+
+class DataFileError(ValueError):
+    """A local data file without rows to read (empty, a header alone): the message names the file and what it
+    lacks. Within :func:`data_file_errors` it ends a script with that one line instead of a traceback."""
+
+
+@contextlib.contextmanager
+def data_file_errors(prog: str):
+    """Within it, a :class:`DataFileError` ends the script ``prog`` with its one line on stderr, exit status 2, as a
+    usage error does (``datasets`` would otherwise end it with a long traceback that names no file)."""
+    try:
+        yield
+    except DataFileError as error:
+        sys.stderr.write(f"{prog}: error: {error}\n")
+        raise SystemExit(2) from None
 
 
 @dataclass
@@ -264,6 +281,7 @@ def load_local_file(path: str, cache_dir: str | None = None) -> Dataset:
     Raises:
         ValueError: the extension is not one of .csv, .json, .jsonl.
         FileNotFoundError: the file does not exist.
+        DataFileError: the file holds no rows of data (:func:`missing_rows`).
     """
     suffix = Path(path).suffix.lower()
     builder = LOCAL_FORMATS.get(suffix)
@@ -273,11 +291,11 @@ def load_local_file(path: str, cache_dir: str | None = None) -> Dataset:
         raise FileNotFoundError(f"{path}: no such file.")
     problem = missing_rows(path, builder)
     if problem is not None:  # datasets would fail with a long traceback that names no file
-        raise ValueError(problem)
+        raise DataFileError(problem)
     # One file per call, so the splits of a run may mix formats (csv for training, json for evaluation ...).
     dataset = load_dataset(builder, data_files=path, split="train", cache_dir=cache_dir)
     if len(dataset) == 0:
-        raise ValueError(f"{path}: no rows of data.")
+        raise DataFileError(f"{path}: no rows of data.")
     return dataset
 
 
