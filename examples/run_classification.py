@@ -39,7 +39,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
+
+if not __package__:  # run as a file (python examples/<script>.py): the repository root on sys.path, for `examples`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 import numpy as np
 import torch
@@ -70,6 +74,7 @@ from examples.run_glue import ModelArguments
 from examples.utils_examples import (
     RunArguments,
     check_world_size,
+    data_file_errors,
     describe_token_lengths,
     finish_output_dir,
     hub_model_id,
@@ -77,6 +82,8 @@ from examples.utils_examples import (
     model_max_length,
     model_origin,
     packed_collator,
+    padding_free_message,
+    padding_free_refusal,
     parse_script_args,
     require_columns,
     resume_checkpoint,
@@ -128,6 +135,14 @@ class DataTrainingArguments:
     label_column_name: str = field(
         default="label",
         metadata={"help": "The label column: ids or names (single-label), lists (multi-label) or floats (regression)."},
+    )
+    problem_type: str | None = field(
+        default=None,
+        metadata={
+            "help": "single_label_classification, multi_label_classification or regression (default: from the label "
+            "column: lists are multi-label, floats regression, anything else single-label). Float class ids "
+            "(0.0, 1.0, ...) need single_label_classification."
+        },
     )
     remove_columns: str | None = field(default=None, metadata={"help": "Comma-separated columns to drop first."})
     remove_splits: str | None = field(default=None, metadata={"help": "Comma-separated Hub splits to drop."})
@@ -183,6 +198,8 @@ class DataTrainingArguments:
             raise ValueError("--padding_free packs unpadded documents: drop --pad_to_max_length.")
         if not 0.0 < self.multi_label_threshold < 1.0:
             raise ValueError(f"--multi_label_threshold must lie in (0, 1), got {self.multi_label_threshold}.")
+        if self.problem_type is not None and self.problem_type not in DEFAULT_METRICS:
+            raise ValueError(f"--problem_type must be one of {list(DEFAULT_METRICS)}, got {self.problem_type!r}.")
 
     @property
     def uses_local_files(self) -> bool:
@@ -249,39 +266,123 @@ def class_names(dataset: Dataset, label_column: str) -> Dataset:
     )
 
 
-def task_kind(feature) -> str:
-    """The problem type a label column's feature implies: lists are multi-label, floats regression, else single."""
-    if isinstance(feature, (List, Sequence)):
-        return MULTI_LABEL
-    if isinstance(feature, Value) and feature.dtype.startswith("float"):
-        return REGRESSION
-    return SINGLE_LABEL
+def task_kind(feature, problem_type: str | None = None) -> str:
+    """The problem type: ``problem_type`` (``--problem_type``) when given, else what the label column's feature
+    implies: lists are multi-label, floats regression, anything else single-label.
+
+    Raises:
+        ValueError: ``problem_type`` is multi-label and the column holds no lists, or the other way round.
+    """
+    is_list = isinstance(feature, (List, Sequence))
+    if problem_type is None:
+        if is_list:
+            return MULTI_LABEL
+        return REGRESSION if isinstance(feature, Value) and feature.dtype.startswith("float") else SINGLE_LABEL
+    if is_list != (problem_type == MULTI_LABEL):
+        holds = "lists of labels" if is_list else "one label per row"
+        raise ValueError(f"--problem_type {problem_type} does not fit a label column that holds {holds}.")
+    return problem_type
+
+
+def announce_regression(dataset: Dataset, label_column: str) -> None:
+    """Say that a float label column is taken for regression: a warning when every value is a whole number (class
+    ids written as floats, e.g. by pandas for a column with gaps), which ``--problem_type`` then classifies."""
+    values = [v for v in dataset[label_column] if v is not None]
+    dtype = dataset.features[label_column].dtype
+    if values and all(float(v).is_integer() for v in values):
+        logger.warning(
+            "The label column %r holds %s values that are all whole numbers (%d distinct): they look like class ids, "
+            "but a float column means regression, so the model is trained to predict a number. Pass --problem_type "
+            "single_label_classification to classify instead.",
+            label_column,
+            dtype,
+            len(set(values)),
+        )
+    else:
+        logger.info("The label column %r holds %s values: regression (--problem_type to change).", label_column, dtype)
+
+
+def label_key(value) -> str:
+    """A label as the label list writes it: a whole number in decimal (``3``, and ``3.0`` as ``"3"``), anything
+    else as ``str``."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def labels_in(kind: str, values: list) -> list:
+    """The distinct labels of a label column's ``values`` (the labels of every row's list for multi-label)."""
+    flat = [v for row in values for v in (row or [])] if kind == MULTI_LABEL else values
+    return list({v: None for v in flat if v is not None})
+
+
+def natural_order(values: list) -> list[str]:
+    """``values`` as :func:`label_key` writes them, in their natural order: numbers by value (2 before 10, as
+    transformers sorts them), anything else as strings."""
+    numeric = all(isinstance(v, (int, float)) for v in values)  # bool is an int
+    ordered = sorted(values) if numeric else sorted(values, key=str)
+    return list(dict.fromkeys(label_key(v) for v in ordered))
+
+
+def model_labels(config) -> tuple[list[str], bool]:
+    """The model's class names in id order (:func:`label_key` of its ``id2label``), and whether it names its classes.
+    transformers' default names ``LABEL_k`` stand for class ``k``: written ``"k"``, and they name nothing."""
+    id2label = getattr(config, "id2label", None) or {}
+    names, named = [], False
+    for i in sorted(id2label, key=int):
+        default = id2label[i] == f"LABEL_{int(i)}"
+        names.append(str(int(i)) if default else label_key(id2label[i]))
+        named = named or not default
+    return names, named
 
 
 def label_names(kind: str, splits: dict[str, Dataset], label_column: str, config) -> list[str]:
-    """The class names, in id order, from the training data (else the evaluation data): the model's own
-    ``id2label`` when it names every one of those labels (a model fine-tuned before keeps its ids, even where an
-    evaluation set lacks some of its classes), else the labels sorted. Prediction alone takes the model's.
-    Regression has none."""
+    """The class names, in id order, from the whole training split (else the evaluation split; before any
+    ``--max_*_samples``): the model's own (``id2label``) when they include every one of those labels (a model
+    fine-tuned before keeps its ids, even where an evaluation set lacks some of its classes; integer labels ``k``
+    are the ids of a model whose ``id2label`` holds the ints ``k`` or transformers' ``LABEL_k``), else the labels
+    in their natural order (:func:`natural_order`). Prediction alone takes the model's. Regression has none.
+
+    Raises:
+        ValueError: evaluation without training data holds labels that a model with named classes does not know.
+    """
     if kind == REGRESSION:
         return []
-    ours = [config.id2label[i] for i in sorted(config.id2label)] if getattr(config, "id2label", None) else []
-    source = splits.get("train", splits.get("eval"))
+    ours, named = model_labels(config)
+    source = "train" if "train" in splits else "eval" if "eval" in splits else None
     if source is None:
         return ours
-    values = source[label_column]
-    found = {v for row in values for v in row} if kind == MULTI_LABEL else set(values)
-    names = sorted({str(v) for v in found if v is not None})
-    return ours if names and set(names) <= set(ours) else names
+    found = labels_in(kind, splits[source][label_column])
+    if {label_key(v) for v in found} <= set(ours):
+        return ours
+    if source == "eval" and named:  # the model's head is not trained here: its ids are the only right ones
+        check_known_labels(kind, splits["eval"], label_column, ours, "eval data", "the model's labels (its id2label)")
+    return natural_order(found)
+
+
+def check_known_labels(kind: str, dataset: Dataset, label_column: str, labels: list[str], source: str, whose: str):
+    """Raise a ``ValueError`` naming the labels of ``dataset`` that ``labels`` lacks, and ``labels`` (``whose``
+    says whose they are); or the rows without a label."""
+    values = dataset[label_column]
+    missing = sum(v is None for v in values) if kind != MULTI_LABEL else 0
+    if missing:
+        raise ValueError(f"{source}: {missing} row(s) have no label in the column {label_column!r}.")
+    unknown = [v for v in labels_in(kind, values) if label_key(v) not in set(labels)]
+    if unknown:
+        raise ValueError(
+            f"{source}: label(s) {natural_order(unknown)} are not among {whose} {labels}. Give the labels as these "
+            "names, or fine-tune on data that hold them (--do_train with a --train_file)."
+        )
 
 
 def encode(
     dataset: Dataset, columns: list[str], data_args: DataTrainingArguments, kind: str, labels: list[str], source: str
 ) -> Dataset:
-    """``text`` (the text columns joined) and, where the split has labels, ``labels`` as the model takes them.
+    """``text`` (the text columns joined) and, where the split has labels, ``labels`` as the model takes them
+    (every label is among ``labels``: :func:`check_known_labels`).
 
     Raises:
-        ValueError: a missing column, or a label the label set does not know.
+        ValueError: a missing column.
     """
     label_column = data_args.label_column_name
     with_labels = label_column in dataset.column_names
@@ -292,16 +393,11 @@ def encode(
         if kind == REGRESSION:
             return float(label)
         if kind == MULTI_LABEL:
-            unknown = [v for v in label if str(v) not in ids]
-            if unknown:
-                raise ValueError(f"{source}: label(s) {unknown} are not among the training labels {labels}.")
             hot = [0.0] * len(labels)
-            for value in label:
-                hot[ids[str(value)]] = 1.0
+            for value in label or []:
+                hot[ids[label_key(value)]] = 1.0
             return hot
-        if str(label) not in ids:
-            raise ValueError(f"{source}: label {label!r} is not among the training labels {labels}.")
-        return ids[str(label)]
+        return ids[label_key(label)]
 
     def row(batch: dict) -> dict:
         texts = [
@@ -389,30 +485,39 @@ def write_predictions(path: str, texts: list[str]) -> None:
 def parse_args(argv: list[str] | None = None):
     """``(ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments)`` from the command line
     (``argv``), or from a single ``.json`` file argument."""
-    return parse_script_args((ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments), argv, __doc__)
-
-
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Run the script; returns the training and evaluation metrics (also written to ``output_dir``)."""
-    model_args, data_args, training_args, run_args = parse_args(argv)
-    setup_logging(training_args, logger)
-    check_world_size(training_args)
-    logger.info(
-        "Model %s, output in %s, %d process(es)",
-        model_args.model_name_or_path,
-        training_args.output_dir,
-        training_args.world_size,
+    return parse_script_args(
+        (ModelArguments, DataTrainingArguments, TrainingArguments, RunArguments), argv, __doc__, check_arguments
     )
-    checkpoint = resume_checkpoint(training_args, run_args.overwrite_output_dir)
-    set_seed(training_args.seed)
 
-    # Data: load, pick the columns, find the kind of task and the labels (a bad file fails before any model loads).
+
+def check_arguments(model_args: ModelArguments, data_args: DataTrainingArguments, *_) -> None:
+    """Refuse, before any data are read, ``--padding_free`` with a model that cannot take packed batches
+    (transformers' own models, hfx-linformer): its classification head is built on the meta device and asked."""
+    if data_args.padding_free:
+        refusal = padding_free_refusal(
+            model_args.config_name or model_args.model_name_or_path,
+            AutoModelForSequenceClassification,
+            cache_dir=model_args.cache_dir,
+            trust_remote_code=model_args.trust_remote_code,
+        )
+        if refusal is not None:
+            raise ValueError(padding_free_message(refusal))
+
+
+def load_labelled_data(
+    model_args: ModelArguments, data_args: DataTrainingArguments, training_args: TrainingArguments
+) -> tuple[dict[str, Dataset], str, list[str]]:
+    """``(splits, kind, labels)``: the splits the ``--do_*`` flags ask for (``"train"``, ``"eval"``,
+    ``"predict"``; a test split without its label column), each cut to its ``--max_*_samples``; the problem type;
+    the class names in id order, found on the whole splits before that cut (as transformers does), so a sample
+    that lacks a class still trains and evaluates all of them.
+
+    Raises:
+        ValueError: an empty file, a missing column, or labels the label list does not know.
+    """
     raw = load_raw_splits(data_args, training_args, model_args.cache_dir)
     if "train" in raw and data_args.shuffle_train_dataset:
         raw["train"] = raw["train"].shuffle(seed=data_args.shuffle_seed)
-    limits = {"train": data_args.max_train_samples, "eval": data_args.max_eval_samples,
-              "predict": data_args.max_predict_samples}  # fmt: skip
-    raw = {name: take(data, limits[name]) for name, data in raw.items()}
     label_column = data_args.label_column_name
     if "predict" in raw and label_column in raw["predict"].column_names:
         raw["predict"] = raw["predict"].remove_columns(label_column)  # test sets may hold -1 or no real labels
@@ -420,33 +525,41 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for name in labelled:
         require_columns(raw[name], [label_column], f"{name} data")
         raw[name] = class_names(raw[name], label_column)
-    kind_source = raw[labelled[0]] if labelled else None
     pretrained_config = AutoConfig.from_pretrained(
         model_args.config_name or model_args.model_name_or_path,
         cache_dir=model_args.cache_dir,
         trust_remote_code=model_args.trust_remote_code,
     )
-    if kind_source is not None:
-        kind = task_kind(kind_source.features[data_args.label_column_name])
+    if labelled:
+        kind = task_kind(raw[labelled[0]].features[label_column], data_args.problem_type)
+        if kind == REGRESSION and data_args.problem_type is None:
+            announce_regression(raw[labelled[0]], label_column)
     else:  # prediction only: the fine-tuned model knows its task
-        kind = pretrained_config.problem_type or SINGLE_LABEL
-    labels = label_names(kind, raw, data_args.label_column_name, pretrained_config)
-    if kind != REGRESSION and not labels:
-        raise ValueError("No labels found: give labelled training or evaluation data, or a fine-tuned model.")
+        kind = data_args.problem_type or pretrained_config.problem_type or SINGLE_LABEL
     if extra := data_args.metric_name:
         allowed = (*DEFAULT_METRICS[kind], *EXTRA_METRICS[kind])
         if extra not in allowed:
             raise ValueError(f"--metric_name {extra!r} does not apply to {kind}; choose one of {list(allowed)}.")
-    columns = text_columns(data_args, next(iter(raw.values())))
-    encoded = {name: encode(data, columns, data_args, kind, labels, f"{name} data") for name, data in raw.items()}
-    logger.info(
-        "Task %s%s, text from %s",
-        kind,
-        f" with {len(labels)} labels" if labels else "",
-        " + ".join(repr(c) for c in columns),
-    )
+    labels = label_names(kind, raw, label_column, pretrained_config)
+    if kind != REGRESSION and not labels:
+        raise ValueError("No labels found: give labelled training or evaluation data, or a fine-tuned model.")
+    limits = {"train": data_args.max_train_samples, "eval": data_args.max_eval_samples,
+              "predict": data_args.max_predict_samples}  # fmt: skip
+    raw = {name: take(data, limits[name]) for name, data in raw.items()}
+    if kind != REGRESSION:
+        whose = "the training labels" if "train" in raw else "the model's labels (its id2label)"
+        for name in labelled:
+            check_known_labels(kind, raw[name], label_column, labels, f"{name} data", whose)
+    return raw, kind, labels
 
-    # Model.
+
+def load_model(model_args: ModelArguments, data_args: DataTrainingArguments, kind: str, labels: list[str]):
+    """``(model, tokenizer, max_length)``: the classifier of ``kind`` with ``labels`` as its ``id2label``, its
+    tokenizer, and the tokens it reads at once (``--max_seq_length``, at most the model's length).
+
+    Raises:
+        ValueError: the model type has no sequence-classification head.
+    """
     label_kwargs = {}
     if labels:
         label_kwargs = {"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}}
@@ -481,15 +594,29 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if max_length > limit:
         logger.warning("max_seq_length %d exceeds the model's %d tokens; using the latter.", max_length, limit)
         max_length = limit
+    return model, tokenizer, max_length
 
-    # A model that cannot take packed batches fails here, before the data are tokenized.
+
+def data_collator(model, tokenizer, max_length: int, data_args: DataTrainingArguments, training_args):
+    """The batches' collator: packed (``--padding_free``; a model that cannot take packed batches fails here,
+    before the data are tokenized), padded to ``max_length`` (``--pad_to_max_length``), or to each batch's longest."""
     if data_args.padding_free:
-        collator = packed_collator(model, training_args, logger, per_document_labels=True)
-    elif data_args.pad_to_max_length:
-        collator = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_length)
-    else:
-        collator = DataCollatorWithPadding(tokenizer)
+        return packed_collator(model, training_args, logger, per_document_labels=True)
+    if data_args.pad_to_max_length:
+        return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_length)
+    return DataCollatorWithPadding(tokenizer)
 
+
+def tokenize_splits(
+    encoded: dict[str, Dataset],
+    tokenizer,
+    max_length: int,
+    data_args: DataTrainingArguments,
+    training_args: TrainingArguments,
+) -> tuple[dict[str, Dataset], dict[str, list[int]], dict[str, dict]]:
+    """``(features, document_index, reports)`` per split: the windows of ``max_length`` tokens the model reads
+    (training truncates; evaluation and prediction follow ``--long_documents``), each window's document, and the
+    token-length report (also written to ``token_lengths.json``)."""
     # Tokenization: every document whole first (its length is reported), then cut into the windows the model reads.
     prefix, suffix = special_token_layout(tokenizer)
 
@@ -523,6 +650,30 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         os.makedirs(training_args.output_dir, exist_ok=True)
         with open(os.path.join(training_args.output_dir, "token_lengths.json"), "w", encoding="utf-8") as f:
             json.dump(reports, f, indent=2)
+    return features, document_index, reports
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run the script; returns the training and evaluation metrics (also written to ``output_dir``)."""
+    model_args, data_args, training_args, run_args = parse_args(argv)
+    setup_logging(training_args, logger)
+    check_world_size(training_args)
+    source, out, processes = model_args.model_name_or_path, training_args.output_dir, training_args.world_size
+    logger.info("Model %s, output in %s, %d process(es)", source, out, processes)
+    checkpoint = resume_checkpoint(training_args, run_args.overwrite_output_dir)
+    set_seed(training_args.seed)
+
+    # Data: load, pick the columns, find the kind of task and the labels (a bad file fails before any model loads).
+    with data_file_errors("run_classification.py"):
+        raw, kind, labels = load_labelled_data(model_args, data_args, training_args)
+    columns = text_columns(data_args, next(iter(raw.values())))
+    encoded = {name: encode(data, columns, data_args, kind, labels, f"{name} data") for name, data in raw.items()}
+    logger.info("Task %s%s, text from %s", kind, f" with {len(labels)} labels" if labels else "",
+                " + ".join(repr(c) for c in columns))  # fmt: skip
+
+    model, tokenizer, max_length = load_model(model_args, data_args, kind, labels)
+    collator = data_collator(model, tokenizer, max_length, data_args, training_args)
+    features, document_index, reports = tokenize_splits(encoded, tokenizer, max_length, data_args, training_args)
 
     def window_metrics(prediction: EvalPrediction) -> dict[str, float]:
         # Periodic evaluation during training scores windows; the final evaluation scores documents.
@@ -563,9 +714,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         scores = compute_metrics(kind, logits, gold, data_args.multi_label_threshold, data_args.metric_name)
         eval_metrics.update({f"eval_{k}": v for k, v in scores.items()})
         eval_metrics.update(eval_samples=len(encoded["eval"]), eval_windows=len(features["eval"]))
-        eval_metrics["eval_tokens_per_document"] = reports["eval"]["tokens_read"] / max(len(encoded["eval"]), 1)
-        if "train" in reports:
-            eval_metrics["train_tokens_per_document"] = reports["train"]["tokens_read"] / max(len(encoded["train"]), 1)
+        for name in ("eval", "train") if "train" in reports else ("eval",):
+            eval_metrics[f"{name}_tokens_per_document"] = reports[name]["tokens_read"] / max(len(encoded[name]), 1)
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)  # eval_results.json
         metrics.update(eval_metrics)
@@ -578,11 +728,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             write_predictions(path, texts)
             logger.info("Wrote %d predictions to %s", len(texts), path)
 
+    finish_run(trainer, run_args, model_args, data_args, kind)
+    return metrics
+
+
+def finish_run(trainer: Trainer, run_args: RunArguments, model_args: ModelArguments, data_args, kind: str) -> None:
+    """The upload-ready output folder (:func:`~examples.utils_examples.finish_output_dir`): card data of the run."""
     from_hub = not data_args.uses_local_files
     finish_output_dir(
         trainer,
         run_args,
-        trained=training_args.do_train,
+        trained=trainer.args.do_train,
         base_model=hub_model_id(model_args.model_name_or_path),
         summary=f"Fine-tuned from {model_origin(model_args.model_name_or_path)} for {kind.replace('_', ' ')} on "
         f"{'the Hub dataset `' + data_args.dataset_name + '`' if from_hub else 'local files'} with "
@@ -593,7 +749,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         dataset_config=data_args.dataset_config_name,
         task_type="text-classification",
     )
-    return metrics
 
 
 if __name__ == "__main__":

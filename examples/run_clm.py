@@ -31,6 +31,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if not __package__:  # run as a file (python examples/<script>.py): the repository root on sys.path, for `examples`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402

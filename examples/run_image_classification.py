@@ -44,8 +44,12 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
+
+if not __package__:  # run as a file (python examples/<script>.py): the repository root on sys.path, for `examples`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 import numpy as np
 import torch

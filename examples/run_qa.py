@@ -47,8 +47,12 @@ import logging
 import os
 import re
 import string
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+if not __package__:  # run as a file (python examples/<script>.py): the repository root on sys.path, for `examples`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 import numpy as np
 import torch

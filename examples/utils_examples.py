@@ -1,17 +1,20 @@
 """Helpers shared by the Trainer example scripts (``run_glue.py``, ``run_classification.py``, ``run_wikihop.py``,
 ``run_image_classification.py``, ``run_clm.py``).
 
-The scripts import it as ``examples.utils_examples``: they run as modules from the repository root
-(``python -m examples.run_glue ...``).
+The scripts import it as ``examples.utils_examples``. They run as modules from the repository root
+(``python -m examples.run_glue ...``) or as files from any folder (``python path/to/examples/run_glue.py ...``: each
+script puts the repository root on ``sys.path`` first when it runs without a package).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +26,7 @@ import torch
 import transformers
 from datasets import Dataset, load_dataset
 from huggingface_hub import try_to_load_from_cache, upload_folder
-from transformers import HfArgumentParser, Trainer, TrainingArguments
+from transformers import AutoConfig, HfArgumentParser, Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_xformers.card import hub_model_id, save_card_data, write_model_card
@@ -36,6 +39,22 @@ logger = logging.getLogger(__name__)
 
 # File extensions load_dataset can read without a loading script, and the builder that reads them.
 LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json"}
+
+
+class DataFileError(ValueError):
+    """A local data file without rows to read (empty, a header alone): the message names the file and what it
+    lacks. Within :func:`data_file_errors` it ends a script with that one line instead of a traceback."""
+
+
+@contextlib.contextmanager
+def data_file_errors(prog: str):
+    """Within it, a :class:`DataFileError` ends the script ``prog`` with its one line on stderr, exit status 2, as a
+    usage error does (``datasets`` would otherwise end it with a long traceback that names no file)."""
+    try:
+        yield
+    except DataFileError as error:
+        sys.stderr.write(f"{prog}: error: {error}\n")
+        raise SystemExit(2) from None
 
 
 @dataclass
@@ -129,7 +148,9 @@ def refuse_missing_model(
         parser.exit(2, f"{parser.prog}: error: {problem}\n")
 
 
-def parse_script_args(dataclass_types: tuple, argv: list[str] | None = None, description: str | None = None) -> tuple:
+def parse_script_args(
+    dataclass_types: tuple, argv: list[str] | None = None, description: str | None = None, check=None
+) -> tuple:
     """A script's argument dataclasses, filled from ``argv`` (default ``sys.argv[1:]``) or from a single ``.json``
     file argument, in the order of ``dataclass_types``.
 
@@ -137,7 +158,9 @@ def parse_script_args(dataclass_types: tuple, argv: list[str] | None = None, des
     script's own options with their defaults, then ``TrainingArguments``' (a hundred more), then the rest of the
     docstring. A
     ``--model_name_or_path`` that names no loadable model ends the script with one line that names it
-    (:func:`model_source_error`), before anything is loaded.
+    (:func:`model_source_error`), before anything is loaded. ``check(*arguments)``, when given, may refuse a
+    combination of options with a ``ValueError``: a usage error too (e.g. ``--padding_free`` with a model that cannot
+    take packed batches, :func:`padding_free_refusal`), before any data are read.
     """
     # TrainingArguments' group last: its hundred options would otherwise bury the script's own.
     order = sorted(range(len(dataclass_types)), key=lambda i: issubclass(dataclass_types[i], TrainingArguments))
@@ -165,7 +188,13 @@ def parse_script_args(dataclass_types: tuple, argv: list[str] | None = None, des
     for arguments in parsed:
         refuse_missing_model(parser, getattr(arguments, "model_name_or_path", None))
     by_type = dict(zip(order, parsed))
-    return tuple(by_type[i] for i in range(len(dataclass_types)))
+    arguments = tuple(by_type[i] for i in range(len(dataclass_types)))
+    if check is not None:
+        try:
+            check(*arguments)
+        except ValueError as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+    return arguments
 
 
 def launched_processes() -> int:
@@ -252,6 +281,7 @@ def load_local_file(path: str, cache_dir: str | None = None) -> Dataset:
     Raises:
         ValueError: the extension is not one of .csv, .json, .jsonl.
         FileNotFoundError: the file does not exist.
+        DataFileError: the file holds no rows of data (:func:`missing_rows`).
     """
     suffix = Path(path).suffix.lower()
     builder = LOCAL_FORMATS.get(suffix)
@@ -259,8 +289,40 @@ def load_local_file(path: str, cache_dir: str | None = None) -> Dataset:
         raise ValueError(f"{path}: unsupported file type {suffix!r}; use one of {sorted(LOCAL_FORMATS)}.")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file.")
+    problem = missing_rows(path, builder)
+    if problem is not None:  # datasets would fail with a long traceback that names no file
+        raise DataFileError(problem)
     # One file per call, so the splits of a run may mix formats (csv for training, json for evaluation ...).
-    return load_dataset(builder, data_files=path, split="train", cache_dir=cache_dir)
+    dataset = load_dataset(builder, data_files=path, split="train", cache_dir=cache_dir)
+    if len(dataset) == 0:
+        raise DataFileError(f"{path}: no rows of data.")
+    return dataset
+
+
+def missing_rows(path: str, builder: str) -> str | None:
+    """What ``path`` (a ``csv`` or ``json`` builder's file) lacks when it holds no rows of data, in one sentence
+    that names it; None when it holds some. Reads at most the first two non-blank lines of a csv file and the
+    first 64 KiB of a json one."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        if builder == "csv":
+            lines = []
+            for line in f:
+                if line.strip():
+                    lines.append(line.strip())
+                if len(lines) == 2:
+                    return None
+            if not lines:
+                return (
+                    f"{path}: the file is empty; a csv file needs a header row naming the columns, then rows of data."
+                )
+            return f"{path}: the file has a header row ({lines[0]}) but no rows of data under it."
+        head = f.read(1 << 16).strip()
+    if head and not re.fullmatch(r"\[\s*\]", head):
+        return None
+    return (
+        f"{path}: the file holds no records; a json file needs a list of objects, a jsonl file one object per line "
+        "(each with the columns the script reads)."
+    )
 
 
 def require_columns(dataset: Dataset, columns: list[str], source: str) -> None:
@@ -299,6 +361,26 @@ def model_max_tokens(encoder: torch.nn.Module) -> int:
     return limit - offset - 1 if offset is not None else limit
 
 
+def padding_free_message(refusal: str) -> str:
+    """The error of ``--padding_free`` on a model that :func:`packing_refusal` refuses."""
+    return f"--padding_free: {refusal} Run without --padding_free to pad the batches instead."
+
+
+def padding_free_refusal(name_or_path: str, auto_class, **config_kwargs) -> str | None:
+    """Why the ``auto_class`` head (``AutoModelForSequenceClassification`` ...) of the model ``name_or_path``
+    cannot take packed batches (``--padding_free``), or None when it can: the head is built from the config on the
+    meta device (no weights read, no memory) and asked :func:`~hf_xformers.padding_free.packing_refusal`, so a script
+    can refuse before it reads any data (:func:`padding_free_message`). None as well for a config ``auto_class`` has
+    no head for (the script says so itself). ``config_kwargs`` go to ``AutoConfig.from_pretrained`` (``cache_dir``,
+    ``trust_remote_code``)."""
+    config = AutoConfig.from_pretrained(name_or_path, **config_kwargs)
+    if type(config) not in auto_class._model_mapping:
+        return None
+    with torch.device("meta"):
+        model = auto_class.from_config(config, trust_remote_code=config_kwargs.get("trust_remote_code", False))
+    return packing_refusal(model)
+
+
 def packed_collator(
     model, training_args: TrainingArguments, log: logging.Logger, **options
 ) -> DataCollatorForPackedDocuments:
@@ -313,7 +395,7 @@ def packed_collator(
     """
     refusal = packing_refusal(model)
     if refusal is not None:
-        raise ValueError(f"--padding_free: {refusal} Run without --padding_free to pad the batches instead.")
+        raise ValueError(padding_free_message(refusal))
     # Recent transformers releases name it train_sampling_strategy="group_by_length", earlier ones group_by_length.
     if getattr(training_args, "train_sampling_strategy", None) == "group_by_length":
         log.info("--padding_free: training batches are drawn at random, not grouped by length (no padding to save).")

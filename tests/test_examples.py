@@ -663,3 +663,63 @@ def test_run_wikihop_prefix_longer_than_the_model(longformer_dir, cache_dir, tmp
         run_wikihop.main(args)
     with pytest.raises(ValueError, match="exceeds the 128 tokens"):
         run_wikihop.main(args + ["--max_seq_length", "4096"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every script runs as a file from any folder, and as a module
+# ---------------------------------------------------------------------------------------------------------------
+
+# Runs each script's --help in one process (torch and transformers load once), the way Python runs it:
+# ``python examples/<script>.py`` (sys.path[0] is examples/, the repository root nowhere on the path, the working
+# folder elsewhere) and ``python -m examples.<script>`` (the working folder, the repository root, first on the path).
+HELP_DRIVER = """
+import contextlib, io, json, os, runpy, sys
+import hf_xformers  # the package as installed (or on PYTHONPATH); no folder with an examples/ package stays on the path
+repo, outside, names = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+elsewhere = [p for p in sys.path if p not in ("", ".") and not os.path.isfile(os.path.join(p, "examples", "__init__.py"))]
+results = {}
+for mode in ("file", "module"):
+    for name in names:
+        for key in [k for k in sys.modules if k == "examples" or k.startswith("examples.")]:
+            del sys.modules[key]
+        script = os.path.join(repo, "examples", name + ".py")
+        os.chdir(outside if mode == "file" else repo)
+        sys.path[:] = [os.path.dirname(script) if mode == "file" else repo, *elsewhere]
+        sys.argv = [script, "--help"]
+        shown, code = io.StringIO(), None
+        try:
+            with contextlib.redirect_stdout(shown):
+                if mode == "file":
+                    runpy.run_path(script, run_name="__main__")
+                else:
+                    runpy.run_module("examples." + name, run_name="__main__", alter_sys=True)
+        except SystemExit as exit:
+            code = exit.code
+        except ModuleNotFoundError as error:
+            code = "skip" if error.name.split(".")[0] not in ("examples", "hf_xformers") else repr(error)
+        except Exception as error:
+            code = repr(error)
+        results[mode + " " + name] = [code, "usage:" in shown.getvalue()]
+print(json.dumps(results))
+"""
+
+
+def example_scripts() -> list[str]:
+    """The scripts of examples/: every module there that runs as ``__main__``."""
+    return sorted(p.stem for p in (REPO / "examples").glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+
+
+def test_every_script_runs_as_a_file_from_any_folder_and_as_a_module(tmp_path):
+    scripts = example_scripts()
+    assert {"run_classification", "run_glue", "run_qa", "long_vs_truncated"} <= set(scripts)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", HELP_DRIVER, str(REPO), str(tmp_path), ",".join(scripts)], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    results = json.loads(result.stdout.strip().splitlines()[-1])
+    failed = {run: outcome for run, outcome in results.items() if outcome[0] != "skip" and outcome != [0, True]}
+    assert not failed, failed  # e.g. {'file run_glue': ["ModuleNotFoundError(\"No module named 'examples'\")", False]}
+    assert sum(outcome[0] == "skip" for outcome in results.values()) <= 2, results  # an optional package missing
+    assert list(tmp_path.iterdir()) == []  # --help writes nothing

@@ -28,7 +28,7 @@ from transformers import (  # noqa: E402
 )
 
 import hf_xformers  # noqa: E402
-from examples import run_clm, run_glue, run_mlm, run_wikihop  # noqa: E402
+from examples import run_classification, run_clm, run_glue, run_mlm, run_wikihop  # noqa: E402
 from hf_xformers.padding_free import (  # noqa: E402
     DataCollatorForPackedDocuments,
     pack_by_token_budget,
@@ -381,6 +381,25 @@ def test_run_glue_padding_free_refusals(roberta_dir, linformer_dir, cache_dir, t
         run(roberta_dir)
     with pytest.raises(ValueError, match="--padding_free: HfxLinformerForSequenceClassification cannot .* projected"):
         run(linformer_dir)
+
+
+def test_run_classification_padding_free_refused_before_the_data(
+    roberta_dir, linformer_dir, longformer_dir, tmp_path, capsys
+):
+    """A model that cannot take packed batches (transformers' RoBERTa, the truncated baseline of long_vs_truncated;
+    hfx-linformer) is refused while the options are read: the data file named does not even exist."""
+    missing = str(tmp_path / "not_written_yet.csv")
+
+    def run(model: Path) -> None:
+        run_classification.main(["--model_name_or_path", str(model), "--train_file", missing, "--do_train",
+                                 "--output_dir", str(tmp_path / "out"), "--padding_free"])  # fmt: skip
+
+    with refused(capsys, "--padding_free: RobertaForSequenceClassification cannot take a packed .* Run without"):
+        run(roberta_dir)
+    with refused(capsys, "--padding_free: HfxLinformerForSequenceClassification cannot .* projected"):
+        run(linformer_dir)
+    with pytest.raises(FileNotFoundError, match="not_written_yet.csv: no such file"):  # a model that packs: the data
+        run(longformer_dir)
 
 
 @pytest.fixture(scope="module")

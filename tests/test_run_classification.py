@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import resource
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from tests.test_examples import torchrun
 from tests.tiny_tokenizers import SENTENCES, bert_tokenizer
 from tests.usage_errors import refused
 
+REPO = Path(__file__).resolve().parents[1]
 TOPICS = ["sports", "politics", "science", "arts", "travel"]
 
 
@@ -269,7 +271,9 @@ def test_clear_errors(longformer_dir, cache_dir, tmp_path, capsys):
     train = write_jsonl(tmp_path / "train.jsonl", rows)
     dev = write_jsonl(tmp_path / "dev.jsonl", [{"text": "hello world", "label": "cooking"}])
     args = common(longformer_dir, tmp_path / "out", cache_dir, "--train_file", train, "--do_train")
-    with refused(capsys, "'cooking' is not among the training labels"):
+    with refused(
+        capsys, r"eval data: label\(s\) \['cooking'\] are not among the training labels \['politics', 'sports'\]"
+    ):
         run_classification.main([*args, "--validation_file", dev, "--do_eval"])
     with refused(capsys, "--metric_name 'mae' does not apply"):
         run_classification.main([*args, "--metric_name", "mae"])
@@ -280,33 +284,176 @@ def test_clear_errors(longformer_dir, cache_dir, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Labels as transformers finds them: the model's ids, integers as integers, the whole training split
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def classifier(longformer_dir: Path, path: Path, id2label: dict, texts: list[str] = ()):
+    """The tiny Longformer with a classification head of ``len(id2label)`` classes named ``id2label``, saved to
+    ``path`` with its tokenizer. With ``texts``, a planted head whose predictions of ``texts`` spread over the
+    classes: a random encoder's pooled states differ little from text to text (all would take one class), so the
+    head's dense layer reads them centred and scaled (over ``texts``) with random weights, and its output layer's
+    logits average 0 per class."""
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        longformer_dir, num_labels=len(id2label), id2label=id2label, label2id={v: k for k, v in id2label.items()}
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(longformer_dir)
+    head = model.classifier
+    if texts:
+        with torch.no_grad():
+            batch = tokenizer(list(texts), padding=True, return_tensors="pt")
+            pooled = []
+            hook = head.dense.register_forward_hook(lambda module, args, output: pooled.append(args[0]))
+            model(**batch)
+            hook.remove()
+            head.dense.weight.copy_(torch.randn_like(head.dense.weight) / pooled[0].std(dim=0))
+            head.dense.bias.copy_(-head.dense.weight @ pooled[0].mean(dim=0))
+            head.out_proj.weight.normal_(0.0, 1.0)
+            head.out_proj.bias -= model(**batch).logits.mean(dim=0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def word_documents(n: int, seed: int = 0) -> list[str]:
+    """``n`` short documents (3 to 12 words of :data:`SENTENCES`; all within the tiny model's 128 tokens)."""
+    words = " ".join(SENTENCES).replace(",", "").split()
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(words, size=int(rng.integers(3, 13)))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("names", ["ints", "LABEL_k"])
+def test_eval_only_integer_labels_are_the_model_ids(names, longformer_dir, cache_dir, tmp_path):
+    """Evaluation alone (no training split) with a 12-class model whose ``id2label`` holds the ints (as transformers
+    saves them) or transformers' default ``LABEL_k``: integer label ``k`` is class ``k``. The gold labels are the
+    model's own predictions, so accuracy is 1.0 exactly when the ids are right (sorted as strings, '10' and '11'
+    came before '2', and a class's id was its rank among the classes present)."""
+    id2label = {i: i if names == "ints" else f"LABEL_{i}" for i in range(12)}
+    texts = word_documents(48)
+    model = classifier(longformer_dir, tmp_path / "model", id2label, texts)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    with torch.no_grad():
+        logits = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits
+    predicted = logits.argmax(dim=-1).tolist()
+    top2 = logits.topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-4  # no near-ties: batching may not change a prediction
+    classes = sorted(set(predicted))
+    # The case that went wrong: classes whose order as strings, or whose rank, is not their id.
+    assert sorted(classes, key=str) != classes or classes != list(range(len(classes))), classes
+    dev = write_jsonl(tmp_path / "dev.jsonl", [{"text": t, "label": k} for t, k in zip(texts, predicted)])
+    metrics = run_classification.main(common(tmp_path / "model", tmp_path / "out", cache_dir, "--validation_file",
+                                             dev, "--do_eval"))  # fmt: skip
+    assert metrics["eval_accuracy"] == 1.0
+
+
+def test_eval_label_the_model_does_not_know_is_refused(longformer_dir, cache_dir, tmp_path, capsys):
+    classifier(longformer_dir, tmp_path / "model", {0: "negative", 1: "positive"})
+    # Before, the evaluation labels sorted became the ids: 'neutral' was the model's 'negative' (id 0).
+    rows = [{"text": t, "label": ["neutral", "positive"][i % 2]} for i, t in enumerate(word_documents(6))]
+    dev = write_jsonl(tmp_path / "dev.jsonl", rows)
+    with refused(capsys, r"eval data: label\(s\) \['neutral'\] are not among the model's labels .*"
+                         r"\['negative', 'positive'\]"):  # fmt: skip
+        run_classification.main(common(tmp_path / "model", tmp_path / "out", cache_dir, "--validation_file", dev,
+                                       "--do_eval"))  # fmt: skip
+
+
+def test_max_train_samples_keeps_every_training_label(longformer_dir, cache_dir, tmp_path):
+    """transformers builds the label list from the whole training split, then samples: a class outside the first
+    ``--max_train_samples`` rows is still a class (here 'founding', which the evaluation set holds)."""
+    texts = word_documents(12)
+    labels = ["war", "economy"] * 3 + ["founding"] * 6
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": t, "label": k} for t, k in zip(texts, labels)])
+    dev = write_jsonl(tmp_path / "dev.jsonl", [{"text": t, "label": k} for t, k in zip(texts[4:8], labels[4:8])])
+    out = tmp_path / "out"
+    metrics = run_classification.main(common(longformer_dir, out, cache_dir, "--train_file", train,
+                                             "--validation_file", dev, "--max_train_samples", "4", "--max_steps", "1",
+                                             "--do_train", "--do_eval"))  # fmt: skip
+    assert metrics["train_samples"] == 4 and metrics["eval_samples"] == 4
+    config = json.loads((out / "config.json").read_text())
+    assert config["id2label"] == {"0": "economy", "1": "founding", "2": "war"}
+
+
+def test_float_class_ids_are_regression_with_a_warning(longformer_dir, cache_dir, tmp_path, capsys):
+    rows = [{"text": t, "label": float(i % 3)} for i, t in enumerate(word_documents(6))]
+    dev = write_jsonl(tmp_path / "dev.jsonl", rows)
+    args = common(longformer_dir, tmp_path / "out", cache_dir, "--validation_file", dev, "--do_eval")
+    metrics = run_classification.main(args)
+    assert "eval_mse" in metrics
+    warned = [line for line in capsys.readouterr().out.splitlines() if " WARNING run_classification: " in line]
+    assert len(warned) == 1 and "float64" in warned[0] and "--problem_type single_label_classification" in warned[0]
+    # As the warning says: classes 0, 1, 2.
+    metrics = run_classification.main([*args, "--problem_type", "single_label_classification"])
+    assert "eval_accuracy" in metrics and "eval_mse" not in metrics
+    assert "WARNING" not in capsys.readouterr().out
+    with refused(capsys, "--problem_type multi_label_classification does not fit a label column that holds one"):
+        run_classification.main([*args, "--problem_type", "multi_label_classification"])
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "match"),
+    [
+        ("train.csv", "", "the file is empty; a csv file needs a header row"),
+        ("train.csv", "text,label\n\n", r"the file has a header row \(text,label\) but no rows of data"),
+        ("train.jsonl", "\n", "the file holds no records"),
+        ("train.json", "[ ]", "the file holds no records"),
+    ],
+)
+def test_files_without_rows_are_named(name, text, match, longformer_dir, cache_dir, tmp_path, capsys):
+    """One line that names the file and what it lacks, exit status 2 (was a traceback of datasets' that named no
+    file: "Instruction 'train' corresponds to no data!", or pandas' EmptyDataError)."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as caught:
+        run_classification.main(common(longformer_dir, tmp_path / "out", cache_dir, "--train_file",
+                                       str(tmp_path / name), "--do_train"))  # fmt: skip
+    error = capsys.readouterr().err
+    assert caught.value.code == 2 and error.count("\n") == 1, error
+    assert re.fullmatch(f"run_classification.py: error: {re.escape(str(tmp_path / name))}: {match}.*\n", error)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Long against truncated, one command
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_long_vs_truncated_end_to_end(tmp_path):
-    source = tmp_path / "bert"
+def test_long_vs_truncated_end_to_end(tmp_path, monkeypatch, caplog):
+    """Started in a folder outside the repository with relative paths, as the docs allow: every path is read from
+    that folder, and nothing is written into the repository. The first run is a real process (examples/
+    run_classification.py as a file, started in that folder); the other three run in-process (a process each would
+    take a minute here). run_classification's options reach every run; --padding_free only the long model's, the
+    truncated BERT baseline padding its own."""
+    caller = tmp_path / "caller"
+    (caller / "data").mkdir(parents=True)
+    monkeypatch.chdir(caller)
     tokenizer = bert_tokenizer()
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=37, max_position_embeddings=32)).save_pretrained(source)  # fmt: skip
-    tokenizer.save_pretrained(source)
+                         intermediate_size=37, max_position_embeddings=32)).save_pretrained("bert")  # fmt: skip
+    tokenizer.save_pretrained("bert")
     rows = [{"text": t, "label": TOPICS[i % 2]} for i, t in enumerate(documents(12, seed=2))]
-    train, dev = write_jsonl(tmp_path / "train.jsonl", rows[:8]), write_jsonl(tmp_path / "dev.jsonl", rows[8:])
-    out = tmp_path / "out"
+    write_jsonl(Path("data/train.jsonl"), rows[:8])
+    write_jsonl(Path("data/dev.jsonl"), rows[8:])
+    output_dir = f"out-{tmp_path.name}/lvt"  # relative: before, the runs wrote it into the repository
+    runs = []
 
-    def in_process(args: list[str], log_path: Path) -> tuple[float, float, float]:
-        # The real runner starts a process per run (its own peak memory); four of them would take minutes here.
+    def first_a_process(args: list[str], log_path: Path) -> tuple[float, float, float]:
+        runs.append(args)
+        if len(runs) == 1:
+            return long_vs_truncated.run_measured(args, log_path)
         started, cpu = time.perf_counter(), time.process_time()
         run_classification.main(args)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return time.perf_counter() - started, time.process_time() - cpu, peak
 
+    caplog.set_level("INFO", logger="long_vs_truncated")
     table = long_vs_truncated.main([
-        "--source", str(source), "--train_file", train, "--validation_file", dev, "--long_max_length", "96",
-        "--attention_window", "8", "--doc_stride", "4", "--max_steps", "2", "--gradient_accumulation_steps", "2",
-        "--output_dir", str(out),
-    ], runner=in_process)  # fmt: skip
+        "--source", "bert", "--train_file", "data/train.jsonl", "--validation_file", "data/dev.jsonl",
+        "--long_max_length", "96", "--attention_window", "8", "--doc_stride", "4", "--max_steps", "2",
+        "--gradient_accumulation_steps", "2", "--output_dir", output_dir,
+        # passed on to run_classification.py
+        "--padding_free", "--use_cpu", "--warmup_steps", "0", "--weight_decay", "0.0", "--lr_scheduler_type",
+        "constant",
+    ], runner=first_a_process)  # fmt: skip
     assert [row["run"] for row in table] == [
         "truncated", "long", "truncated, chunked evaluation", "long, chunked evaluation"
     ]  # fmt: skip
@@ -316,5 +463,17 @@ def test_long_vs_truncated_end_to_end(tmp_path):
     assert long["train_tokens_per_document"] > short["train_tokens_per_document"]
     assert short_chunks["eval_tokens_per_document"] > short["eval_tokens_per_document"]
     assert all(row["peak_mib"] > 0 and row["wall_s"] > 0 and 0 <= row["accuracy"] <= 1 for row in table)
-    written = (out / "long_vs_truncated.md").read_text()
+    written = (caller / output_dir / "long_vs_truncated.md").read_text()
     assert written.count("\n") == 6 and "| long, chunked evaluation | 96 tokens |" in written
+    assert not (REPO / output_dir.split("/")[0]).exists()
+    # Every path a run reads or writes is the caller's; the options passed on reach every run.
+    for args in runs:
+        model_args, data_args, training_args, _ = run_classification.parse_args(args)
+        for path in (model_args.model_name_or_path, data_args.validation_file, training_args.output_dir):
+            assert Path(path).is_absolute() and Path(path).is_relative_to(caller), path
+        assert data_args.padding_free == ("/long" in training_args.output_dir)
+        assert training_args.use_cpu and training_args.weight_decay == 0.0
+        assert training_args.lr_scheduler_type == "constant"
+        if training_args.do_train:
+            assert training_args.warmup_steps == 0 and training_args.learning_rate == 5e-5
+    assert "the truncated baseline (" in caplog.text and "pads its own: BertForSequenceClassification" in caplog.text
