@@ -55,7 +55,7 @@ class TransformersCheckpointMixin:
         ):
             source = _source_config(pretrained_model_name_or_path, kwargs)
         if source is None or not config_class.is_transformers_config(source):
-            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            return cls._from_own_checkpoint(pretrained_model_name_or_path, *model_args, **kwargs)
 
         model_type, where = source["model_type"], str(pretrained_model_name_or_path)
         try:
@@ -100,6 +100,36 @@ class TransformersCheckpointMixin:
             model_type, where, cls.__name__, config_class.model_type, ", ".join(renamed) or "none",
             f"; copied: {', '.join(copied)}" if copied else "", IMPORTER,
         )  # fmt: skip
+        return loaded
+
+    @classmethod
+    def own_checkpoint_renames(cls, tensor_names: set[str]) -> dict[str, str]:
+        """Renames for a checkpoint in our own format whose tensors are ``tensor_names``, in the form of
+        ``from_pretrained(key_mapping=...)``: none here; a head that starts a layer from a tensor another class
+        saved overrides it (the sequence-classification head: its ``classifier.dense`` from a saved pooler)."""
+        return {}
+
+    @classmethod
+    def _from_own_checkpoint(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained`` of a checkpoint in our format, with :meth:`own_checkpoint_renames` of
+        its tensor names passed as ``key_mapping`` (transformers' own renaming hook) before the caller's."""
+        renames = {}
+        if pretrained_model_name_or_path is not None and cls.own_checkpoint_renames is not (
+            TransformersCheckpointMixin.own_checkpoint_renames
+        ):
+            names = _CheckpointWeights(pretrained_model_name_or_path, kwargs).names
+            renames = cls.own_checkpoint_renames(names) if names is not None else {}
+        if not renames:
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        key_mapping = {**renames, **(kwargs.pop("key_mapping", None) or {})}
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, key_mapping=key_mapping, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        # transformers reverts the renames it used in save_pretrained; ours must not be (the model saves its own names,
+        # `classifier.dense`, not the tensor it started from), the caller's still are.
+        model._weight_conversions = [
+            conversion for conversion in getattr(model, "_weight_conversions", None) or []
+            if not set(conversion.source_patterns) <= set(renames)
+        ]  # fmt: skip
         return loaded
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
