@@ -483,7 +483,9 @@ def convert_roberta_to_long(
 
     What is saved follows the source: a source with an MLM head gives the target's masked-LM model (its
     ``lm_head`` the source's), one without gives the target's base model with the source's pooler (a warning says
-    so); task heads (``AutoModelForSequenceClassification`` ...) load from either with new head weights.
+    so); task heads (``AutoModelForSequenceClassification`` ...) load from either with new head weights, except that
+    from a kept pooler sequence classification starts its ``classifier.dense`` and multiple choice reads it (BERT's
+    heads pool so), so only their last layer is new.
 
     Args:
         source: local directory holding the checkpoint (any RoBERTa/BERT head or a bare base model) and its
@@ -512,12 +514,7 @@ def convert_roberta_to_long(
         ValueError: unknown target, unusable source (message says what is accepted), or a ``max_length`` not
             longer than the source's.
     """
-    if target not in TARGETS:
-        raise ValueError(f"Unknown target {target!r}; choose one of {sorted(TARGETS)}.")
-    if max_length < 1:
-        raise ValueError(f"max_length must be positive, got {max_length}.")
-    if new_positions not in ("copy", "random"):
-        raise ValueError(f"new_positions must be 'copy' or 'random', got {new_positions!r}.")
+    _check_request(target, max_length, new_positions)
     src = read_encoder_source(source)
     source_length = src.length
     if max_length <= source_length:
@@ -530,15 +527,7 @@ def convert_roberta_to_long(
     if output_dir is not None:
         prepare_output_dir(output_dir, overwrite)
     if src.mlm_head is None:
-        logger.warning(
-            "Source %s has no MLM head: saving the base model of %s with the source's pooler, not a masked-LM model. "
-            "Task heads load from it with new head weights (AutoModelForSequenceClassification.from_pretrained ...); "
-            "AutoModelForMaskedLM starts a new, untrained MLM head.",
-            source,
-            target,
-        )
-        if not src.has_pooler:
-            logger.warning("Source %s has no pooler either: the base model's pooler starts untrained.", source)
+        _warn_base_model(source, src, target)
     model = TARGETS[target](src, max_length, attention_window, **(target_options or {})).eval()
     if new_positions == "random":
         redrawn = randomize_new_positions(model, source_length, max_length)
@@ -549,17 +538,47 @@ def convert_roberta_to_long(
     # init_kwargs are what save_pretrained writes, so the new length survives a save/load round trip.
     tokenizer.init_kwargs["model_max_length"] = max_length
     if output_dir is not None:
-        options = [f"target {target}", f"max_length {max_length}"]
-        if new_positions == "random":
-            options.append("new positions drawn at random")
-        if src.mlm_head is None:
-            pooler = "its pooler kept" if src.has_pooler else "with a new pooler"
-            options.append(f"no MLM head in the source: saved as the base model, {pooler}")
-        how = f"with hf_xformers' `hfx-convert` ({', '.join(options)})"
+        how = f"with hf_xformers' `hfx-convert` ({', '.join(_options_text(src, target, max_length, new_positions))})"
         save_model_and_tokenizer(model, tokenizer, output_dir, conversion_provenance(source, base_model, how))
         # A sentence-transformers source keeps its pooling, normalisation ... and embeds up to the new length.
         carry_sentence_transformers_modules(source, output_dir, max_seq_length=max_length)
     return model, tokenizer
+
+
+def _check_request(target: str, max_length: int, new_positions: str) -> None:
+    """Refuse, before reading the source, a request no source can satisfy (``ValueError`` naming the choices)."""
+    if target not in TARGETS:
+        raise ValueError(f"Unknown target {target!r}; choose one of {sorted(TARGETS)}.")
+    if max_length < 1:
+        raise ValueError(f"max_length must be positive, got {max_length}.")
+    if new_positions not in ("copy", "random"):
+        raise ValueError(f"new_positions must be 'copy' or 'random', got {new_positions!r}.")
+
+
+def _warn_base_model(source: str | Path, src: EncoderSource, target: str) -> None:
+    """Say that a source without an MLM head is saved as the base model, and what its heads start from."""
+    logger.warning(
+        "Source %s has no MLM head: saving the base model of %s with the source's pooler, not a masked-LM model. "
+        "Task heads load from it (AutoModelForSequenceClassification.from_pretrained ...): sequence classification "
+        "starts its classifier.dense from the pooler and multiple choice reads the pooler, as BERT's heads do, so "
+        "only their last layer is new; token classification and question answering use no pooler and report it "
+        "UNEXPECTED, as BERT's do. AutoModelForMaskedLM starts a new, untrained MLM head.",
+        source,
+        target,
+    )
+    if not src.has_pooler:
+        logger.warning("Source %s has no pooler either: the base model's pooler starts untrained.", source)
+
+
+def _options_text(src: EncoderSource, target: str, max_length: int, new_positions: str) -> list[str]:
+    """How the conversion was made, in words, for the model card's provenance line."""
+    options = [f"target {target}", f"max_length {max_length}"]
+    if new_positions == "random":
+        options.append("new positions drawn at random")
+    if src.mlm_head is None:
+        pooler = "its pooler kept" if src.has_pooler else "with a new pooler"
+        options.append(f"no MLM head in the source: saved as the base model, {pooler}")
+    return options
 
 
 CLI_DESCRIPTION = (
@@ -567,7 +586,8 @@ CLI_DESCRIPTION = (
     "hf_xformers model (--target) that accepts --max-length tokens: every pretrained weight is kept, the position "
     "table is tiled to the new length and Longformer's global projections start as copies of the local ones. A "
     "source with an MLM head gives a masked-LM model; a source without one gives the base model (its pooler kept), "
-    "from which task heads load with new weights. The output folder gets the model, the tokenizer and a model card."
+    "from which task heads load with new weights (sequence classification and multiple choice start from the pooler, "
+    "as BERT's heads do). The output folder gets the model, the tokenizer and a model card."
 )
 
 
