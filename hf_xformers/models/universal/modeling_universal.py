@@ -164,20 +164,14 @@ def _seq2seq_output(
 ) -> HfxUniversalSeq2SeqLMOutput:
     """The encoder-decoder's output: ``loss`` (ponder loss included) and ``logits`` ``(batch, tgt_len, vocab)``, the
     decoder's cache, states, attentions and ponder steps (``decoded``) and the encoder's (``encoded``)."""
+    # The output's fields are the two halves' own under a `decoder_` / `encoder_` prefix.
+    halves = {f"decoder_{name}": getattr(decoded, name) for name in ("hidden_states", "attentions", "ponder_steps")}
+    for name in ("last_hidden_state", "hidden_states", "attentions", "ponder_steps"):
+        halves[f"encoder_{name}"] = getattr(encoded, name)
     return HfxUniversalSeq2SeqLMOutput(
-        loss=loss,
-        logits=logits,
-        decoder_hidden_states=decoded.hidden_states,
-        decoder_attentions=decoded.attentions,
-        cross_attentions=decoded.cross_attentions,
-        encoder_last_hidden_state=encoded.last_hidden_state,
-        encoder_hidden_states=encoded.hidden_states,
-        encoder_attentions=encoded.attentions,
-        ponder_loss=ponder,
-        encoder_ponder_steps=encoded.ponder_steps,
-        decoder_ponder_steps=decoded.ponder_steps,
+        loss=loss, logits=logits, cross_attentions=decoded.cross_attentions, ponder_loss=ponder, **halves,
         **{CACHE_NAME: output_cache(decoded)},
-    )
+    )  # fmt: skip
 
 
 # ----- building blocks -------------------------------------------------------------------------------------------
