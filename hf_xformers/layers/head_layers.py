@@ -67,7 +67,8 @@ def classifier_dropout(config) -> float:
 def classifier_from_pooler(class_name: str, base_model_prefix: str, tensor_names: set[str]) -> dict[str, str]:
     """The rename, for ``from_pretrained(key_mapping=...)``, that starts :class:`HfxClassificationHead`'s ``dense``
     from a checkpoint's pooler: ``{pattern of pooler.dense.*: "classifier.dense."}`` when ``tensor_names`` hold a
-    pooler (``pooler.dense.weight``, bare or under ``base_model_prefix``) and no ``classifier.dense.weight``, else ``{}``.
+    pooler (``pooler.dense.weight``, bare or under ``base_model_prefix``) and no ``classifier.dense.weight``, else
+    ``{}``.
 
     BERT's classifier is ``classifier(dropout(tanh(pooler.dense(h_cls))))``, ours
     ``out_proj(dropout(tanh(dense(dropout(h_cls)))))``: with ``dense`` the pooler, the head is BERT's (the extra dropout
