@@ -120,6 +120,15 @@ def saved_class(src: EncoderSource, masked_lm: type[PreTrainedModel], base: type
     return base, ""
 
 
+def new_model(model_class: type[PreTrainedModel], config, src: EncoderSource) -> PreTrainedModel:
+    """A fresh ``model_class`` for the source's weights: a base model of a source without a pooler has none either, so
+    that no untrained pooler is saved as if it were the source's (loading then lists it as missing, and no task head
+    starts from it)."""
+    if src.mlm_head is None and not src.has_pooler:
+        return model_class(config, add_pooling_layer=False)
+    return model_class(config)
+
+
 def _mlm_head_roberta(rest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     head = {k[len("lm_head.") :]: v for k, v in rest.items() if k.startswith("lm_head.")}
     if not head:
@@ -276,7 +285,7 @@ def build_longformer(src: EncoderSource, max_length: int, attention_window: int)
     )
     model_class, prefix = saved_class(src, HfxLongformerForMaskedLM, HfxLongformerModel)
     config.architectures = [model_class.__name__]
-    model = model_class(config)
+    model = new_model(model_class, config, src)
 
     # A masked-LM model has no pooler (as RoBERTa's has none); the base model keeps the source's.
     keep_pooler = src.mlm_head is None
@@ -298,9 +307,9 @@ def build_longformer(src: EncoderSource, max_length: int, attention_window: int)
 
 
 def _may_be_missing(src: EncoderSource, config) -> list[str]:
-    """Names a target may leave at their initial values: the tied decoder, and a pooler the source lacks."""
-    tied = ["lm_head.decoder.weight"] if config.tie_word_embeddings and src.mlm_head is not None else []
-    return [*tied, "pooler."] if src.mlm_head is None and not src.has_pooler else tied
+    """Names a target may leave at their initial values: the tied decoder (a base model built for a source without a
+    pooler has none to fill, :func:`new_model`)."""
+    return ["lm_head.decoder.weight"] if config.tie_word_embeddings and src.mlm_head is not None else []
 
 
 def copy_proj_layers(model: torch.nn.Module) -> int:
@@ -404,7 +413,7 @@ def build_linformer(
     config = HfxLinformerConfig(
         **fields, linformer_k=linformer_k, linformer_sharing=linformer_sharing, architectures=[model_class.__name__]
     )
-    model = model_class(config)
+    model = new_model(model_class, config, src)
     pooling = pooling_projection(config.linformer_max_length, linformer_k)
     for name, param in model.named_parameters():
         if "projection" in name:
@@ -422,7 +431,7 @@ def build_performer(
     fields, state = _warm_start_state(src, max_length, "performer.")
     model_class, _ = saved_class(src, HfxPerformerForMaskedLM, HfxPerformerModel)
     config = HfxPerformerConfig(**fields, num_random_features=num_random_features, architectures=[model_class.__name__])
-    model = model_class(config)
+    model = new_model(model_class, config, src)
     buffers = [name for name, _ in model.named_buffers() if name.endswith(("projection_matrix", "num_redraws"))]
     load_converted_weights(model, state, may_be_missing=buffers + _may_be_missing(src, config))
     return model
@@ -454,7 +463,7 @@ def build_bigbird(
         num_random_blocks=num_random_blocks,
         architectures=[model_class.__name__],
     )
-    model = model_class(config)
+    model = new_model(model_class, config, src)
     load_converted_weights(model, state, may_be_missing=_may_be_missing(src, config))
     return model
 
@@ -567,7 +576,11 @@ def _warn_base_model(source: str | Path, src: EncoderSource, target: str) -> Non
         target,
     )
     if not src.has_pooler:
-        logger.warning("Source %s has no pooler either: the base model's pooler starts untrained.", source)
+        logger.warning(
+            "Source %s has no pooler either: the base model is saved without one (AutoModel starts it untrained and "
+            "lists it as missing; the classification heads start their own).",
+            source,
+        )
 
 
 def _options_text(src: EncoderSource, target: str, max_length: int, new_positions: str) -> list[str]:
@@ -576,7 +589,7 @@ def _options_text(src: EncoderSource, target: str, max_length: int, new_position
     if new_positions == "random":
         options.append("new positions drawn at random")
     if src.mlm_head is None:
-        pooler = "its pooler kept" if src.has_pooler else "with a new pooler"
+        pooler = "its pooler kept" if src.has_pooler else "without a pooler (the source has none)"
         options.append(f"no MLM head in the source: saved as the base model, {pooler}")
     return options
 
