@@ -114,9 +114,11 @@ class TransformersCheckpointMixin:
         """transformers' ``from_pretrained`` of a checkpoint in our format, with :meth:`own_checkpoint_renames` of
         its tensor names passed as ``key_mapping`` (transformers' own renaming hook) before the caller's."""
         renames = {}
-        if pretrained_model_name_or_path is not None and cls.own_checkpoint_renames is not (
-            TransformersCheckpointMixin.own_checkpoint_renames
-        ):
+        # Only a class that renames reads the checkpoint's tensor names (a safetensors header, a shard index).
+        renaming = (
+            cls.own_checkpoint_renames.__func__ is not TransformersCheckpointMixin.own_checkpoint_renames.__func__
+        )
+        if pretrained_model_name_or_path is not None and renaming:
             names = _CheckpointWeights(pretrained_model_name_or_path, kwargs).names
             renames = cls.own_checkpoint_renames(names) if names is not None else {}
         if not renames:
