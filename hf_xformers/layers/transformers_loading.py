@@ -75,8 +75,10 @@ class TransformersCheckpointMixin:
                 f"by renaming: {error}"
             ) from error
 
-        # The caller's own key_mapping applies after ours (renames chain in order).
-        key_mapping = {**renames.key_mapping, **(kwargs.pop("key_mapping", None) or {})}
+        # The head's renames act on the translated names, the caller's own key_mapping after ours (renames chain in
+        # order).
+        head_renames = _head_renames(cls, names, renames.key_mapping)
+        key_mapping = {**renames.key_mapping, **head_renames, **(kwargs.pop("key_mapping", None) or {})}
         token = _RENAMES.set(renames)
         try:
             loaded = super().from_pretrained(
@@ -104,9 +106,10 @@ class TransformersCheckpointMixin:
 
     @classmethod
     def own_checkpoint_renames(cls, tensor_names: set[str]) -> dict[str, str]:
-        """Renames for a checkpoint in our own format whose tensors are ``tensor_names``, in the form of
-        ``from_pretrained(key_mapping=...)``: none here; a head that starts a layer from a tensor another class
-        saved overrides it (the sequence-classification head: its ``classifier.dense`` from a saved pooler)."""
+        """Renames for a checkpoint whose tensors are ``tensor_names`` (our names; a transformers checkpoint's once
+        translated), in the form of ``from_pretrained(key_mapping=...)``: none here; a head that starts a layer from
+        a tensor another class saved overrides it (the sequence-classification head: its ``classifier.dense`` from a
+        stored pooler)."""
         return {}
 
     @classmethod
@@ -114,13 +117,8 @@ class TransformersCheckpointMixin:
         """transformers' ``from_pretrained`` of a checkpoint in our format, with :meth:`own_checkpoint_renames` of
         its tensor names passed as ``key_mapping`` (transformers' own renaming hook) before the caller's."""
         renames = {}
-        # Only a class that renames reads the checkpoint's tensor names (a safetensors header, a shard index).
-        renaming = (
-            cls.own_checkpoint_renames.__func__ is not TransformersCheckpointMixin.own_checkpoint_renames.__func__
-        )
-        if pretrained_model_name_or_path is not None and renaming:
-            names = _CheckpointWeights(pretrained_model_name_or_path, kwargs).names
-            renames = cls.own_checkpoint_renames(names) if names is not None else {}
+        if pretrained_model_name_or_path is not None and _renames_tensors(cls):
+            renames = _head_renames(cls, _CheckpointWeights(pretrained_model_name_or_path, kwargs).names, {})
         if not renames:
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         key_mapping = {**renames, **(kwargs.pop("key_mapping", None) or {})}
@@ -151,6 +149,23 @@ class TransformersCheckpointMixin:
             filled = {name for target in renames.copies for name in (target, target.removeprefix(prefix))}
             kept = [key for key in loading_info.missing_keys if key not in filled]
             loading_info.missing_keys = type(loading_info.missing_keys)(kept)
+
+
+def _renames_tensors(cls) -> bool:
+    """Whether ``cls`` renames tensors as they load (:meth:`TransformersCheckpointMixin.own_checkpoint_renames`);
+    only such a class reads a checkpoint's tensor names (a safetensors header, a shard index)."""
+    return cls.own_checkpoint_renames.__func__ is not TransformersCheckpointMixin.own_checkpoint_renames.__func__
+
+
+def _head_renames(cls, names: set[str] | None, translation: dict[str, str]) -> dict[str, str]:
+    """``cls.own_checkpoint_renames`` of a checkpoint's tensor ``names`` once the ``translation`` renames (a
+    transformers checkpoint's, :class:`~hf_xformers.configs.transformers_checkpoints.WeightRenames`) have made them
+    ours; ``{}`` when the names are unknown or ``cls`` renames nothing."""
+    if names is None or not _renames_tensors(cls):
+        return {}
+    for pattern, target in translation.items():
+        names = {re.sub(pattern, target, name, count=1) for name in names}
+    return cls.own_checkpoint_renames(names)
 
 
 @torch.no_grad()
