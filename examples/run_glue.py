@@ -371,10 +371,50 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     checkpoint = resume_checkpoint(training_args, run_args.overwrite_output_dir)
     set_seed(training_args.seed)
-    task_name, task = data_args.task_name, TASKS[data_args.task_name]
+    task_name = data_args.task_name
 
     # Data: load, check columns and labels (a bad file fails here, before any model is loaded).
-    train, evaluation, test = load_raw_splits(data_args, training_args, model_args.cache_dir)
+    train, evaluation, test, test_indices = load_splits(data_args, training_args, model_args.cache_dir)
+    config, tokenizer, model = load_model(model_args, task_name)
+
+    # A model that cannot take packed batches fails here, before the data are tokenized.
+    if data_args.padding_free:
+        collator = packed_collator(model, training_args, logger)
+    elif data_args.pad_to_max_length:
+        collator = default_data_collator
+    else:
+        collator = DataCollatorWithPadding(tokenizer)
+    tokenized = tokenizer_of_splits(tokenizer, config, data_args, training_args)
+    train = tokenized(train, "tokenizing training data") if train is not None else None
+    evaluation = {name: tokenized(data, f"tokenizing {name}") for name, data in evaluation.items()}
+    test = {name: tokenized(data, f"tokenizing {name}") for name, data in test.items()}
+
+    def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
+        predictions = predictions_from_logits(prediction.predictions, task_name)
+        return glue_metrics(task_name, predictions, prediction.label_ids)
+
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=evaluation.get("eval"),
+        processing_class=tokenizer,
+        data_collator=collator,
+        compute_metrics=compute_metrics,
+    )
+    metrics = train_and_evaluate(trainer, training_args, checkpoint, train, evaluation)
+    if training_args.do_predict:
+        predict(trainer, training_args.output_dir, task_name, test, test_indices)
+    finish(trainer, run_args, training_args, model_args, data_args)
+    return metrics
+
+
+def load_splits(data_args: DataTrainingArguments, training_args: TrainingArguments, cache_dir: str | None):
+    """``(train, evaluation, test, test_indices)``: the task's splits loaded, cut to the ``--max_*_samples`` and
+    checked (columns, labels); ``train`` is None without one, ``evaluation`` and ``test`` map split names to data,
+    ``test_indices`` each test split's row ids (GLUE's ``idx``, or the row's position in a local file)."""
+    task_name = data_args.task_name
+    train, evaluation, test = load_raw_splits(data_args, training_args, cache_dir)
     if train is not None:
         train = prepare(take(train, data_args.max_train_samples), task_name, "training data", with_labels=True)
     evaluation = {
@@ -387,8 +427,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         # GLUE test rows are identified by their `idx` (the Hub dataset has it); local files by their position.
         test_indices[name] = data["idx"] if "idx" in data.column_names else list(range(len(data)))
         test[name] = prepare(data, task_name, f"test data ({name})", with_labels=False)
+    return train, evaluation, test, test_indices
 
-    # Model. The task fixes the number of labels and their names, so predictions map back to label names.
+
+def load_model(model_args: ModelArguments, task_name: str):
+    """``(config, tokenizer, model)`` for the task. The task fixes the number of labels and their names, so
+    predictions map back to label names; a model type without a sequence-classification head is refused."""
+    task = TASKS[task_name]
     num_labels = 1 if task.is_regression else len(task.labels)
     label_kwargs = {}
     if not task.is_regression:
@@ -421,17 +466,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         trust_remote_code=model_args.trust_remote_code,
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
     )
+    return config, tokenizer, model
 
-    # A model that cannot take packed batches fails here, before the data are tokenized.
-    if data_args.padding_free:
-        collator = packed_collator(model, training_args, logger)
-    elif data_args.pad_to_max_length:
-        collator = default_data_collator
-    else:
-        collator = DataCollatorWithPadding(tokenizer)
 
-    # Tokenization. hfx-longformer and RoBERTa have a single segment (type_vocab_size 1): a BERT-style tokenizer
-    # would hand them segment ids 1 for the second sentence, which they cannot embed.
+def tokenizer_of_splits(tokenizer, config, data_args: DataTrainingArguments, training_args: TrainingArguments):
+    """``tokenized(data, desc)``: a split's text columns replaced by the model's inputs, cut at ``max_seq_length``
+    (at most the tokenizer's ``model_max_length``). hfx-longformer and RoBERTa have a single segment
+    (type_vocab_size 1): a BERT-style tokenizer would hand them segment ids 1 for the second sentence, which they
+    cannot embed."""
+    task = TASKS[data_args.task_name]
     max_length = data_args.max_seq_length
     if max_length > tokenizer.model_max_length:
         logger.warning(
@@ -457,24 +500,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         with training_args.main_process_first(desc=desc):
             return data.map(tokenize, batched=True, remove_columns=list(task.text_columns), desc=desc)
 
-    train = tokenized(train, "tokenizing training data") if train is not None else None
-    evaluation = {name: tokenized(data, f"tokenizing {name}") for name, data in evaluation.items()}
-    test = {name: tokenized(data, f"tokenizing {name}") for name, data in test.items()}
+    return tokenized
 
-    def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
-        predictions = predictions_from_logits(prediction.predictions, task_name)
-        return glue_metrics(task_name, predictions, prediction.label_ids)
 
-    trainer = Trainer(
-        model=model,
-        args=training_args,
-        train_dataset=train,
-        eval_dataset=evaluation.get("eval"),
-        processing_class=tokenizer,
-        data_collator=collator,
-        compute_metrics=compute_metrics,
-    )
-
+def train_and_evaluate(
+    trainer: Trainer, training_args: TrainingArguments, checkpoint: str | None, train, evaluation: dict
+) -> dict[str, float]:
+    """Train (``--do_train``, resuming from ``checkpoint``) and evaluate every evaluation split (``--do_eval``);
+    returns the metrics, also written to ``output_dir`` (``train_results.json``, ``eval_results.json``)."""
     metrics: dict[str, float] = {}
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=checkpoint)
@@ -494,17 +527,30 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)  # eval_results.json
         metrics.update(eval_metrics)
+    return metrics
 
-    if training_args.do_predict:
-        for name, data in test.items():
-            output = trainer.predict(data, metric_key_prefix=f"predict_{name}")
-            predictions = predictions_from_logits(output.predictions, task_name)
-            if trainer.is_world_process_zero():
-                path = os.path.join(training_args.output_dir, f"{name}.tsv")
-                write_submission(path, task_name, test_indices[name], predictions)
-                logger.info("Wrote %d test predictions to %s", len(predictions), path)
 
-    # An upload-ready output_dir: the model card (with --self_contained also the model code); --push_to_hub uploads it.
+def predict(trainer: Trainer, output_dir: str, task_name: str, test: dict, test_indices: dict) -> None:
+    """Write each test split's predictions as a GLUE submission file ``<output_dir>/<split>.tsv``."""
+    for name, data in test.items():
+        output = trainer.predict(data, metric_key_prefix=f"predict_{name}")
+        predictions = predictions_from_logits(output.predictions, task_name)
+        if trainer.is_world_process_zero():
+            path = os.path.join(output_dir, f"{name}.tsv")
+            write_submission(path, task_name, test_indices[name], predictions)
+            logger.info("Wrote %d test predictions to %s", len(predictions), path)
+
+
+def finish(
+    trainer: Trainer,
+    run_args: RunArguments,
+    training_args: TrainingArguments,
+    model_args: ModelArguments,
+    data_args: DataTrainingArguments,
+) -> None:
+    """An upload-ready output_dir: the model card (with --self_contained also the model code); --push_to_hub
+    uploads it."""
+    task_name = data_args.task_name
     from_hub = not data_args.uses_local_files
     finish_output_dir(
         trainer,
@@ -524,7 +570,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "eval_mismatched": "validation_mismatched",
         },  # fmt: skip
     )
-    return metrics
 
 
 if __name__ == "__main__":

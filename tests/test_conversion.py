@@ -249,6 +249,9 @@ def test_base_model_source_without_mlm_head(roberta_dir, tmp_path, caplog):
     assert "pipeline_tag: feature-extraction" in card and "fill-mask" not in card.split("---")[1]
     assert "model = AutoModel.from_pretrained(" in card and "model = AutoModelForMaskedLM" not in card
     assert "This is a base model" in card and "`AutoModelForSequenceClassification`" in card
+    # The pooler kept is the one the pooling heads start from, and the card says so.
+    assert "A pooler is stored" in card and "starts its `classifier.dense` from it" in card
+    assert torch.equal(classifier.classifier.dense.weight, source.pooler.dense.weight)
     assert "no MLM head in the source" in card
 
 
@@ -267,8 +270,14 @@ def test_warm_start_targets_from_a_source_without_mlm_head(roberta_dir, tmp_path
 def test_source_without_pooler_warns(roberta_dir, tmp_path, caplog):
     _bare_source(roberta_dir, tmp_path / "bare", add_pooling_layer=False)
     with caplog.at_level("WARNING", logger="hf_xformers.conversion.convert_roberta_to_long"):
-        model, _ = convert_roberta_to_long(tmp_path / "bare", max_length=64, attention_window=64)
+        model, _ = convert_roberta_to_long(
+            tmp_path / "bare", max_length=64, attention_window=64, output_dir=tmp_path / "long"
+        )
     assert type(model) is hf_xformers.HfxLongformerModel and "no pooler either" in caplog.text
+    # The pooler is new: the card says nothing of one, and the classifier's dense layer is not taken from it.
+    assert "A pooler is stored" not in (tmp_path / "long" / "README.md").read_text()
+    classifier, info = AutoModelForSequenceClassification.from_pretrained(tmp_path / "long", output_loading_info=True)
+    assert {"classifier.dense.weight", "pooler.dense.weight"} & set(info["missing_keys"]) == {"classifier.dense.weight"}
 
 
 def test_max_length_must_exceed_the_source(roberta_dir, bert_dir, tmp_path):

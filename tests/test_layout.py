@@ -301,3 +301,41 @@ def test_the_dispatch_check_can_fail(tmp_path, monkeypatch):
     assert [v.split(" ", 1)[1].split(";")[0] for v in violations] == [
         "forward takes 'implementation'", "forward asks kernel_choice 2 times", "calls attention_implementation",
     ]  # fmt: skip
+
+
+# The team's limit on a function's length (docstring and decorators' lines apart, signature included), in every folder
+# of shipped or runnable code.
+MAX_FUNCTION_LINES = 80
+CODE_FOLDERS = ("hf_xformers", "conversion", "examples", "scripts")
+
+
+def long_functions(source: str, path: str) -> list[str]:
+    """``"path:line name (n lines)"`` for every function or method of ``source`` longer than
+    :data:`MAX_FUNCTION_LINES` (from its ``def`` line to its last line)."""
+    return [
+        f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+
+
+@pytest.mark.parametrize("folder", CODE_FOLDERS)
+def test_no_function_is_over_80_lines(folder):
+    """Split a longer function into named pieces (each says what it does) rather than raise the limit."""
+    found = [
+        line
+        for path in sorted((REPO / folder).rglob("*.py"))
+        for line in long_functions(path.read_text(encoding="utf-8"), str(path.relative_to(REPO)))
+    ]
+    assert not found, "functions over 80 lines:\n" + "\n".join(found)
+
+
+def test_the_function_length_check_can_fail():
+    def method(lines: int) -> str:
+        """A class whose one method is ``lines`` long, its ``def`` line included."""
+        body = "".join(f"        x{i} = {i}\n" for i in range(lines - 1))
+        return f"class A:\n    async def method(self):\n{body}"
+
+    assert long_functions(method(MAX_FUNCTION_LINES), "a.py") == []
+    assert long_functions(method(MAX_FUNCTION_LINES + 1), "a.py") == [f"a.py:2 method ({MAX_FUNCTION_LINES + 1} lines)"]

@@ -27,7 +27,16 @@ from sentence_transformers.sentence_transformer.modules import Dense, Normalize,
 from transformers import (  # noqa: E402
     AlbertConfig,
     AlbertModel,
+    AutoModelForMultipleChoice,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
     BertConfig,
+    BertForMultipleChoice,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
     BertModel,
     BigBirdConfig,
     BigBirdModel,
@@ -170,6 +179,60 @@ def test_minilm_converts_with_its_modules(minilm, minilm_long, target):
         assert (got - expected).abs().max() > 1e-3  # an estimate: if this were exact, FAVOR+ would not be running
     else:
         assert (got - expected).abs().max() <= 1e-5
+
+
+def _load(auto_class, folder, **kwargs):
+    """``auto_class.from_pretrained(folder)`` in eval mode, and its load report as sets of names."""
+    model, info = auto_class.from_pretrained(folder, output_loading_info=True, **kwargs)
+    return model.eval(), {key: set(info[key]) for key in ("missing_keys", "unexpected_keys")}
+
+
+@needs_minilm
+@pytest.mark.parametrize("target", list(MINILM_TARGETS))
+def test_converted_bert_heads_use_its_pooler(minilm_long, target, tmp_path):
+    """A BERT converted without an MLM head is saved with its pooler, and the heads that pool use it:
+    sequence classification starts ``classifier.dense`` from it (BERT's classifier is
+    ``linear(dropout(tanh(pooler.dense(h_cls))))``, ours ``out_proj(dropout(tanh(dense(dropout(h_cls)))))``), multiple
+    choice reads it as BERT's does. The load report lists only the new final layer, and with BERT's final layer the
+    logits are BERT's own; the heads that pool nothing report the pooler unused, as BERT's do. Saved and reloaded, the
+    sequence classifier keeps its own names."""
+    source_dir, out = MINILM_DIR, minilm_long(target)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    inputs = tokenizer(["A long document.", "The head must be BERT's own."], padding=True, return_tensors="pt")
+    choices = {key: torch.stack([value, value.flip(0)]) for key, value in inputs.items()}  # 2 examples, 2 choices
+    models = {}
+    for auto_class, bert_class, final, batch_inputs in (
+        (AutoModelForMultipleChoice, BertForMultipleChoice, "classifier", choices),
+        (AutoModelForSequenceClassification, BertForSequenceClassification, "classifier.out_proj", inputs),
+    ):
+        bert, bert_report = _load(bert_class, source_dir, num_labels=3)
+        model, report = _load(auto_class, out, num_labels=3)
+        models[auto_class] = model
+        assert report == {"missing_keys": {f"{final}.weight", f"{final}.bias"}, "unexpected_keys": set()}
+        assert bert_report == {"missing_keys": {"classifier.weight", "classifier.bias"}, "unexpected_keys": set()}
+        model.get_submodule(final).load_state_dict(bert.classifier.state_dict())
+        with torch.no_grad():
+            got = model(**batch_inputs).logits
+            # BERT's head on the pooled output of the converted encoder (multiple choice's, which keeps the pooler).
+            pooled = models[AutoModelForMultipleChoice].base_model(**{k: v.flatten(0, 1) for k, v in choices.items()})
+            rows = batch_inputs["input_ids"].flatten(0, -2).shape[0]  # the first rows of `choices` are `inputs`
+            expected = bert.classifier(pooled.pooler_output[:rows]).view(got.shape)
+            assert (got - expected).abs().max() <= 1e-5
+            if target != "performer":  # FAVOR+ only estimates softmax attention
+                assert (got - bert(**batch_inputs).logits).abs().max() <= 1e-4
+    for auto_class, bert_class in (
+        (AutoModelForTokenClassification, BertForTokenClassification),
+        (AutoModelForQuestionAnswering, BertForQuestionAnswering),
+    ):
+        assert _load(auto_class, out)[1] == _load(bert_class, source_dir)[1]  # the pooler unused, the head new
+
+    classifier = models[AutoModelForSequenceClassification]
+    classifier.save_pretrained(tmp_path / "classifier")
+    reloaded, report = _load(AutoModelForSequenceClassification, tmp_path / "classifier")
+    assert report == {"missing_keys": set(), "unexpected_keys": set()}
+    pooler = models[AutoModelForMultipleChoice].base_model.pooler
+    assert torch.equal(reloaded.classifier.dense.weight, pooler.dense.weight)
+    assert torch.equal(reloaded.classifier.out_proj.weight, classifier.classifier.out_proj.weight)
 
 
 @needs_minilm

@@ -117,20 +117,24 @@ def import_longformer(source: Path, config: dict) -> PreTrainedModel:
     if "lm_head.bias" in rest:
         rest.setdefault("lm_head.decoder.bias", rest["lm_head.bias"])
         del rest["lm_head.bias"]
-    if model_class is HfxLongformerModel:
-        state = dict(base)
-    else:
-        state = {f"longformer.{k}": v for k, v in base.items()}
+    load_base_and_head(model, base, rest)
+    return model
+
+
+def load_base_and_head(model: PreTrainedModel, base: dict[str, torch.Tensor], rest: dict[str, torch.Tensor]) -> None:
+    """Load a checkpoint's encoder weights ``base`` (without prefix) and its head weights ``rest`` (our names) into
+    ``model``: the encoder's under ``model.base_model_prefix`` unless ``model`` is the base model; a tied decoder is
+    left to the tie, and a pooler (or an MLM head) saved with a class that does not use it has nowhere to go."""
+    prefix = model.base_model_prefix
+    state = dict(base) if model.base_model is model else {f"{prefix}.{k}": v for k, v in base.items()}
     state.update(rest)
     may_be_missing = []
-    if getattr(hfx_config, "tie_word_embeddings", True):
+    if getattr(model.config, "tie_word_embeddings", True):
         state.pop("lm_head.decoder.weight", None)
         may_be_missing.append("lm_head.decoder.weight")
-    # A pooler (or an MLM head) saved with a class that does not use it has nowhere to go.
     load_converted_weights(
-        model, state, may_be_missing=may_be_missing, may_be_unused=("pooler.", "longformer.pooler.", "lm_head.")
+        model, state, may_be_missing=may_be_missing, may_be_unused=("pooler.", f"{prefix}.pooler.", "lm_head.")
     )
-    return model
 
 
 SWIN_CLASSES: dict[str, type[PreTrainedModel]] = {
@@ -324,15 +328,7 @@ def import_bigbird(source: Path, config: dict) -> PreTrainedModel:
     kwargs["architectures"] = [model_class.__name__]
     hfx_config = HfxBigBirdConfig(**kwargs)
     model = model_class(hfx_config)
-    state = dict(base) if model_class is HfxBigBirdModel else {f"bigbird.{k}": v for k, v in base.items()}
-    state.update(rest)
-    may_be_missing = []
-    if hfx_config.tie_word_embeddings:
-        state.pop("lm_head.decoder.weight", None)
-        may_be_missing.append("lm_head.decoder.weight")
-    load_converted_weights(
-        model, state, may_be_missing=may_be_missing, may_be_unused=("pooler.", "bigbird.pooler.", "lm_head.")
-    )
+    load_base_and_head(model, base, rest)
     return model
 
 
@@ -434,15 +430,7 @@ def import_albert(source: Path, config: dict) -> PreTrainedModel:
                 rest[f"classifier.dense.{name}"] = base.pop(f"pooler.dense.{name}")
             if f"classifier.{name}" in rest:
                 rest[f"classifier.out_proj.{name}"] = rest.pop(f"classifier.{name}")
-    state = dict(base) if model_class is HfxUniversalModel else {f"universal.{k}": v for k, v in base.items()}
-    state.update(rest)
-    may_be_missing = []
-    if hfx_config.tie_word_embeddings:
-        state.pop("lm_head.decoder.weight", None)
-        may_be_missing.append("lm_head.decoder.weight")
-    load_converted_weights(
-        model, state, may_be_missing=may_be_missing, may_be_unused=("pooler.", "universal.pooler.", "lm_head.")
-    )
+    load_base_and_head(model, base, rest)
     return model
 
 

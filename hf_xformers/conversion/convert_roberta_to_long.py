@@ -120,6 +120,15 @@ def saved_class(src: EncoderSource, masked_lm: type[PreTrainedModel], base: type
     return base, ""
 
 
+def new_model(model_class: type[PreTrainedModel], config, src: EncoderSource) -> PreTrainedModel:
+    """A fresh ``model_class`` for the source's weights: a base model of a source without a pooler has none either, so
+    that no untrained pooler is saved as if it were the source's (loading then lists it as missing, and no task head
+    starts from it)."""
+    if src.mlm_head is None and not src.has_pooler:
+        return model_class(config, add_pooling_layer=False)
+    return model_class(config)
+
+
 def _mlm_head_roberta(rest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     head = {k[len("lm_head.") :]: v for k, v in rest.items() if k.startswith("lm_head.")}
     if not head:
@@ -276,7 +285,7 @@ def build_longformer(src: EncoderSource, max_length: int, attention_window: int)
     )
     model_class, prefix = saved_class(src, HfxLongformerForMaskedLM, HfxLongformerModel)
     config.architectures = [model_class.__name__]
-    model = model_class(config)
+    model = new_model(model_class, config, src)
 
     # A masked-LM model has no pooler (as RoBERTa's has none); the base model keeps the source's.
     keep_pooler = src.mlm_head is None
@@ -298,9 +307,9 @@ def build_longformer(src: EncoderSource, max_length: int, attention_window: int)
 
 
 def _may_be_missing(src: EncoderSource, config) -> list[str]:
-    """Names a target may leave at their initial values: the tied decoder, and a pooler the source lacks."""
-    tied = ["lm_head.decoder.weight"] if config.tie_word_embeddings and src.mlm_head is not None else []
-    return [*tied, "pooler."] if src.mlm_head is None and not src.has_pooler else tied
+    """Names a target may leave at their initial values: the tied decoder (a base model built for a source without a
+    pooler has none to fill, :func:`new_model`)."""
+    return ["lm_head.decoder.weight"] if config.tie_word_embeddings and src.mlm_head is not None else []
 
 
 def copy_proj_layers(model: torch.nn.Module) -> int:
@@ -404,7 +413,7 @@ def build_linformer(
     config = HfxLinformerConfig(
         **fields, linformer_k=linformer_k, linformer_sharing=linformer_sharing, architectures=[model_class.__name__]
     )
-    model = model_class(config)
+    model = new_model(model_class, config, src)
     pooling = pooling_projection(config.linformer_max_length, linformer_k)
     for name, param in model.named_parameters():
         if "projection" in name:
@@ -422,7 +431,7 @@ def build_performer(
     fields, state = _warm_start_state(src, max_length, "performer.")
     model_class, _ = saved_class(src, HfxPerformerForMaskedLM, HfxPerformerModel)
     config = HfxPerformerConfig(**fields, num_random_features=num_random_features, architectures=[model_class.__name__])
-    model = model_class(config)
+    model = new_model(model_class, config, src)
     buffers = [name for name, _ in model.named_buffers() if name.endswith(("projection_matrix", "num_redraws"))]
     load_converted_weights(model, state, may_be_missing=buffers + _may_be_missing(src, config))
     return model
@@ -454,7 +463,7 @@ def build_bigbird(
         num_random_blocks=num_random_blocks,
         architectures=[model_class.__name__],
     )
-    model = model_class(config)
+    model = new_model(model_class, config, src)
     load_converted_weights(model, state, may_be_missing=_may_be_missing(src, config))
     return model
 
@@ -483,7 +492,9 @@ def convert_roberta_to_long(
 
     What is saved follows the source: a source with an MLM head gives the target's masked-LM model (its
     ``lm_head`` the source's), one without gives the target's base model with the source's pooler (a warning says
-    so); task heads (``AutoModelForSequenceClassification`` ...) load from either with new head weights.
+    so); task heads (``AutoModelForSequenceClassification`` ...) load from either with new head weights, except that
+    from a kept pooler sequence classification starts its ``classifier.dense`` and multiple choice reads it (BERT's
+    heads pool so), so only their last layer is new.
 
     Args:
         source: local directory holding the checkpoint (any RoBERTa/BERT head or a bare base model) and its
@@ -512,12 +523,7 @@ def convert_roberta_to_long(
         ValueError: unknown target, unusable source (message says what is accepted), or a ``max_length`` not
             longer than the source's.
     """
-    if target not in TARGETS:
-        raise ValueError(f"Unknown target {target!r}; choose one of {sorted(TARGETS)}.")
-    if max_length < 1:
-        raise ValueError(f"max_length must be positive, got {max_length}.")
-    if new_positions not in ("copy", "random"):
-        raise ValueError(f"new_positions must be 'copy' or 'random', got {new_positions!r}.")
+    _check_request(target, max_length, new_positions)
     src = read_encoder_source(source)
     source_length = src.length
     if max_length <= source_length:
@@ -530,15 +536,7 @@ def convert_roberta_to_long(
     if output_dir is not None:
         prepare_output_dir(output_dir, overwrite)
     if src.mlm_head is None:
-        logger.warning(
-            "Source %s has no MLM head: saving the base model of %s with the source's pooler, not a masked-LM model. "
-            "Task heads load from it with new head weights (AutoModelForSequenceClassification.from_pretrained ...); "
-            "AutoModelForMaskedLM starts a new, untrained MLM head.",
-            source,
-            target,
-        )
-        if not src.has_pooler:
-            logger.warning("Source %s has no pooler either: the base model's pooler starts untrained.", source)
+        _warn_base_model(source, src, target)
     model = TARGETS[target](src, max_length, attention_window, **(target_options or {})).eval()
     if new_positions == "random":
         redrawn = randomize_new_positions(model, source_length, max_length)
@@ -549,17 +547,51 @@ def convert_roberta_to_long(
     # init_kwargs are what save_pretrained writes, so the new length survives a save/load round trip.
     tokenizer.init_kwargs["model_max_length"] = max_length
     if output_dir is not None:
-        options = [f"target {target}", f"max_length {max_length}"]
-        if new_positions == "random":
-            options.append("new positions drawn at random")
-        if src.mlm_head is None:
-            pooler = "its pooler kept" if src.has_pooler else "with a new pooler"
-            options.append(f"no MLM head in the source: saved as the base model, {pooler}")
-        how = f"with hf_xformers' `hfx-convert` ({', '.join(options)})"
+        how = f"with hf_xformers' `hfx-convert` ({', '.join(_options_text(src, target, max_length, new_positions))})"
         save_model_and_tokenizer(model, tokenizer, output_dir, conversion_provenance(source, base_model, how))
         # A sentence-transformers source keeps its pooling, normalisation ... and embeds up to the new length.
         carry_sentence_transformers_modules(source, output_dir, max_seq_length=max_length)
     return model, tokenizer
+
+
+def _check_request(target: str, max_length: int, new_positions: str) -> None:
+    """Refuse, before reading the source, a request no source can satisfy (``ValueError`` naming the choices)."""
+    if target not in TARGETS:
+        raise ValueError(f"Unknown target {target!r}; choose one of {sorted(TARGETS)}.")
+    if max_length < 1:
+        raise ValueError(f"max_length must be positive, got {max_length}.")
+    if new_positions not in ("copy", "random"):
+        raise ValueError(f"new_positions must be 'copy' or 'random', got {new_positions!r}.")
+
+
+def _warn_base_model(source: str | Path, src: EncoderSource, target: str) -> None:
+    """Say that a source without an MLM head is saved as the base model, and what its heads start from."""
+    logger.warning(
+        "Source %s has no MLM head: saving the base model of %s with the source's pooler, not a masked-LM model. "
+        "Task heads load from it (AutoModelForSequenceClassification.from_pretrained ...): sequence classification "
+        "starts its classifier.dense from the pooler and multiple choice reads the pooler, as BERT's heads do, so "
+        "only their last layer is new; token classification and question answering use no pooler and report it "
+        "UNEXPECTED, as BERT's do. AutoModelForMaskedLM starts a new, untrained MLM head.",
+        source,
+        target,
+    )
+    if not src.has_pooler:
+        logger.warning(
+            "Source %s has no pooler either: the base model is saved without one (AutoModel starts it untrained and "
+            "lists it as missing; the classification heads start their own).",
+            source,
+        )
+
+
+def _options_text(src: EncoderSource, target: str, max_length: int, new_positions: str) -> list[str]:
+    """How the conversion was made, in words, for the model card's provenance line."""
+    options = [f"target {target}", f"max_length {max_length}"]
+    if new_positions == "random":
+        options.append("new positions drawn at random")
+    if src.mlm_head is None:
+        pooler = "its pooler kept" if src.has_pooler else "without a pooler (the source has none)"
+        options.append(f"no MLM head in the source: saved as the base model, {pooler}")
+    return options
 
 
 CLI_DESCRIPTION = (
@@ -567,7 +599,8 @@ CLI_DESCRIPTION = (
     "hf_xformers model (--target) that accepts --max-length tokens: every pretrained weight is kept, the position "
     "table is tiled to the new length and Longformer's global projections start as copies of the local ones. A "
     "source with an MLM head gives a masked-LM model; a source without one gives the base model (its pooler kept), "
-    "from which task heads load with new weights. The output folder gets the model, the tokenizer and a model card."
+    "from which task heads load with new weights (sequence classification and multiple choice start from the pooler, "
+    "as BERT's heads do). The output folder gets the model, the tokenizer and a model card."
 )
 
 

@@ -6,12 +6,17 @@ names its own class on the head mixin (``lm_head_class``, ``head_input_size``; `
 
 from __future__ import annotations
 
+import logging
+import re
+
 import torch
 from torch import nn
 from transformers.activations import gelu
 
 from ..ops.packing import PackedBatch
 from .pooling import classifier_pooling, pool_tokens
+
+logger = logging.getLogger(__name__)
 
 
 class HfxLMHead(nn.Module):
@@ -57,3 +62,26 @@ def classifier_dropout(config) -> float:
     """``config.classifier_dropout``, or ``config.hidden_dropout_prob`` when it is None (as RoBERTa's heads read it)."""
     dropout = getattr(config, "classifier_dropout", None)
     return config.hidden_dropout_prob if dropout is None else dropout
+
+
+def classifier_from_pooler(class_name: str, base_model_prefix: str, tensor_names: set[str]) -> dict[str, str]:
+    """The rename, for ``from_pretrained(key_mapping=...)``, that starts :class:`HfxClassificationHead`'s ``dense``
+    from a checkpoint's pooler: ``{pattern of pooler.dense.*: "classifier.dense."}`` when ``tensor_names`` hold a
+    pooler (``pooler.dense.weight``, bare or under ``base_model_prefix``) and no ``classifier.dense.weight``, else
+    ``{}``.
+
+    BERT's classifier is ``classifier(dropout(tanh(pooler.dense(h_cls))))``, ours
+    ``out_proj(dropout(tanh(dense(dropout(h_cls)))))``: with ``dense`` the pooler, the head is BERT's (the extra dropout
+    acts in training only), and a base model converted from BERT (``hfx-convert``, which keeps the pooler) classifies
+    as ``BertForSequenceClassification`` with the same ``out_proj`` (with ``classifier_pooling = "mean"`` the pooler
+    reads the tokens' mean instead: a trained start, not BERT's head). A checkpoint that stores a head keeps it.
+    """
+    prefix = f"{base_model_prefix}."
+    pooler = "pooler.dense.weight"
+    if "classifier.dense.weight" in tensor_names or not {pooler, prefix + pooler} & tensor_names:
+        return {}
+    logger.info(
+        "%s: classifier.dense starts from the checkpoint's pooler (pooler.dense), as BERT's classifier reads the "
+        "pooler; classifier.out_proj is new.", class_name,
+    )  # fmt: skip
+    return {rf"^(?:{re.escape(prefix)})?pooler\.dense\.": "classifier.dense."}

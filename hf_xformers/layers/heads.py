@@ -40,7 +40,7 @@ from .head_base import HfxHeadMixin, HfxLMHeadMixin
 
 # The names below moved to the modules of one idea each; they stay importable from here (`from ..layers.heads import
 # X`), the path the architectures and user code import them by.
-from .head_layers import HfxClassificationHead, HfxLMHead, classifier_dropout  # noqa: F401
+from .head_layers import HfxClassificationHead, HfxLMHead, classifier_dropout, classifier_from_pooler  # noqa: F401
 from .losses import (  # noqa: F401
     causal_lm_loss,
     check_class_labels,
@@ -167,6 +167,11 @@ class HfxSequenceClassificationHeadMixin(HfxLogitsHeadMixin):
         self._build_base_model(config)
         self.classifier = HfxClassificationHead(config, self.head_input_size(config))
         self.post_init()
+
+    @classmethod
+    def own_checkpoint_renames(cls, tensor_names: set[str]) -> dict[str, str]:
+        # A checkpoint with a pooler and no head (a converted BERT) starts `classifier.dense` from the pooler.
+        return classifier_from_pooler(cls.__name__, cls.base_model_prefix, tensor_names)
 
     def head_logits(self, out, attention_mask, documents) -> torch.Tensor:
         return self.classifier(out.last_hidden_state, attention_mask, documents_to_answer(documents))

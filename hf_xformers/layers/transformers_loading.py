@@ -55,7 +55,7 @@ class TransformersCheckpointMixin:
         ):
             source = _source_config(pretrained_model_name_or_path, kwargs)
         if source is None or not config_class.is_transformers_config(source):
-            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            return cls._from_own_checkpoint(pretrained_model_name_or_path, *model_args, **kwargs)
 
         model_type, where = source["model_type"], str(pretrained_model_name_or_path)
         try:
@@ -75,8 +75,10 @@ class TransformersCheckpointMixin:
                 f"by renaming: {error}"
             ) from error
 
-        # The caller's own key_mapping applies after ours (renames chain in order).
-        key_mapping = {**renames.key_mapping, **(kwargs.pop("key_mapping", None) or {})}
+        # The head's renames act on the translated names, the caller's own key_mapping after ours (renames chain in
+        # order).
+        head_renames = _head_renames(cls, names, renames.key_mapping)
+        key_mapping = {**renames.key_mapping, **head_renames, **(kwargs.pop("key_mapping", None) or {})}
         token = _RENAMES.set(renames)
         try:
             loaded = super().from_pretrained(
@@ -102,6 +104,34 @@ class TransformersCheckpointMixin:
         )  # fmt: skip
         return loaded
 
+    @classmethod
+    def own_checkpoint_renames(cls, tensor_names: set[str]) -> dict[str, str]:
+        """Renames for a checkpoint whose tensors are ``tensor_names`` (our names; a transformers checkpoint's once
+        translated), in the form of ``from_pretrained(key_mapping=...)``: none here; a head that starts a layer from
+        a tensor another class saved overrides it (the sequence-classification head: its ``classifier.dense`` from a
+        stored pooler)."""
+        return {}
+
+    @classmethod
+    def _from_own_checkpoint(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained`` of a checkpoint in our format, with :meth:`own_checkpoint_renames` of
+        its tensor names passed as ``key_mapping`` (transformers' own renaming hook) before the caller's."""
+        renames = {}
+        if pretrained_model_name_or_path is not None and _renames_tensors(cls):
+            renames = _head_renames(cls, _CheckpointWeights(pretrained_model_name_or_path, kwargs).names, {})
+        if not renames:
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        key_mapping = {**renames, **(kwargs.pop("key_mapping", None) or {})}
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, key_mapping=key_mapping, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        # transformers reverts the renames it used in save_pretrained; ours must not be (the model saves its own names,
+        # `classifier.dense`, not the tensor it started from), the caller's still are.
+        model._weight_conversions = [
+            conversion for conversion in getattr(model, "_weight_conversions", None) or []
+            if not set(conversion.source_patterns) <= set(renames)
+        ]  # fmt: skip
+        return loaded
+
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
         # transformers' hook that drops the missing / unexpected keys a model declares harmless; a transformers
         # checkpoint adds the tensors its conversion drops on purpose (saved buffers, a next-sentence head ...) and
@@ -119,6 +149,23 @@ class TransformersCheckpointMixin:
             filled = {name for target in renames.copies for name in (target, target.removeprefix(prefix))}
             kept = [key for key in loading_info.missing_keys if key not in filled]
             loading_info.missing_keys = type(loading_info.missing_keys)(kept)
+
+
+def _renames_tensors(cls) -> bool:
+    """Whether ``cls`` renames tensors as they load (:meth:`TransformersCheckpointMixin.own_checkpoint_renames`);
+    only such a class reads a checkpoint's tensor names (a safetensors header, a shard index)."""
+    return cls.own_checkpoint_renames.__func__ is not TransformersCheckpointMixin.own_checkpoint_renames.__func__
+
+
+def _head_renames(cls, names: set[str] | None, translation: dict[str, str]) -> dict[str, str]:
+    """``cls.own_checkpoint_renames`` of a checkpoint's tensor ``names`` once the ``translation`` renames (a
+    transformers checkpoint's, :class:`~hf_xformers.configs.transformers_checkpoints.WeightRenames`) have made them
+    ours; ``{}`` when the names are unknown or ``cls`` renames nothing."""
+    if names is None or not _renames_tensors(cls):
+        return {}
+    for pattern, target in translation.items():
+        names = {re.sub(pattern, target, name, count=1) for name in names}
+    return cls.own_checkpoint_renames(names)
 
 
 @torch.no_grad()

@@ -185,29 +185,18 @@ class HfxReformerConfig(TransformersCheckpointConfig, PreTrainedConfig):
                 f"attn_layers must be a non-empty list of {ATTENTION_TYPES} (one entry per layer), "
                 f"got {self.attn_layers!r}."
             )
-        for name in (
-            "hidden_size",
-            "num_attention_heads",
-            "attention_head_size",
-            "feed_forward_size",
-            "num_hashes",
-            "local_attn_chunk_length",
-            "lsh_attn_chunk_length",
-            "max_position_embeddings",
-            "vocab_size",
-        ):
-            if not is_int(getattr(self, name), 1):
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
-        for name in (
-            "local_num_chunks_before",
-            "local_num_chunks_after",
-            "lsh_num_chunks_before",
-            "lsh_num_chunks_after",
-            "chunk_size_lm_head",
-            "chunk_size_feed_forward",
-        ):
-            if not is_int(getattr(self, name), 0):
-                raise ValueError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}.")
+        positive = (
+            "hidden_size", "num_attention_heads", "attention_head_size", "feed_forward_size", "num_hashes",
+            "local_attn_chunk_length", "lsh_attn_chunk_length", "max_position_embeddings", "vocab_size",
+        )  # fmt: skip
+        non_negative = (
+            "local_num_chunks_before", "local_num_chunks_after", "lsh_num_chunks_before", "lsh_num_chunks_after",
+            "chunk_size_lm_head", "chunk_size_feed_forward",
+        )  # fmt: skip
+        for names, least, kind in ((positive, 1, "a positive"), (non_negative, 0, "a non-negative")):
+            for name in names:
+                if not is_int(getattr(self, name), least):
+                    raise ValueError(f"{name} must be {kind} integer, got {getattr(self, name)!r}.")
         if self.num_buckets is not None:
             factors = [self.num_buckets] if isinstance(self.num_buckets, int) else list(self.num_buckets)
             if not factors or len(factors) > 2 or any(not is_int(f, 2) or f % 2 for f in factors):

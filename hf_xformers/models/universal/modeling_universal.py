@@ -155,6 +155,25 @@ def _add_ponder(loss: torch.Tensor | None, ponder: torch.Tensor | None) -> torch
     return loss + ponder if loss is not None and ponder is not None else loss
 
 
+def _seq2seq_output(
+    loss: torch.Tensor | None,
+    logits: torch.Tensor,
+    ponder: torch.Tensor | None,
+    decoded: HfxUniversalModelOutput,
+    encoded: HfxUniversalModelOutput,
+) -> HfxUniversalSeq2SeqLMOutput:
+    """The encoder-decoder's output: ``loss`` (ponder loss included) and ``logits`` ``(batch, tgt_len, vocab)``, the
+    decoder's cache, states, attentions and ponder steps (``decoded``) and the encoder's (``encoded``)."""
+    # The output's fields are the two halves' own under a `decoder_` / `encoder_` prefix.
+    halves = {f"decoder_{name}": getattr(decoded, name) for name in ("hidden_states", "attentions", "ponder_steps")}
+    for name in ("last_hidden_state", "hidden_states", "attentions", "ponder_steps"):
+        halves[f"encoder_{name}"] = getattr(encoded, name)
+    return HfxUniversalSeq2SeqLMOutput(
+        loss=loss, logits=logits, cross_attentions=decoded.cross_attentions, ponder_loss=ponder, **halves,
+        **{CACHE_NAME: output_cache(decoded)},
+    )  # fmt: skip
+
+
 # ----- building blocks -------------------------------------------------------------------------------------------
 
 
@@ -537,11 +556,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
 
-        batch, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
-        # Sinusoidal positions have no table, but a negative one is no position of any token.
-        table = self.config.max_position_embeddings if self.config.position_embedding_type == "absolute" else None
-        check_position_ids(position_ids, (batch, length), 0, table)
-        device = input_ids.device if input_ids is not None else inputs_embeds.device
+        batch, length, device = self._shape_checking_positions(input_ids, inputs_embeds, position_ids)
         # "Is anything padded?" is decided here, once per forward (one host read in eager mode): below, None means no
         # padding, and the attention gets no mask (or is_causal) so that SDPA can use its fused kernels.
         key_mask = unpadded_to_none(attention_mask.bool()) if attention_mask is not None else None
@@ -562,6 +577,16 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             document_ids=groups,
         )  # fmt: skip
         return self._finish(self._model_output(out, real_mask, packed, past_key_values), return_dict)
+
+    def _shape_checking_positions(
+        self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> tuple[int, int, torch.device]:
+        """``(batch, seq_len, device)`` of the inputs, once ``position_ids`` are checked against the position table."""
+        batch, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
+        # Sinusoidal positions have no table, but a negative one is no position of any token.
+        table = self.config.max_position_embeddings if self.config.position_embedding_type == "absolute" else None
+        check_position_ids(position_ids, (batch, length), 0, table)
+        return batch, length, input_ids.device if input_ids is not None else inputs_embeds.device
 
     def _real_and_positions(
         self,
@@ -924,20 +949,7 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, 
         logits = self.lm_head(out.last_hidden_state)
         ponder = self._ponder_loss(out, encoder_outputs, labels if decoder_attention_mask is None else None)
         loss = token_cross_entropy(logits, labels, num_items_in_batch) if labels is not None else None
-        result = HfxUniversalSeq2SeqLMOutput(
-            loss=_add_ponder(loss, ponder),
-            logits=logits,
-            decoder_hidden_states=out.hidden_states,
-            decoder_attentions=out.attentions,
-            cross_attentions=out.cross_attentions,
-            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
-            encoder_hidden_states=encoder_outputs.hidden_states,
-            encoder_attentions=encoder_outputs.attentions,
-            ponder_loss=ponder,
-            encoder_ponder_steps=encoder_outputs.ponder_steps,
-            decoder_ponder_steps=out.ponder_steps,
-            **{CACHE_NAME: output_cache(out)},
-        )
+        result = _seq2seq_output(_add_ponder(loss, ponder), logits, ponder, out, encoder_outputs)
         return self._finish(result, return_dict)
 
     def _refuse_packing(self, position_ids: torch.Tensor | None, packing: PackedBatchKwargs) -> None:
