@@ -200,8 +200,8 @@ class DataCollatorForPackedDocuments:
         if not (self.return_seq_idx or self.return_flash_attn_kwargs):
             raise ValueError(
                 "DataCollatorForPackedDocuments sends explicit document boundaries: keep return_flash_attn_kwargs=True "
-                "(cu_seq_lens_q/k + max_length_q/k, the default) or set return_seq_idx=True; restarting position_ids "
-                "alone leave a compiled model to guess the documents, and cost a GPU a host read per step."
+                "(cu_seq_lens_q/k + max_length_q/k, the default) or set return_seq_idx=True; position_ids never mark "
+                "documents (restarting positions alone make one sequence whose documents see each other)."
             )
         if self.return_position_ids and self.position_ids_start is None:
             raise ValueError(

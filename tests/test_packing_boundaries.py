@@ -171,7 +171,9 @@ def test_inputs_embeds_match_input_ids_with_holes_in_the_mask(name):
     positions = torch.arange(16)[None].expand(3, -1) + model.embeddings.position_offset
     with torch.no_grad():
         from_ids = model(input_ids=ids, attention_mask=mask, position_ids=positions)[0]
-        from_embeds = model(inputs_embeds=model.get_input_embeddings()(ids), attention_mask=mask, position_ids=positions)[0]
+        from_embeds = model(
+            inputs_embeds=model.get_input_embeddings()(ids), attention_mask=mask, position_ids=positions
+        )[0]
     torch.testing.assert_close(from_embeds, from_ids)
 
 

@@ -47,6 +47,7 @@ from .losses import (  # noqa: F401
     check_sequence_labels,
     multiple_choice_loss,
     next_token_labels,
+    problem_type,
     sequence_classification_loss,
     span_loss,
     token_cross_entropy,
@@ -179,7 +180,10 @@ class HfxSequenceClassificationHeadMixin(HfxLogitsHeadMixin):
         return self.classifier(out.last_hidden_state, attention_mask, documents)
 
     def head_loss(self, logits, labels, documents) -> torch.Tensor:
-        given = labels.shape[0] if labels.dim() else 1
+        # One label per sequence (a multi-hot row each for multi-label): a default collator stacks a pre-packed
+        # row's per-document labels into (1, num_documents), which must count as that many labels.
+        multi_label = problem_type(self.config, labels) == "multi_label_classification"
+        given = labels.shape[0] if multi_label and labels.dim() else labels.numel()
         if documents is None:
             check_row_count("labels", given, logits.shape[0])
         else:
