@@ -434,9 +434,11 @@ def _packed_from_runs(
 
 def understated_longest(longest: int) -> str:
     """The message of the graph assertions that fail where ``max_length_q/k`` (``longest``) understate a document
-    (:meth:`PackedBatch.assert_within`, and the varlen kernel's layout)."""
+    (:meth:`PackedBatch.assert_within`, and the varlen kernel's layout); a traced graph's message does not hold the
+    value, which may be symbolic there."""
+    said = "" if is_tracing() else f" ({longest})"
     return (
-        f"`max_length_q/k` ({longest}) understate the longest document of this packed batch; pass the collator's "
+        f"`max_length_q/k`{said} understate the longest document of this packed batch; pass the collator's "
         "values unchanged (DataCollatorWithFlattening(return_flash_attn_kwargs=True)), or leave them out."
     )
 
