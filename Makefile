@@ -34,7 +34,7 @@ PYTEST := -m pytest -q -n $(PYTEST_WORKERS)
 TORCH_INDEX ?=
 TORCH_INSTALL := torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: demo test fuzz lint docs bench install test-compat test-newest test-lowest test-wheel gpu-check
+.PHONY: demo test fuzz mutation-check lint docs bench install test-compat test-newest test-lowest test-wheel gpu-check
 
 install: $(VENV)/.installed
 
@@ -63,6 +63,11 @@ FUZZ_EXAMPLES ?= 800
 fuzz: $(VENV)/.installed
 	HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:xdist --hypothesis-show-statistics \
 		tests/test_packing_fuzz.py
+
+# Does make test's profile of the generative test catch the bugs it guards? Known bugs applied one at a time to a copy
+# of the package (scripts/mutation_check.py, about a minute each on two cores); every mutant must fail the test.
+mutation-check: $(VENV)/.installed
+	$(PY) scripts/mutation_check.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

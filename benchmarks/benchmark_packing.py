@@ -14,7 +14,7 @@ random token ids, a fixed 15 % of the positions of each document masked for mask
   ``transformers.DataCollatorWithFlattening`` with ``position_ids_start`` = the model's first position id (RoBERTa
   style, Longformer and Performer: ``pad_token_id + 1``; BigBird, Reformer, Universal: 0), the boundaries passed as
   ``cu_seq_lens_q/k`` + ``max_length_q/k`` (what ``DataCollatorForPackedDocuments`` sends: no host reads on a GPU;
-  or ``position_ids`` / ``seq_idx``: ``--packed-form``).
+  or ``seq_idx``: ``--packed-form``; restarting positions alone mark no documents).
 
 A step is forward + backward + ``AdamW`` step of the masked-LM head (``--dtype bfloat16``: autocast, as
 ``Trainer(bf16=True)``). One timed repeat is one pass over all ``--num-batches`` batches; throughput is real
@@ -805,7 +805,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=8192, help="longest document")
     p.add_argument("--pad-multiple", type=int, default=512, help="padded batches are padded to a multiple of this")
     p.add_argument("--mega-batch-mult", type=int, default=50, help="group_by_length: batches per sorted mega-batch")
-    p.add_argument("--packed-form", choices=["position_ids", "seq_idx", "cu_seq_lens"], default="cu_seq_lens")
+    p.add_argument("--packed-form", choices=["seq_idx", "cu_seq_lens"], default="cu_seq_lens")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="torch threads on the CPU")

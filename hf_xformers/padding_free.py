@@ -1,9 +1,9 @@
 """Padding-free (packed) batches for training: a collator for every task head, and rows of a token budget.
 
 transformers' :class:`~transformers.DataCollatorWithFlattening` concatenates a batch of documents into one row
-``(1, total_tokens)`` with no padding, and marks where each document starts (restarting ``position_ids``, ``seq_idx``
-or ``cu_seq_lens_q/k``; :mod:`hf_xformers.ops.packing`). Every hf_xformers text model attends within the documents of
-such a row, and its heads answer per document: sequence classification ``(num_documents, num_labels)``, multiple
+``(1, total_tokens)`` with no padding, and marks where each document starts (``seq_idx`` or ``cu_seq_lens_q/k``; its
+restarting ``position_ids`` are positions only, :mod:`hf_xformers.ops.packing`). Every hf_xformers text model attends
+within the documents of such a row, and its heads answer per document: sequence classification ``(num_documents, num_labels)``, multiple
 choice ``(num_examples, num_choices)``, extractive QA ``(num_documents, longest_document)`` start / end logits; the
 token heads (masked LM, causal LM, token classification) keep the row, ``(1, total_tokens, ...)``.
 
@@ -151,17 +151,16 @@ class DataCollatorForPackedDocuments:
     ``position_ids_start`` (``return_position_ids``; use :func:`position_ids_start_for`, or
     :meth:`for_model`), ``seq_idx`` ``(1, total_tokens)`` int32 (``return_seq_idx``), ``cu_seq_lens_q/k``
     ``(num_documents + 1,)`` int32 and ``max_length_q/k`` (ints; ``return_flash_attn_kwargs``, the default).
-    Explicit boundaries always travel: ``cu_seq_lens`` give the model the number of documents by their shape and
-    ``max_length`` the longest as an int, so a training step on a GPU reads nothing back from the device, and a
-    compiled model never has to guess documents from positions.
+    Explicit boundaries always travel (positions never mark documents): ``cu_seq_lens`` give the model the number of
+    documents by their shape and ``max_length`` the longest as an int, so a training step on a GPU reads nothing back
+    from the device, also compiled.
 
     Args:
         position_ids_start: the first position of every document (required with ``return_position_ids``).
         return_position_ids: return restarting ``position_ids``.
         return_seq_idx: return ``seq_idx``.
         return_flash_attn_kwargs: return ``cu_seq_lens_q/k`` and ``max_length_q/k``. At least one of
-            ``return_seq_idx`` and ``return_flash_attn_kwargs`` must be set (positions alone are guesswork for a
-            compiled model).
+            ``return_seq_idx`` and ``return_flash_attn_kwargs`` must be set (positions alone mark no documents).
         causal_lm: per-token labels for a causal LM, exactly as transformers' collator makes them: the input ids
             when the features carry no labels, and ``separator_id`` over each document's first label (the model
             shifts labels, so that label would be scored as the next token of the document before it). Otherwise
@@ -200,8 +199,8 @@ class DataCollatorForPackedDocuments:
         if not (self.return_seq_idx or self.return_flash_attn_kwargs):
             raise ValueError(
                 "DataCollatorForPackedDocuments sends explicit document boundaries: keep return_flash_attn_kwargs=True "
-                "(cu_seq_lens_q/k + max_length_q/k, the default) or set return_seq_idx=True; restarting position_ids "
-                "alone leave a compiled model to guess the documents, and cost a GPU a host read per step."
+                "(cu_seq_lens_q/k + max_length_q/k, the default) or set return_seq_idx=True; position_ids never mark "
+                "documents (restarting positions alone make one sequence whose documents see each other)."
             )
         if self.return_position_ids and self.position_ids_start is None:
             raise ValueError(

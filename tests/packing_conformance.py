@@ -10,13 +10,15 @@ import torch
 import torch.nn.functional as F
 from transformers import DataCollatorWithFlattening
 
-# The collator's three ways of marking where documents start.
+# The collator's forms: restarting positions alone (its default), and its two ways of marking where documents start.
 PACKING_FORMS = {
-    "position_ids": dict(),  # restarting positions alone: the model infers the boundaries
+    "position_ids": dict(),  # positions only: an ordinary row of one sequence (tests/test_packing_boundaries.py)
     "seq_idx": dict(return_seq_idx=True),
     "cu_seq_lens": dict(return_flash_attn_kwargs=True),
 }
-PACKING_FORM_PARAMS = [pytest.param(form, id=form) for form in PACKING_FORMS]
+# The forms that mark documents.
+MARKING_FORMS = ("seq_idx", "cu_seq_lens")
+PACKING_FORM_PARAMS = [pytest.param(form, id=form) for form in MARKING_FORMS]
 
 
 def _document(length: int, seed: int, vocab: int) -> torch.Tensor:
@@ -189,7 +191,7 @@ class PackingConformance:
             if auto_name == "AutoModelForMultipleChoice":
                 continue
             model = self.make_model(auto_name, **self.packing_config)
-            for form in PACKING_FORMS:
+            for form in MARKING_FORMS:
                 with pytest.raises(ValueError, match=self.packing_refusal):
                     model(**self.pack(model, documents, form))
 
@@ -316,23 +318,20 @@ class PackingConformance:
             with pytest.raises(ValueError, match="6 .*documents"):
                 mc(**six, labels=torch.tensor([0, 1, 0, 1], device=self.device))
 
-    def test_compiled_position_packed_row_keeps_documents_apart(self):
-        """Under ``torch.compile`` a row marked by restarting ``position_ids`` alone (the collator's default) is
-        still read as documents: each gets what its own forward gives, as in eager mode."""
+    def test_compiled_position_row_is_one_sequence(self):
+        """Under ``torch.compile`` a row of restarting ``position_ids`` alone (the collator's default) is one sequence,
+        as in eager mode: positions never mark documents, compiled or not."""
         if self.packing_refusal is not None:
             pytest.skip("packing refused")
         auto_name = "AutoModelForMaskedLM" if "AutoModelForMaskedLM" in self.heads else "AutoModel"
         model = self.make_model(auto_name, **self.packing_config)
-        documents = self.packing_documents()
-        batch = self.pack(model, documents, "position_ids")
+        batch = self.pack(model, self.packing_documents(), "position_ids")
         torch._dynamo.reset()
         with torch.no_grad():
             out = torch.compile(model, fullgraph=True, dynamic=False)(**batch)
-            solos = [self.solo(model, d) for d in documents]
-        values = out.logits if auto_name != "AutoModel" else out.last_hidden_state
-        for span, solo in zip(self._spans(), solos):
-            expected = solo.logits if auto_name != "AutoModel" else solo.last_hidden_state
-            torch.testing.assert_close(values[0, span], expected[0], atol=self.atol, rtol=0)
+            eager = model(**batch)
+        field = "logits" if auto_name != "AutoModel" else "last_hidden_state"
+        torch.testing.assert_close(getattr(out, field), getattr(eager, field), atol=self.atol, rtol=0)
 
     def test_compiled_packed_training_is_exact_and_does_not_recompile(self):
         """``torch.compile(fullgraph=True, dynamic=True)`` trains packed rows (``cu_seq_lens`` form): the loss and

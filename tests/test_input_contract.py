@@ -55,7 +55,8 @@ def test_longformer_packed_embeddings_match_each_document_alone():
     with torch.no_grad():
         alone = torch.cat([model(inputs_embeds=embed(d)).logits for d in docs])
         positions = torch.cat([torch.arange(2, 2 + d.shape[1]) for d in docs])[None]
-        packed = model(inputs_embeds=embed(torch.cat(docs, 1)), position_ids=positions).logits
+        seq_idx = torch.cat([torch.full((d.shape[1],), i) for i, d in enumerate(docs)])[None]
+        packed = model(inputs_embeds=embed(torch.cat(docs, 1)), position_ids=positions, seq_idx=seq_idx).logits
         from_ids = torch.cat([model(input_ids=d).logits for d in docs])
     torch.testing.assert_close(alone, from_ids, rtol=0, atol=1e-6)
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)

@@ -26,15 +26,19 @@ MODEL_CLASSES = [
 def test_forward_signature_is_explicit(model_type, auto_name, cls):
     """Trainer keeps only the dataset columns named in forward's signature, and pipelines / generate look up
     ``main_input_name`` there: ``*args`` / ``**kwargs`` hide the inputs. The one exception is the packed batch's
-    keywords, ``**kwargs: Unpack[PackedBatchKwargs]`` (transformers' own models take them the same way), which the
-    collator adds after Trainer has chosen the columns."""
+    keywords in FlashAttention's form, ``**kwargs: Unpack[CuSeqLensKwargs]`` (transformers' own models take them the
+    same way), which the collator adds after Trainer has chosen the columns; ``seq_idx`` is named, so that Trainer
+    keeps a pre-packed dataset's column (issue 51)."""
     params = inspect.signature(cls.forward).parameters
     hidden = [
         name
         for name, p in params.items()
-        if p.kind is p.VAR_POSITIONAL or (p.kind is p.VAR_KEYWORD and "PackedBatchKwargs" not in str(p.annotation))
-    ]
+        if p.kind is p.VAR_POSITIONAL or (p.kind is p.VAR_KEYWORD and "PackedBatchKwargs" not in str(p.annotation)
+                                           and "CuSeqLensKwargs" not in str(p.annotation))
+    ]  # fmt: skip
     assert not hidden, f"{cls.__name__}.forward takes {hidden}"
+    if model_type != "hfx-swin" and auto_name != "AutoModelForSeq2SeqLM":  # the seq2seq model refuses packed batches
+        assert params["seq_idx"].kind is inspect.Parameter.KEYWORD_ONLY, f"{cls.__name__}.forward does not name seq_idx"
     assert cls.main_input_name in params
 
 
@@ -78,7 +82,7 @@ def test_causal_lm_loss_keywords(name):
 
 @pytest.mark.parametrize("name", ["longformer", "performer", "reformer", "transfo_xl", "universal"])
 def test_misspelt_packing_keyword_is_refused(name):
-    """``**kwargs`` take the packed batch's keywords only (``PackedBatchKwargs``): any other name is a TypeError that
+    """``**kwargs`` take the packed batch's keywords only (``CuSeqLensKwargs``): any other name is a TypeError that
     names it, as Python's own for a forward without ``**kwargs``, not silently ignored; the right names pass."""
     if name == "longformer":
         config = hf_xformers.HfxLongformerConfig(**_TINY, attention_window=4)

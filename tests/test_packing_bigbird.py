@@ -42,8 +42,8 @@ TINY = dict(
 # blocks (25 to 28 tokens) the dense pattern path (`dense_is_cheaper`), longer ones the block-sparse path with random
 # blocks; 45, 27, 13, 6 and 1 are no multiple of the block size.
 LENGTHS = (13, 27, 45, 1, 70, 6, 32)
+# The collator's forms that mark documents (position_ids alone are positions: tests/test_packing_boundaries.py).
 FORMS = {
-    "position_ids": dict(),
     "seq_idx": dict(return_seq_idx=True),
     "cu_seq_lens": dict(return_flash_attn_kwargs=True),
 }
@@ -135,7 +135,7 @@ def test_packed_documents_match_their_own_forwards(implementation, layout, form,
     torch.testing.assert_close(packed.pooler_output, solo_pooled, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("form", ["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("form", ["seq_idx", "cu_seq_lens"])
 def test_packed_documents_under_flex_attention(form, flex_calls, monkeypatch):
     """FlexAttention's eager form (quick for tiny inputs) on the block-aligned layout."""
     monkeypatch.setattr(switch, "FLEX_COMPILE", False)
@@ -267,7 +267,7 @@ def test_packed_original_full(implementation):
     model.set_attn_implementation(implementation)
     docs = documents()
     with torch.no_grad():
-        assert_documents_match(model(**pack(docs, "position_ids")).last_hidden_state, model, docs)
+        assert_documents_match(model(**pack(docs, "cu_seq_lens")).last_hidden_state, model, docs)
 
 
 def test_attention_alone_plans_its_documents():

@@ -47,7 +47,7 @@ TINY = dict(
 # (10, 23, 7): the brief's three documents; (3, 41, 2, 12): documents shorter than a window and one of many windows;
 # (5, 6): a row short enough for the dense path of the first layer (one block's key span, 12 tokens).
 LENGTHS = [(10, 23, 7), (3, 41, 2, 12), (5, 6)]
-FORMS = ["position_ids", "seq_idx", "cu_seq_lens"]
+FORMS = ["seq_idx", "cu_seq_lens"]  # the forms that mark documents
 
 
 @pytest.fixture
@@ -84,9 +84,8 @@ def global_masks(docs) -> list[torch.Tensor]:
 
 
 def packed(docs, form: str) -> dict:
-    """The collator's row in one of its three forms (the boundaries only there: no position ids with the others)."""
+    """The collator's row in one of the forms that mark documents (the boundaries only there: no position ids)."""
     options = {
-        "position_ids": dict(),
         "seq_idx": dict(return_seq_idx=True, return_position_ids=False),
         "cu_seq_lens": dict(return_flash_attn_kwargs=True, return_position_ids=False),
     }[form]
@@ -174,7 +173,7 @@ def test_packed_attention_maps_are_each_documents_own(use_globals):
     model = build()
     docs = documents((10, 23, 3, 7), seed=3)
     globs = global_masks(docs) if use_globals else [torch.zeros(len(d), dtype=torch.bool) for d in docs]
-    inputs = packed(docs, "position_ids")
+    inputs = packed(docs, "seq_idx")
     if use_globals:
         inputs["global_attention_mask"] = torch.cat(globs)[None]
     with torch.no_grad():
@@ -461,7 +460,7 @@ def test_model_lays_out_packed_global_tokens_once_per_forward(monkeypatch):
     (windows 8 and 4 here), and hands it to every layer: no layer computes it again."""
     model = build()
     docs, globs = many_documents(count=6, seed=8)
-    inputs = packed(docs, "position_ids")
+    inputs = packed(docs, "seq_idx")
     calls, original = [], sliding_window_layout.packed_globals_of
 
     def counted(document_ids, global_slots, query_blocks, sizes=None):

@@ -43,7 +43,7 @@ TINY = dict(
 # (10, 23, 7): short documents inside one causal chunk (64) and across its first boundary; 150: a document that
 # holds a whole chunk and runs over two boundaries; 5 and 1: a short one after it and a single token.
 LENGTHS = (10, 23, 7, 150, 5, 1)
-FORMS = ["position_ids", "seq_idx", "cu_seq_lens"]
+FORMS = ["seq_idx", "cu_seq_lens"]  # the forms that mark documents
 # How a packed row runs: each document on its own (the CPU in eager mode: FavorDocuments.spans), or the segmented sums
 # over the whole row (accelerators and traced graphs), which a CPU test reaches as if on an accelerator.
 LAYOUTS = {"per_document": contextlib.nullcontext, "segmented": as_if_on_accelerator}
@@ -65,10 +65,9 @@ def documents(lengths=LENGTHS, seed: int = 0) -> list[list[int]]:
 
 
 def pack(docs: list[list[int]], form: str) -> dict:
-    """The collator's batch in one of its three forms (seq_idx and cu_seq_lens without position ids, so that the
-    model builds the restarting positions itself)."""
+    """The collator's batch in one of the forms that mark documents, without position ids, so that the model builds
+    the restarting positions itself."""
     options = {
-        "position_ids": dict(),
         "seq_idx": dict(return_seq_idx=True, return_position_ids=False),
         "cu_seq_lens": dict(return_flash_attn_kwargs=True, return_position_ids=False),
     }[form]

@@ -38,8 +38,8 @@ TINY = dict(
 )  # fmt: skip
 # Shorter than a local chunk, between the chunks, one LSH chunk exactly, longer than several; no multiple of 8 but one.
 LENGTHS = (10, 23, 3, 1, 8, 13, 6)
+# The collator's forms that mark documents (position_ids alone are positions: tests/test_packing_boundaries.py).
 FORMS = {
-    "position_ids": dict(),
     "seq_idx": dict(return_seq_idx=True),
     "cu_seq_lens": dict(return_flash_attn_kwargs=True),
 }
@@ -65,11 +65,11 @@ def documents(lengths=LENGTHS, seed: int = 0) -> list[torch.Tensor]:
 
 
 def pack(docs: list[torch.Tensor], form: str, keep_positions: bool = False) -> dict:
-    """The collator's packed row (positions from 0, Reformer's first position); in the seq_idx and cu_seq_lens forms
-    the positions are dropped unless ``keep_positions``, so that those forms alone mark the documents."""
+    """The collator's packed row (positions from 0, Reformer's first position); the positions are dropped unless
+    ``keep_positions``, so that the boundaries alone place the documents."""
     batch = DataCollatorWithFlattening(position_ids_start=0, **FORMS[form])([{"input_ids": d.tolist()} for d in docs])
     batch.pop("labels")
-    if form != "position_ids" and not keep_positions:
+    if not keep_positions:
         batch.pop("position_ids")
     return batch
 
@@ -211,7 +211,7 @@ def test_packed_flex_attention_matches_solo(num_hashes):
     docs = documents()
     model.set_attn_implementation("flex_attention")
     with torch.no_grad():
-        packed = model(**pack(docs, "position_ids")).last_hidden_state
+        packed = model(**pack(docs, "cu_seq_lens")).last_hidden_state
         model.set_attn_implementation("sdpa")
         for span, doc in zip(spans(docs), docs):
             torch.testing.assert_close(packed[0, span], model(doc[None]).last_hidden_state[0], atol=ATOL, rtol=0)
@@ -336,9 +336,9 @@ def test_layout_costs_the_tokens_plus_less_than_a_chunk_multiple_per_document():
 
 
 def test_layout_of_an_unknown_number_of_documents_names_cu_seq_lens():
-    """A traced graph given only restarting positions cannot know how many documents there are (eager mode reads it):
-    the layout, whose length depends on it, refuses with the fix."""
-    packed = resolve_packed_batch((1, 12), torch.device("cpu"), position_ids=torch.tensor([[0, 1, 2, 0, 1] + [0] * 7]))
+    """A traced graph given only ``seq_idx`` cannot know how many documents there are (eager mode reads it): the
+    layout, whose length depends on it, refuses with the fix."""
+    packed = resolve_packed_batch((1, 12), torch.device("cpu"), seq_idx=torch.tensor([[0, 0, 0, 1, 1] + [2] * 7]))
     unknown = dataclasses.replace(packed, count=None)
     with pytest.raises(ValueError, match="cu_seq_lens_q/k"):
         lay_out_documents(unknown, 8, 4)

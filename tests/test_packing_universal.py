@@ -35,7 +35,8 @@ from .test_transfo_xl import tiny as tiny_transfo_xl
 ATOL = 1e-5
 # A row longer than max_position_embeddings (25 > 16), each document within it; a one-token document too.
 LENGTHS = (9, 3, 12, 1)
-FORMS = ("position_ids", "seq_idx", "cu_seq_lens", "all")
+# The collator's forms that mark documents (position_ids alone are positions: tests/test_packing_boundaries.py).
+FORMS = ("seq_idx", "cu_seq_lens", "all")
 VARIANTS = {
     "act-ffn": dict(use_act=True),
     "fixed-sepconv": dict(use_act=False, transition="sepconv"),
@@ -70,7 +71,6 @@ def documents(lengths=LENGTHS, seed: int = 0) -> list[torch.Tensor]:
 def collate(docs: list[torch.Tensor], form: str) -> tuple[dict, torch.Tensor]:
     """The packed row in one of the collator's forms: ``(model inputs, labels)``."""
     options = {
-        "position_ids": {},
         "seq_idx": dict(return_position_ids=False, return_seq_idx=True),
         "cu_seq_lens": dict(return_position_ids=False, return_flash_attn_kwargs=True),
         "all": dict(return_seq_idx=True, return_flash_attn_kwargs=True),
@@ -212,7 +212,7 @@ def test_causal_lm_packed_documents_match_solo_forwards(form, variant, mode):
         solos = [model(input_ids=d[None], labels=d[None]) for d in docs]
     for span, solo in zip(spans(), solos):
         torch.testing.assert_close(logits[0, span], solo.logits[0], atol=ATOL, rtol=0)
-    if form != "position_ids":
+    if form != "all":
         return
     # The head itself: the collator's labels (-100 at every document's first token) give the next-token loss of
     # each document, averaged over all scored tokens, plus the ponder loss over all tokens.
@@ -230,7 +230,7 @@ def test_causal_lm_refuses_a_packed_batch_with_a_cache():
     batch, _ = collate(documents(), "seq_idx")
     with pytest.raises(ValueError, match="packed .*use_cache=False"):
         model.universal(**batch, use_cache=True)
-    batch, _ = collate(documents(), "position_ids")
+    batch, _ = collate(documents(), "cu_seq_lens")
     with pytest.raises(ValueError, match="cannot take a packed"):
         model(**batch, use_cache=True)
 

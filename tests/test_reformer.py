@@ -131,21 +131,6 @@ class TestReformerConformance(TextModelConformance):
         self.packing_config = {**self.packing_config, "hash_seed": 5}
         super().test_compiled_packed_training_is_exact_and_does_not_recompile()
 
-    def test_compiled_position_packed_row_keeps_documents_apart(self):
-        """Reformer lays documents out in an internal row whose length depends on their number, which a traced graph
-        cannot read from restarting ``position_ids``: a compiled model refuses such a row, naming the boundaries that
-        say it (``cu_seq_lens_q/k``, the number of documents by their shape, with which the compiled packed training
-        test runs), instead of mixing the documents."""
-        model = self.make_model("AutoModelForMaskedLM", **self.packing_config)
-        torch._dynamo.reset()
-        compiled = torch.compile(model, fullgraph=True, dynamic=False)
-        # dynamo reports the ValueError raised inside the graph as an Unsupported error that carries its text
-        with (
-            torch.no_grad(),
-            pytest.raises((ValueError, torch._dynamo.exc.Unsupported), match="pass `cu_seq_lens_q/k`"),
-        ):
-            compiled(**self.pack(model, self.packing_documents(), "position_ids"))
-
 
 # ----- parity with transformers --------------------------------------------------------------------------------
 

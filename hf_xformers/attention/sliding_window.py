@@ -72,6 +72,8 @@ def varlen_boundaries(packed: PackedBatch, device: torch.device) -> tuple[torch.
     longest = packed.longest
     if longest is None and reads_values(packed.cu_seq_lens):
         longest = packed.longest_document()
+    elif longest is not None:
+        packed.assert_within(longest)  # the kernel sizes its work by it: an understated one would drop queries
     return None if longest is None else (packed.cu_seq_lens, longest)
 
 

@@ -36,29 +36,27 @@ class HfxHeadMixin:
         setattr(self, self.base_model_prefix, self.base_model_class(config, add_pooling_layer=add_pooling_layer))
 
     def _packed_batch(
-        self, input_ids, inputs_embeds, position_ids, attention_mask, packing: PackedBatchKwargs, cached: bool = False
+        self, input_ids, inputs_embeds, position_ids, attention_mask, packing: PackedBatchKwargs
     ) -> PackedBatch | None:
         """The documents of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatch`), worked out once here from
-        whichever of the collator's forms arrived (``position_ids``, or ``packing``: the forward's checked
+        whichever of the collator's forms arrived (``packing``: the forward's checked
         :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) and handed to the base model as ``packed_batch``, or None
-        for an ordinary batch. ``cached``: the call continues a cache, whose positions are never read as boundaries
-        while tracing (a compiled decoding step)."""
+        for an ordinary batch (``position_ids`` never mark documents)."""
         ref = input_ids if input_ids is not None else inputs_embeds
         if ref is None or ref.dim() < 2:
             return None
         return resolve_packed_batch(
-            tuple(ref.shape[:2]), ref.device, position_ids, attention_mask=attention_mask,
-            positions_while_tracing=not cached, **packing,
-        )  # fmt: skip
+            tuple(ref.shape[:2]), ref.device, position_ids, attention_mask=attention_mask, **packing
+        )
 
     def _encode_batch(
         self, input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
-        output_attentions, output_hidden_states, kwargs: dict,
+        output_attentions, output_hidden_states, kwargs: dict, seq_idx=None,
     ) -> tuple[PackedBatch | None, ModelOutput]:  # fmt: skip
-        """``(documents, out)``: the packed batch resolved once (:meth:`_packed_batch` from the forward's ``kwargs``,
-        checked to be :class:`~hf_xformers.ops.packing.PackedBatchKwargs`; None for an ordinary batch) and the base
-        model's output on it (:meth:`_encode`), what a token-sequence head's ``forward`` starts with."""
-        packing = packing_kwargs(self, kwargs)
+        """``(documents, out)``: the packed batch resolved once (:meth:`_packed_batch` from the forward's ``seq_idx``
+        and ``kwargs``, checked to be :class:`~hf_xformers.ops.packing.CuSeqLensKwargs`; None for an ordinary batch)
+        and the base model's output on it (:meth:`_encode`), what a token-sequence head's ``forward`` starts with."""
+        packing = packing_kwargs(self, kwargs, seq_idx)
         documents = self._packed_batch(input_ids, inputs_embeds, position_ids, attention_mask, packing)
         out = self._encode(
             input_ids, attention_mask, global_attention_mask, output_attentions, output_hidden_states, documents,

@@ -34,7 +34,7 @@ from transformers.utils import ModelOutput
 from typing_extensions import Unpack
 
 from ..ops.compat import CACHE_NAME, output_cache, resolve_cache_argument
-from ..ops.packing import PackedBatch, PackedBatchKwargs, documents_to_answer, packing_kwargs
+from ..ops.packing import CuSeqLensKwargs, PackedBatch, packing_kwargs
 from .generation import HfxGenerationMixin
 from .head_base import HfxHeadMixin, HfxLMHeadMixin
 
@@ -47,13 +47,16 @@ from .losses import (  # noqa: F401
     check_sequence_labels,
     multiple_choice_loss,
     next_token_labels,
+    problem_type,
     sequence_classification_loss,
     span_loss,
     token_cross_entropy,
 )
 from .pooling import (  # noqa: F401
     CLASSIFIER_POOLINGS,
+    UNMARKED_DOCUMENTS_FIX,
     check_document_count,
+    check_row_count,
     classifier_pooling,
     pool_documents,
     pool_tokens,
@@ -93,7 +96,9 @@ class HfxLogitsHeadMixin(HfxHeadMixin):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        **kwargs: Unpack[PackedBatchKwargs],
+        *,
+        seq_idx: torch.Tensor | None = None,
+        **kwargs: Unpack[CuSeqLensKwargs],
     ) -> ModelOutput | tuple:
         """Score a batch (or a packed batch of documents): ``logits``, and the loss when ``labels`` are given.
 
@@ -105,7 +110,7 @@ class HfxLogitsHeadMixin(HfxHeadMixin):
                 classification, none for the token-level tasks).
             token_type_ids: ``(batch, seq_len)`` segment ids.
             position_ids: ``(batch, seq_len)`` positions (None: counted from the model's first position); positions
-                that restart mark the documents of a packed batch.
+                only, they never mark documents.
             inputs_embeds: ``(batch, seq_len, hidden)``, instead of ``input_ids``.
             labels: masked LM and token classification: ``(batch, seq_len)`` ids or classes, -100 where no loss is
                 wanted; sequence classification: ``(batch,)`` class ids (``problem_type`` single-label), floats
@@ -114,10 +119,13 @@ class HfxLogitsHeadMixin(HfxHeadMixin):
             output_attentions: also return every layer's attention probabilities.
             output_hidden_states: also return the hidden states after the embeddings and after every layer.
             return_dict: a ``ModelOutput`` (None: ``config.return_dict``) or a plain tuple.
-            **kwargs: the boundaries of a packed batch as ``DataCollatorWithFlattening`` and
-                ``DataCollatorForPackedDocuments`` return them (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
-                ``seq_idx`` ``(1, total_tokens)``, or ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``(num_documents + 1,)``
-                with ``max_length_q`` / ``max_length_k``); every document then gets what its own forward gives.
+            seq_idx: ``(batch, seq_len)``, the document of every token of a packed batch
+                (``DataCollatorWithFlattening(return_seq_idx=True)``; named so that ``Trainer`` keeps a pre-packed
+                dataset's column).
+            **kwargs: the boundaries of a packed row as ``DataCollatorWithFlattening`` and
+                ``DataCollatorForPackedDocuments`` return them (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`:
+                ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``(num_documents + 1,)`` with ``max_length_q`` /
+                ``max_length_k``); every document then gets what its own forward gives.
 
         Returns:
             ``MaskedLMOutput``, ``SequenceClassifierOutput`` or ``TokenClassifierOutput`` (the head's
@@ -130,7 +138,7 @@ class HfxLogitsHeadMixin(HfxHeadMixin):
             self.check_labels(labels)
         documents, out = self._encode_batch(
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
-            output_attentions, output_hidden_states, kwargs,
+            output_attentions, output_hidden_states, kwargs, seq_idx,
         )  # fmt: skip
         logits = self.head_logits(out, attention_mask, documents)
         loss = None if labels is None else self.head_loss(logits, labels, documents)
@@ -174,15 +182,21 @@ class HfxSequenceClassificationHeadMixin(HfxLogitsHeadMixin):
         return classifier_from_pooler(cls.__name__, cls.base_model_prefix, tensor_names)
 
     def head_logits(self, out, attention_mask, documents) -> torch.Tensor:
-        return self.classifier(out.last_hidden_state, attention_mask, documents_to_answer(documents))
+        return self.classifier(out.last_hidden_state, attention_mask, documents)
 
     def head_loss(self, logits, labels, documents) -> torch.Tensor:
-        if documents_to_answer(documents) is not None:
+        # One label per sequence (a multi-hot row each for multi-label): a default collator stacks a pre-packed
+        # row's per-document labels into (1, num_documents), which must count as that many labels.
+        multi_label = problem_type(self.config, labels) == "multi_label_classification"
+        given = labels.shape[0] if multi_label and labels.dim() else labels.numel()
+        if documents is None:
+            check_row_count("labels", given, logits.shape[0])
+        else:
             fix = (
                 "give one label per document (DataCollatorForPackedDocuments collects them from the features), in the "
                 "order the documents are packed."
             )
-            check_document_count("labels", labels.shape[0] if labels.dim() else 1, documents, fix)
+            check_document_count("labels", given, documents, fix)
         return sequence_classification_loss(logits, labels, self.config)
 
     def check_labels(self, labels: torch.Tensor) -> None:
@@ -258,14 +272,15 @@ class HfxCausalLMHeadMixin(HfxLMHeadMixin, HfxGenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         cache: Any = None,
-        **kwargs: Unpack[PackedBatchKwargs],
+        *,
+        seq_idx: torch.Tensor | None = None,
+        **kwargs: Unpack[CuSeqLensKwargs],
     ) -> CausalLMOutputWithPast | tuple:
         """Returns ``logits`` ``(batch, seq_len, vocab)`` (of the new tokens when a cache is passed back, as
         ``cache`` or ``past_key_values``), the cache when one is used (``use_cache=True``), and with ``labels`` or
         ``shift_labels`` the mean next-token cross-entropy (the sum over ``num_items_in_batch`` when Trainer passes
-        it). A packed batch (``position_ids`` restarting per document, ``seq_idx`` or ``cu_seq_lens_q/k``, as
-        ``DataCollatorWithFlattening`` returns them; ``kwargs``: :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) is
-        read as documents that never see each other, and no document's last token is scored against the next
+        it). A packed batch (``seq_idx`` or ``cu_seq_lens_q/k``, as ``DataCollatorWithFlattening`` returns them;
+        ``kwargs``: :class:`~hf_xformers.ops.packing.CuSeqLensKwargs`) is read as documents that never see each other, and no document's last token is scored against the next
         document's first.
 
         Args:
@@ -274,8 +289,8 @@ class HfxCausalLMHeadMixin(HfxLMHeadMixin, HfxGenerationMixin):
             attention_mask: ``(batch, seq_len)``, 1 for real tokens, 0 for padding; with a cache it may also cover the
                 cached positions ``(batch, past + seq_len)``, as ``generate()`` passes it.
             token_type_ids: ``(batch, seq_len)`` segment ids.
-            position_ids: ``(batch, seq_len)`` (None: counted on from the cache); positions restarting per document
-                mark a packed batch.
+            position_ids: ``(batch, seq_len)`` (None: counted on from the cache); positions only, they never mark
+                documents.
             inputs_embeds: ``(batch, seq_len, hidden)``, instead of ``input_ids``.
             past_key_values: the cache an earlier call returned (its name before transformers 5.24).
             use_cache: start or continue a cache and return it (None: ``config.use_cache``).
@@ -287,17 +302,17 @@ class HfxCausalLMHeadMixin(HfxLMHeadMixin, HfxGenerationMixin):
             output_hidden_states: also return the hidden states after the embeddings and after every layer.
             return_dict: a ``CausalLMOutputWithPast`` (None: ``config.return_dict``) or a plain tuple.
             cache: the cache an earlier call returned (its name from transformers 5.24; either name works).
-            **kwargs: the boundaries of a packed row (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
-                ``seq_idx``, or ``cu_seq_lens_q/k`` with ``max_length_q/k``).
+            seq_idx: ``(batch, seq_len)``, the document of every token of a packed batch.
+            **kwargs: the boundaries of a packed row (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`:
+                ``cu_seq_lens_q/k`` with ``max_length_q/k``).
 
         Returns:
             ``CausalLMOutputWithPast``: ``loss`` (with ``labels`` or ``shift_labels``), ``logits``
             ``(batch, seq_len, vocab_size)``, the cache (``use_cache=True``; as ``cache`` from transformers 5.24, else
             ``past_key_values``), ``hidden_states`` and ``attentions`` when asked.
         """
-        cached = bool(use_cache) or past_key_values is not None or cache is not None
-        packing = packing_kwargs(self, kwargs)
-        documents = self._packed_batch(input_ids, inputs_embeds, position_ids, attention_mask, packing, cached)
+        packing = packing_kwargs(self, kwargs, seq_idx)
+        documents = self._packed_batch(input_ids, inputs_embeds, position_ids, attention_mask, packing)
         out = self._encode(
             input_ids, attention_mask, None, output_attentions, output_hidden_states, documents,
             token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
@@ -337,14 +352,15 @@ class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
         return_dict: bool | None = None,
         *,
         num_choices: int | None = None,
-        **kwargs: Unpack[PackedBatchKwargs],
+        seq_idx: torch.Tensor | None = None,
+        **kwargs: Unpack[CuSeqLensKwargs],
     ) -> MultipleChoiceModelOutput | tuple:
         """Score every choice of every example: ``logits`` ``(batch, num_choices)``, and the loss with ``labels``.
 
         A packed batch is one row ``(1, total_tokens)`` whose documents are the (context, choice) pairs, example by
         example and choice by choice (``hf_xformers.padding_free.DataCollatorForPackedDocuments``), with the
-        boundaries in any form of ``DataCollatorWithFlattening`` (``position_ids``, or ``kwargs``:
-        :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) and ``num_choices`` (or ``labels``, one per example, from
+        boundaries in either form of ``DataCollatorWithFlattening`` (``seq_idx``, or ``kwargs``:
+        :class:`~hf_xformers.ops.packing.CuSeqLensKwargs`) and ``num_choices`` (or ``labels``, one per example, from
         which it follows).
 
         Args:
@@ -354,21 +370,22 @@ class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
             global_attention_mask: the shape of ``input_ids`` (Longformer only, the other architectures refuse it;
                 None: the task's default, the choice's tokens after the first separator pair).
             token_type_ids: the shape of ``input_ids``, segment ids.
-            position_ids: the shape of ``input_ids``; in a packed row, positions restarting per document.
+            position_ids: the shape of ``input_ids`` (positions only; in a packed row each document's own).
             inputs_embeds: ``input_ids``' shape plus ``hidden``, instead of ``input_ids``.
             labels: ``(batch,)``, the index of the right choice of each example.
             output_attentions: also return every layer's attention probabilities.
             output_hidden_states: also return the hidden states after the embeddings and after every layer.
             return_dict: a ``MultipleChoiceModelOutput`` (None: ``config.return_dict``) or a plain tuple.
             num_choices: choices per example of a packed row (None: the number of documents over ``labels``').
-            **kwargs: the boundaries of a packed row (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
-                ``seq_idx``, or ``cu_seq_lens_q/k`` with ``max_length_q/k``).
+            seq_idx: ``(1, total_tokens)``, the document of every token of a packed row.
+            **kwargs: the boundaries of a packed row (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`:
+                ``cu_seq_lens_q/k`` with ``max_length_q/k``).
 
         Returns:
             ``MultipleChoiceModelOutput``: ``loss`` (cross-entropy over the choices, with ``labels``), ``logits``
             ``(batch, num_choices)``, ``hidden_states`` and ``attentions`` when asked.
         """
-        packing = packing_kwargs(self, kwargs)
+        packing = packing_kwargs(self, kwargs, seq_idx)
         ref = input_ids if input_ids is not None else inputs_embeds
         if labels is not None and ref is not None and ref.dim() == (3 if input_ids is not None else 4):
             check_class_labels(labels, ref.shape[1], "choice indices")
@@ -385,8 +402,8 @@ class HfxMultipleChoiceHeadMixin(HfxHeadMixin):
             if ref is None or ref.dim() != (3 if input_ids is not None else 4):
                 raise ValueError(
                     "Multiple-choice inputs must be shaped (batch, num_choices, seq_len); tokenize every "
-                    "(context, choice) pair and stack them per example (or pack the pairs into one row with "
-                    "`num_choices`)."
+                    "(context, choice) pair and stack them per example, or pack the pairs into one row with "
+                    f"`num_choices` and the row's boundaries: this batch marks no documents; {UNMARKED_DOCUMENTS_FIX}"
                 )
             num_choices = ref.shape[1]
 
@@ -443,13 +460,15 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        **kwargs: Unpack[PackedBatchKwargs],
+        *,
+        seq_idx: torch.Tensor | None = None,
+        **kwargs: Unpack[CuSeqLensKwargs],
     ) -> QuestionAnsweringModelOutput | tuple:
         """Score every token as the start and the end of the answer span: ``start_logits`` and ``end_logits``,
         each ``(batch, seq_len)``, and the loss with ``start_positions`` and ``end_positions``.
 
-        For a packed batch (boundaries in any form of ``DataCollatorWithFlattening``: ``position_ids``, or ``kwargs``,
-        :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) they are
+        For a packed batch (boundaries in either form of ``DataCollatorWithFlattening``: ``seq_idx``, or ``kwargs``,
+        :class:`~hf_xformers.ops.packing.CuSeqLensKwargs`) they are
         ``(num_documents, longest_document)``, one row per document as its own forward gives them (places beyond a
         document's end hold the dtype's lowest value, so no softmax picks them), and ``start_positions`` /
         ``end_positions`` ``(num_documents,)`` count from each document's first token.
@@ -461,7 +480,7 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
             global_attention_mask: ``(batch, seq_len)`` (Longformer only, the other architectures refuse it; None:
                 the task's default, the question's tokens before the first separator).
             token_type_ids: ``(batch, seq_len)`` segment ids.
-            position_ids: ``(batch, seq_len)``; in a packed row, positions restarting per document.
+            position_ids: ``(batch, seq_len)`` (positions only; in a packed row each document's own).
             inputs_embeds: ``(batch, seq_len, hidden)``, instead of ``input_ids``.
             start_positions: ``(batch,)`` index of the answer's first token; a position outside the input is ignored
                 in the loss.
@@ -469,8 +488,9 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
             output_attentions: also return every layer's attention probabilities.
             output_hidden_states: also return the hidden states after the embeddings and after every layer.
             return_dict: a ``QuestionAnsweringModelOutput`` (None: ``config.return_dict``) or a plain tuple.
-            **kwargs: the boundaries of a packed row (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
-                ``seq_idx``, or ``cu_seq_lens_q/k`` with ``max_length_q/k``).
+            seq_idx: ``(batch, seq_len)``, the document of every token of a packed batch.
+            **kwargs: the boundaries of a packed row (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`:
+                ``cu_seq_lens_q/k`` with ``max_length_q/k``).
 
         Returns:
             ``QuestionAnsweringModelOutput``: ``loss`` (the mean of the start and end cross-entropies, with both
@@ -478,9 +498,8 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
         """
         documents, out = self._encode_batch(
             input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids, inputs_embeds,
-            output_attentions, output_hidden_states, kwargs,
+            output_attentions, output_hidden_states, kwargs, seq_idx,
         )  # fmt: skip
-        documents = documents_to_answer(documents)
         start_logits, end_logits = self.qa_outputs(out.last_hidden_state).unbind(-1)
         if documents is not None:
             lowest = torch.finfo(start_logits.dtype).min
@@ -488,7 +507,9 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
             end_logits = unpack_document_rows(end_logits, documents, lowest)
         loss = None
         if start_positions is not None and end_positions is not None:
-            start, end = self._span_targets(start_positions, end_positions, start_logits.shape[1], documents)
+            start, end = self._span_targets(
+                start_positions, end_positions, start_logits.shape[1], documents, start_logits.shape[0]
+            )
             loss = span_loss(start_logits, end_logits, start, end)
         result = self._head_result(
             QuestionAnsweringModelOutput, out, loss,
@@ -498,12 +519,15 @@ class HfxQuestionAnsweringHeadMixin(HfxHeadMixin):
 
     @staticmethod
     def _span_targets(
-        start_positions: torch.Tensor, end_positions: torch.Tensor, ignored: int, documents: PackedBatch | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        start_positions: torch.Tensor, end_positions: torch.Tensor, ignored: int, documents: PackedBatch | None,
+        rows: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``(n,)`` start and end targets, ``ignored`` (the logits' width) where a position lies outside the input,
         as one past its end is ignored; in a packed batch, outside its document (positions count from the document's
-        first token, one per document)."""
+        first token, one per document). ``rows``: the logits' rows (one per row of an ordinary batch)."""
         if documents is None:
+            check_row_count("start_positions", start_positions.numel(), rows)
+            check_row_count("end_positions", end_positions.numel(), rows)
             return start_positions.view(-1).clamp(0, ignored), end_positions.view(-1).clamp(0, ignored)
         fix = "give one start and one end position per document, counted from the document's first token."
         check_document_count("start_positions", start_positions.numel(), documents, fix)

@@ -66,14 +66,31 @@ def unpack_document_rows(values: torch.Tensor, packed: PackedBatch, fill: float)
     # Padding runs may be longer than any document: their slot is dropped, so any place in it will do. A real token
     # past `longest` (an understated `max_length_q`, unchecked where values cannot be read) fails here instead of
     # overwriting its document's last place.
+    packed.assert_within(longest)
     positions = packed.positions.masked_fill(packed.index == count, 0)
-    torch._assert_async(
-        (positions < longest).all(),
-        f"`max_length_q/k` ({longest}) understate the longest document of this packed batch; pass the collator's "
-        "values unchanged (DataCollatorWithFlattening(return_flash_attn_kwargs=True)), or leave them out.",
-    )
     out = out.index_put((packed.index.reshape(-1), positions.reshape(-1)), values.reshape(-1))
     return out[:count]
+
+
+# What a batch of rows answered per row needs when it packs several documents per row: the boundaries, and a Trainer
+# that keeps them (it keeps `seq_idx`, which every forward names, and drops the other columns by default).
+UNMARKED_DOCUMENTS_FIX = (
+    "if its rows pack several documents, pass their boundaries: `seq_idx` (DataCollatorWithFlattening("
+    "return_seq_idx=True)) or `cu_seq_lens_q/k` with `max_length_q/k` (return_flash_attn_kwargs=True); `position_ids` "
+    "never mark documents. A Trainer keeps a pre-packed dataset's `seq_idx` column and drops its `cu_seq_lens_*` / "
+    "`max_length_*` columns unless TrainingArguments(remove_unused_columns=False)."
+)
+
+
+def check_row_count(what: str, given: int, rows: int) -> None:
+    """A ``ValueError`` when a per-row input (``labels`` of sequence classification, QA positions) of a batch that
+    marks no documents does not hold one entry per row: most often a packed batch whose boundaries were dropped (a
+    Trainer's column pruning), whose per-document labels then outnumber its rows. Shapes only: no read."""
+    if given != rows:
+        raise ValueError(
+            f"This batch marks no documents, so it is answered per row ({rows} rows), but `{what}` has {given} "
+            f"entries; {UNMARKED_DOCUMENTS_FIX}"
+        )
 
 
 def check_document_count(what: str, given: int, packed: PackedBatch, fix: str) -> None:

@@ -25,9 +25,9 @@ from ..ops.input_checks import (
     unpadded_to_none,
 )
 from ..ops.packing import (
+    CuSeqLensKwargs,
     PackedBatch,
     PackedBatchKwargs,
-    documents_to_answer,
     packing_kwargs,
     refuse_packed,
     resolve_packed_batch,
@@ -97,11 +97,9 @@ class HfxTextModel:
 
     def _pool(self, hidden_states: torch.Tensor, packed: PackedBatch | None) -> torch.Tensor | None:
         """The pooler's output, or None without a pooler, or for a packed batch whose number of documents a traced
-        graph cannot know (boundaries from ``seq_idx``; ``cu_seq_lens`` give it). Restarting ``position_ids`` alone
-        are pooled per row there (:func:`~hf_xformers.ops.packing.documents_to_answer`)."""
+        graph cannot know (boundaries from ``seq_idx``; ``cu_seq_lens`` give it)."""
         if self.pooler is None:
             return None
-        packed = documents_to_answer(packed)
         if packed is not None and packed.count is None:
             return None
         return self.pooler(hidden_states, packed)
@@ -194,8 +192,9 @@ class HfxTextModel:
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         *,
+        seq_idx: torch.Tensor | None = None,
         packed_batch: PackedBatch | None = None,
-        **kwargs: Unpack[PackedBatchKwargs],
+        **kwargs: Unpack[CuSeqLensKwargs],
     ) -> HfxModelOutput | tuple:
         """Encode a batch, or a packed batch of documents (transformers' ``DataCollatorWithFlattening``).
 
@@ -205,17 +204,20 @@ class HfxTextModel:
             global_attention_mask: ``(batch, seq_len)``, 1 for tokens with global attention (Longformer only; the
                 other architectures refuse it).
             token_type_ids: ``(batch, seq_len)`` segment ids.
-            position_ids: ``(batch, seq_len)`` positions; restarting ones mark the documents of a packed batch.
+            position_ids: ``(batch, seq_len)`` positions (positions only: they never mark documents; in a packed
+                batch each document's count from the model's first position).
             inputs_embeds: ``(batch, seq_len, hidden)``, instead of ``input_ids``.
             output_attentions: also return every layer's attention probabilities.
             output_hidden_states: also return every layer's hidden states.
             return_dict: a :class:`HfxModelOutput` (None: ``config.return_dict``) or a tuple.
+            seq_idx: ``(batch, seq_len)``, the document of every token of a packed batch
+                (``DataCollatorWithFlattening(return_seq_idx=True)``; named here so that ``Trainer`` keeps a
+                pre-packed dataset's column): every document then gets what its own forward gives.
             packed_batch: the :class:`~hf_xformers.ops.packing.PackedBatch` a head already resolved (then the
                 boundary keywords are not read again).
-            **kwargs: the boundaries of a packed batch in the collator's other forms
-                (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`: ``seq_idx``, ``cu_seq_lens_q/k``, and
-                ``max_length_q/k``, the longest document, which spares a read): every document then gets what its own
-                forward gives.
+            **kwargs: the boundaries of a packed row in FlashAttention's form
+                (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`: ``cu_seq_lens_q/k``, and ``max_length_q/k``, the
+                longest document, which spares a read).
         Returns:
             :class:`HfxModelOutput` with ``last_hidden_state`` ``(batch, seq_len, hidden)`` and
             ``pooler_output`` ``(batch, hidden)`` (None without a pooler); for a packed batch ``pooler_output`` is
@@ -224,7 +226,7 @@ class HfxTextModel:
         """
         shape = token_shape(input_ids, inputs_embeds)
         device = input_ids.device if input_ids is not None else inputs_embeds.device
-        packing = packing_kwargs(self, kwargs)
+        packing = packing_kwargs(self, kwargs, seq_idx)
         packed = None
         if len(shape) == 2:
             packed = self.packed_batch(shape, device, position_ids, attention_mask, packing, packed_batch)

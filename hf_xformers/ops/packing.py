@@ -1,34 +1,34 @@
 """Padding-free ("packed") batches: several documents concatenated in one row, and where each one starts.
 
 transformers' ``DataCollatorWithFlattening`` concatenates a batch into one row ``(1, total_tokens)`` and describes the
-boundaries in one of three forms: ``position_ids`` that restart at every document (always returned unless asked not
-to), ``seq_idx`` (the document of every token, ``return_seq_idx=True``) or FlashAttention's ``cu_seq_lens_q/k`` +
-``max_length_q/k`` (``return_flash_attn_kwargs=True``). Every model reduces whichever it is given to one
-``document_ids`` tensor ``(batch, seq_len)`` (long, documents numbered 0, 1, ... from the start of each row, each one a
-contiguous run of tokens) and hands that to every layer's attention, which then never lets a token see another
+boundaries as ``seq_idx`` (the document of every token, ``return_seq_idx=True``) or FlashAttention's
+``cu_seq_lens_q/k`` + ``max_length_q/k`` (``return_flash_attn_kwargs=True``). Every model reduces whichever it is given
+to one ``document_ids`` tensor ``(batch, seq_len)`` (long, documents numbered 0, 1, ... from the start of each row, each
+one a contiguous run of tokens) and hands that to every layer's attention, which then never lets a token see another
 document's. None means "one document per row", the ordinary batch.
 
-Forms, in the order they are used when several are given:
+Forms, in the order they are used when both are given:
 
 * ``cu_seq_lens_q`` (= ``cu_seq_lens_k``) ``(num_docs + 1,)``: cumulative lengths ``[0, l0, l0 + l1, ..., total]`` of
   the documents of a single row (``batch`` must be 1). First where it applies, because its shape gives the number of
   documents, which a traced graph cannot read from ``seq_idx`` (``return_seq_idx=True`` with
   ``return_flash_attn_kwargs=True`` gives both).
-* ``seq_idx`` ``(batch, seq_len)``: any integer labels; a new document starts wherever the label changes.
-* ``position_ids`` alone: a new document starts wherever the position does not follow on from the previous token's
-  (as transformers infers packing), among real tokens (padding, which restarts positions too, never starts one). In
-  eager mode this holds for any batch, padded or not, read once (a ``Trainer`` keeps a pre-packed dataset's
-  ``position_ids`` column, named in ``forward``'s signature, and drops ``seq_idx`` / ``cu_seq_lens``, which are not);
-  a traced graph reads positions only of a single row without ``attention_mask`` (as transformers does under
-  compile), and cannot count the documents then: the heads that answer per document take such a row as one document,
-  and a graph assertion fails when it runs on a row that holds several (:func:`documents_to_answer`). Give
-  ``cu_seq_lens`` to a compiled model that answers per document.
+* ``seq_idx`` ``(batch, seq_len)``: any integer labels; a new document starts wherever the label changes. Every
+  ``forward`` names it, so that ``Trainer`` keeps a pre-packed dataset's ``seq_idx`` column.
+
+``position_ids`` are positions and nothing more, as in transformers' own encoders under SDPA and eager attention: they
+never mark documents, so an ordinary batch (padded, generating, with any numbering) is never read as a packed one. The
+collator's restarting ``position_ids`` still reach the embeddings, and where a batch carries boundaries its positions
+are checked against them (each document must start at the model's first position). A single row whose positions
+restart without boundaries (``DataCollatorWithFlattening``'s default row, or a pre-packed dataset whose ``cu_seq_lens``
+columns ``Trainer`` dropped) is answered as one sequence, with a warning where the positions may be read
+(:func:`warn_unmarked_restarts`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypedDict
@@ -39,35 +39,43 @@ from typing_extensions import Unpack
 from .input_checks import is_tracing, on_host, reads_values, refuse
 
 
-class PackedBatchKwargs(TypedDict, total=False):
-    """The keyword arguments with which transformers' padding-free collator marks the documents of a packed batch
-    (module docstring). Every text model's and head's ``forward`` takes them as ``**kwargs:
-    Unpack[PackedBatchKwargs]``, as transformers' own models take the same names (``TransformersKwargs``,
-    ``FlashAttentionKwargs``), and checks the names with :func:`packing_kwargs`.
+class CuSeqLensKwargs(TypedDict, total=False):
+    """FlashAttention's boundaries of the documents of one packed row, as transformers' ``DataCollatorWithFlattening(
+    return_flash_attn_kwargs=True)`` returns them. Every text model's and head's ``forward`` takes them as ``**kwargs:
+    Unpack[CuSeqLensKwargs]``, as transformers' own models take the same names (``FlashAttentionKwargs``), beside its
+    named ``seq_idx`` parameter, and checks the names with :func:`packing_kwargs`.
 
     Attributes:
-        seq_idx: ``(batch, seq_len)``, the document of every token (``DataCollatorWithFlattening(return_seq_idx=True)``).
-        cu_seq_lens_q: ``(num_documents + 1,)`` cumulative lengths of the documents of one row
-            (``return_flash_attn_kwargs=True``).
+        cu_seq_lens_q: ``(num_documents + 1,)`` cumulative lengths of the documents of one row.
         cu_seq_lens_k: equal to ``cu_seq_lens_q`` (attention stays inside each document).
         max_length_q: the longest document (a Python int), which spares a read of the lengths.
         max_length_k: equal to ``max_length_q``.
     """
 
-    seq_idx: torch.Tensor | None
     cu_seq_lens_q: torch.Tensor | None
     cu_seq_lens_k: torch.Tensor | None
     max_length_q: int | None
     max_length_k: int | None
 
 
-# The names of PackedBatchKwargs, in order.
-PACKING_KWARGS = tuple(PackedBatchKwargs.__annotations__)
+class PackedBatchKwargs(CuSeqLensKwargs, total=False):
+    """Every boundary keyword of a packed batch (module docstring): :class:`CuSeqLensKwargs` and ``seq_idx``, what
+    :func:`packing_kwargs` collects from a ``forward``'s ``seq_idx`` parameter and ``**kwargs``.
+
+    Attributes:
+        seq_idx: ``(batch, seq_len)``, the document of every token (``DataCollatorWithFlattening(return_seq_idx=True)``).
+    """
+
+    seq_idx: torch.Tensor | None
 
 
-def packing_kwargs(owner: object, kwargs: dict) -> PackedBatchKwargs:
-    """``kwargs``, what the ``**kwargs`` of ``owner``'s ``forward`` collected, once they are known to be
-    :class:`PackedBatchKwargs` only (a misspelt keyword is refused, not ignored).
+# The names of PackedBatchKwargs, seq_idx first.
+PACKING_KWARGS = ("seq_idx", *CuSeqLensKwargs.__annotations__)
+
+
+def packing_kwargs(owner: object, kwargs: dict, seq_idx: torch.Tensor | None = None) -> PackedBatchKwargs:
+    """The packed batch's keywords of ``owner``'s ``forward``: ``kwargs``, what its ``**kwargs`` collected, once they
+    are known to be :class:`CuSeqLensKwargs` only (a misspelt keyword is refused, not ignored), and its ``seq_idx``.
 
     Raises:
         TypeError: a keyword that is no parameter of the ``forward`` and none of :data:`PACKING_KWARGS`, named as
@@ -77,9 +85,9 @@ def packing_kwargs(owner: object, kwargs: dict) -> PackedBatchKwargs:
         if name not in PACKING_KWARGS:
             raise TypeError(
                 f"{type(owner).__name__}.forward() got an unexpected keyword argument {name!r} (besides its "
-                f"parameters it takes the packed batch's {', '.join(PACKING_KWARGS)})"
+                f"parameters it takes the packed batch's {', '.join(PACKING_KWARGS[1:])})"
             )
-    return kwargs
+    return kwargs if seq_idx is None else {**kwargs, "seq_idx": seq_idx}
 
 
 def marks_documents(packing: PackedBatchKwargs) -> bool:
@@ -90,11 +98,13 @@ def marks_documents(packing: PackedBatchKwargs) -> bool:
 
 def forward_keywords(forward: Callable) -> frozenset[str]:
     """The keyword arguments ``forward`` takes: its named parameters, and :data:`PACKING_KWARGS` where it takes
-    ``**kwargs: Unpack[PackedBatchKwargs]`` (any other ``*args`` / ``**kwargs`` names nothing)."""
+    ``**kwargs: Unpack[CuSeqLensKwargs]`` (or ``Unpack[PackedBatchKwargs]``; any other ``*args`` / ``**kwargs``
+    names nothing)."""
     names = set()
     for name, parameter in inspect.signature(forward).parameters.items():
         if parameter.kind is parameter.VAR_KEYWORD:
-            if PackedBatchKwargs.__name__ in str(parameter.annotation):
+            annotation = str(parameter.annotation)
+            if CuSeqLensKwargs.__name__ in annotation or PackedBatchKwargs.__name__ in annotation:
                 names.update(PACKING_KWARGS)
         elif parameter.kind is not parameter.VAR_POSITIONAL:
             names.add(name)
@@ -109,11 +119,8 @@ def document_ids_from_inputs(
     **packing: Unpack[PackedBatchKwargs],
 ) -> torch.Tensor | None:
     """``resolve_packed_batch(...).document_ids``: the run of every token ``(batch, seq_len)``, or None for an
-    ordinary batch (for callers that need nothing else of :class:`PackedBatch`). Positions alone mark documents in
-    eager mode only here (callers with a cache)."""
-    packed = resolve_packed_batch(
-        shape, device, position_ids, attention_mask=attention_mask, positions_while_tracing=False, **packing
-    )
+    ordinary batch (for callers that need nothing else of :class:`PackedBatch`)."""
+    packed = resolve_packed_batch(shape, device, position_ids, attention_mask=attention_mask, **packing)
     return None if packed is None else packed.document_ids
 
 
@@ -140,7 +147,6 @@ class PackedBatch:
         cu_seq_lens: ``(count + 1,)`` int32 cumulative lengths over the flattened batch when nothing is padded and
             the batch is one row (FlashAttention's varlen form), else None.
         padded: whether any token may be padding (``attention_mask`` given, and not known to be all ones).
-        from_positions: whether restarting ``position_ids`` alone marked the documents.
     """
 
     document_ids: torch.Tensor
@@ -151,7 +157,6 @@ class PackedBatch:
     longest: int | None
     cu_seq_lens: torch.Tensor | None
     padded: bool
-    from_positions: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -207,6 +212,13 @@ class PackedBatch:
         count = self.num_documents()
         flat = values.reshape(-1, *values.shape[2:])
         return flat.new_zeros(count + 1, *flat.shape[1:]).index_add(0, self.first_token_slots(), flat)[:count]
+
+    def assert_within(self, longest: int) -> None:
+        """Fail at run time (a graph assertion: no host read) where a real token lies ``longest`` or more tokens into
+        its document: a layout sized by an understated ``max_length_q/k`` would drop that document's tail. Where the
+        values may be read, :func:`resolve_packed_batch` has refused such a batch with a ``ValueError`` already."""
+        positions = self.positions if self.count is None else self.positions.masked_fill(self.index == self.count, 0)
+        torch._assert_async((positions < longest).all(), understated_longest(longest))
 
     def first_token_slots(self) -> torch.Tensor:
         """``(batch * seq_len,)`` long: a document's first token in its slot, every other token in slot ``count``,
@@ -269,18 +281,10 @@ def resolve_packed_batch(
     max_length_q: int | None = None,
     max_length_k: int | None = None,
     attention_mask: torch.Tensor | None = None,
-    positions_while_tracing: bool = True,
 ) -> PackedBatch | None:
-    """The :class:`PackedBatch` of a batch given in any of the collator's forms, or None for an ordinary batch.
-
-    Forms are read in the order of the module doc (``cu_seq_lens`` of one row, then ``seq_idx``, then
-    ``position_ids``).
-    Restarting ``position_ids`` mark documents among the real tokens of every row: in eager mode when a row holds
-    more than one document (one read, whether or not the mask could be read, so that the CPU and an accelerator's
-    training step agree), and while tracing in a single row whenever ``attention_mask`` is None (as transformers
-    detects packed rows under compile), so that a compiled model never lets documents see each other. A caller whose
-    positions continue a cache (a decoding step) passes ``positions_while_tracing=False``: its positions are
-    positions, as transformers reads them only without a cache.
+    """The :class:`PackedBatch` of a batch whose documents ``seq_idx`` or ``cu_seq_lens_q/k`` mark (in the order of the
+    module doc), or None for an ordinary batch: one without either, whatever its ``position_ids``, which are positions
+    only (a single row whose positions restart gets a warning: :func:`warn_unmarked_restarts`).
 
     Raises:
         ValueError: a boundary tensor of the wrong shape; ``cu_seq_lens`` that do not rise strictly from 0 to the row's
@@ -288,9 +292,11 @@ def resolve_packed_batch(
             document (both checked where values may be read: :func:`~hf_xformers.ops.input_checks.reads_values`).
     """
     batch, length = shape
-    real = _real_tokens(attention_mask, device)
     cu_given = cu_seq_lens_q is not None or cu_seq_lens_k is not None
-    from_positions = False
+    if seq_idx is None and not cu_given:
+        warn_unmarked_restarts(position_ids, attention_mask)
+        return None
+    real = _real_tokens(attention_mask, device)
     if seq_idx is not None and not (cu_given and batch == 1):
         if tuple(seq_idx.shape) != (batch, length):
             raise ValueError(
@@ -299,44 +305,56 @@ def resolve_packed_batch(
             )
         document_ids, run_starts = _run_ids(seq_idx.to(device), real)
         cu, count = None, None
-    elif cu_given:
-        document_ids, run_starts, cu, count = _runs_from_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, shape, device, real)
-    elif position_ids is not None and length > 1 and tuple(position_ids.shape) == (batch, length):
-        # (a broadcast (1, seq_len) table of a wider batch marks nothing)
-        if is_tracing() and not (positions_while_tracing and batch == 1 and attention_mask is None):
-            return None  # a traced graph cannot tell packed rows from padded or continued ones: positions are positions
-        position_ids = position_ids.to(device)
-        restarts = _position_restarts(position_ids, real)
-        if not is_tracing() and not bool(restarts.any()):
-            # One document per row (the read positions need anyway): a padded batch, or generate()'s mask with holes,
-            # whose padding must not split a row into runs.
-            return None
-        runs = restarts.long().cumsum(-1)
-        document_ids, run_starts = _run_ids(runs, real)
-        cu, count, from_positions = None, None, True
     else:
-        return None
+        document_ids, run_starts, cu, count = _runs_from_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, shape, device, real)
     longest = max_length_q if max_length_q is not None else max_length_k
-    # Padded rows of one document each stay packed when the batch marks its documents (seq_idx, cu_seq_lens): as an
-    # ordinary padded batch, left padding would shift their positions and a QA head would score their padding.
-    packed = _packed_from_runs(document_ids, run_starts, real, cu, count, longest, marked=not from_positions)
-    if packed is not None and from_positions:
-        packed = dataclasses.replace(packed, from_positions=True)
-    return packed
+    return _packed_from_runs(document_ids, run_starts, real, cu, count, longest)
 
 
-def _position_restarts(position_ids: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
-    """``(batch, seq_len)`` bool: the real tokens whose position does not follow on from the previous *real* token's.
-    Padding is skipped, wherever it lies: ``generate()`` gives a mask with holes or left padding positions that count
-    real tokens only, and those rows hold one document."""
+# Whether warn_unmarked_restarts has warned in this process (it warns once, and reads nothing afterwards).
+_WARNED_UNMARKED_RESTARTS = False
+
+
+def warn_unmarked_restarts(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
+    """Warn (once per process) where a single row without ``seq_idx`` / ``cu_seq_lens`` has real tokens whose
+    position falls below the previous real token's: ``DataCollatorWithFlattening``'s row of several documents, or a
+    pre-packed dataset whose boundary columns ``Trainer`` dropped, which is answered as one sequence whose documents
+    see each other. Only where the positions may be read (:func:`~hf_xformers.ops.input_checks.reads_values`: never a
+    training step on an accelerator, never a traced graph); ``generate()``'s positions (counting the real tokens, with
+    left padding or holes in the mask) never fall."""
+    global _WARNED_UNMARKED_RESTARTS
+    if _WARNED_UNMARKED_RESTARTS or position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return
+    if position_ids.shape[1] < 2 or not reads_values(position_ids):
+        return
+    real = None
+    if attention_mask is not None and tuple(attention_mask.shape) == tuple(position_ids.shape):
+        real = attention_mask.to(position_ids.device).bool()
+    if bool(_positions_fall(position_ids, real).any()):
+        _WARNED_UNMARKED_RESTARTS = True
+        warnings.warn(
+            "`position_ids` restart inside a row, but positions never mark documents: the row is read as one "
+            "sequence, its tokens attend to each other. If it packs several documents, pass their boundaries: "
+            "`seq_idx` (DataCollatorWithFlattening(return_seq_idx=True)) or `cu_seq_lens_q/k` with `max_length_q/k` "
+            "(return_flash_attn_kwargs=True); a pre-packed dataset keeps its `seq_idx` column through Trainer, and "
+            "its `cu_seq_lens_*` / `max_length_*` columns with TrainingArguments(remove_unused_columns=False).",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _positions_fall(position_ids: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """``(batch, seq_len)`` bool: the real tokens whose position lies below the previous *real* token's (a numbering
+    that starts again). Padding is skipped, wherever it lies: ``generate()``'s left padding and masks with holes hold
+    positions that count the real tokens only, and never fall."""
     if real is None:
-        restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
-        return torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=-1)
+        falls = position_ids[:, 1:] < position_ids[:, :-1]
+        return torch.cat([torch.zeros_like(falls[:, :1]), falls], dim=-1)
     index = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
     last_real = torch.where(real, index, -1).cummax(-1).values
     previous = torch.cat([torch.full_like(last_real[:, :1], -1), last_real[:, :-1]], dim=-1)
-    follows_on = position_ids == position_ids.gather(-1, previous.clamp(min=0)) + 1
-    return real & (previous >= 0) & ~follows_on
+    falls = position_ids < position_ids.gather(-1, previous.clamp(min=0))
+    return real & (previous >= 0) & falls
 
 
 def _real_tokens(attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -380,11 +398,11 @@ def _packed_from_runs(
     cu: torch.Tensor | None,
     count: int | None,
     longest: int | None,
-    marked: bool = False,
 ) -> PackedBatch | None:
     """The :class:`PackedBatch` of the runs ``(batch, seq_len)`` of a batch (``real``: its real tokens, None when
-    nothing is padded), or None when every row holds one document (nothing padded, or the documents unmarked: boundaries read from positions). ``count`` and ``cu`` are worked out here (eager
-    mode) when the boundaries did not give them."""
+    nothing is padded), or None when every row holds one document and nothing is padded (padded rows of one document
+    each stay packed: as an ordinary padded batch, left padding would shift their positions and a QA head would score
+    their padding). ``count`` and ``cu`` are worked out here (eager mode) when the boundaries did not give them."""
     batch, length = document_ids.shape
     starts = run_starts if real is None else run_starts & real
     flat_index = starts.reshape(-1).long().cumsum(0).reshape(batch, length) - 1
@@ -393,8 +411,8 @@ def _packed_from_runs(
         _check_longest(longest, positions, real)
     if count is None and not is_tracing():
         per_row = starts.sum(-1)
-        if bool((per_row <= 1).all()) and not (marked and real is not None):
-            return None  # one document per row, nothing padded or unmarked: an ordinary batch
+        if bool((per_row <= 1).all()) and real is None:
+            return None  # one document per row, nothing padded: an ordinary batch
         count = int(per_row.sum())
     elif count == batch == 1:
         return None
@@ -414,6 +432,17 @@ def _packed_from_runs(
     )
 
 
+def understated_longest(longest: int) -> str:
+    """The message of the graph assertions that fail where ``max_length_q/k`` (``longest``) understate a document
+    (:meth:`PackedBatch.assert_within`, and the varlen kernel's layout); a traced graph's message does not hold the
+    value, which may be symbolic there."""
+    said = "" if is_tracing() else f" ({longest})"
+    return (
+        f"`max_length_q/k`{said} understate the longest document of this packed batch; pass the collator's "
+        "values unchanged (DataCollatorWithFlattening(return_flash_attn_kwargs=True)), or leave them out."
+    )
+
+
 def _check_longest(longest: int, positions: torch.Tensor, real: torch.Tensor | None) -> None:
     """A ``ValueError`` where the batch's ``max_length_q/k`` understates its longest document (a read: where
     :func:`~hf_xformers.ops.input_checks.reads_values` allows it). Layouts and the per-document rows of question
@@ -426,22 +455,6 @@ def _check_longest(longest: int, positions: torch.Tensor, real: torch.Tensor | N
             f"{actual}; pass the collator's `max_length_q/k` unchanged (DataCollatorWithFlattening("
             "return_flash_attn_kwargs=True)), or leave them out."
         )
-
-
-def documents_to_answer(packed: PackedBatch | None) -> PackedBatch | None:
-    """The documents that the heads answering per document (pooler, sequence classification, question answering)
-    answer for: ``packed``, or None (one answer per row) for a traced graph given restarting ``position_ids`` alone,
-    which cannot count the documents without a read. Such a row is most often an ordinary one with explicit positions;
-    its attention kept any documents apart all the same, and an assertion in the graph fails when it runs on a row
-    that holds several, naming the boundaries that give the count."""
-    if packed is None or packed.count is not None or not packed.from_positions:
-        return packed
-    torch._assert_async(
-        (packed.starts.sum(-1) <= 1).all(),
-        "A row of restarting `position_ids` holds several documents, which a traced graph cannot count, and this "
-        "head answers per document: pass `cu_seq_lens_q/k` (DataCollatorWithFlattening(return_flash_attn_kwargs=True)).",
-    )
-    return None
 
 
 def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
@@ -507,6 +520,7 @@ def refuse_packed(model_name: str, reason: str, instead: str) -> None:
 
 __all__ = [
     "PACKING_KWARGS",
+    "CuSeqLensKwargs",
     "PackedBatch",
     "PackedBatchKwargs",
     "forward_keywords",
@@ -514,7 +528,6 @@ __all__ = [
     "packing_kwargs",
     "resolve_packed_batch",
     "document_ids_from_inputs",
-    "documents_to_answer",
     "document_lengths",
     "document_spans",
     "document_starts",
@@ -522,5 +535,7 @@ __all__ = [
     "positions_in_documents",
     "refuse_packed",
     "same_document",
+    "understated_longest",
     "unpack_documents",
+    "warn_unmarked_restarts",
 ]

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from .attention_switch import flex_attention, make_block_mask
 from .input_checks import is_tracing, on_host
-from .packing import document_spans
+from .packing import document_spans, understated_longest
 
 # FlashAttention's limits: 16-bit inputs, head sizes that are multiples of 8 up to 256.
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -150,6 +150,8 @@ def document_layout(
     """
     if varlen and cu_seq_lens is not None and document_ids.shape[0] == 1:
         longest = document_ids.shape[1] if max_length is None else max_length
+        if max_length is not None:  # the kernel sizes its work by it: an understated one would drop queries
+            torch._assert_async((cu_seq_lens.diff() <= max_length).all(), understated_longest(max_length))
         return DocumentLayout(document_ids, causal, cu_seq_lens=cu_seq_lens.to(torch.int32), max_length=longest)
     if flex:
         return DocumentLayout(document_ids, causal, block_mask=document_block_mask(document_ids, causal))

@@ -182,6 +182,10 @@ class HfxLongformerModel(HfxTextModel, HfxLongformerPreTrainedModel):
             longest = packed.longest
             if longest is None and not is_tracing():
                 longest = packed.longest_document()  # one read (the batch did not say); spares a quadratic layout
+            elif longest is not None:
+                # The global rows see `longest` keys of their document: an understated `max_length_q` (unchecked
+                # where values cannot be read) fails here instead of cutting the longer documents' rows.
+                packed.assert_within(longest)
             sizes = first_token_sizes(packed.count, longest, length, {layer.query_block for layer in layers})
         weight = self.embeddings.word_embeddings.weight
         if packed is not None:

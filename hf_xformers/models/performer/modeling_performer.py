@@ -32,8 +32,8 @@ from ...layers.heads import (
 from ...layers.pretrained import HfxPreTrainedModel
 from ...layers.text_model import HfxTextModel
 from ...ops.compat import CACHE_NAME, cache_field, resolve_cache_argument
-from ...ops.input_checks import reads_values, unpadded_to_none
-from ...ops.packing import PackedBatch, PackedBatchKwargs, marks_documents, packing_kwargs
+from ...ops.input_checks import reads_values
+from ...ops.packing import CuSeqLensKwargs, PackedBatch, PackedBatchKwargs, marks_documents, packing_kwargs
 from .configuration_performer import HfxPerformerConfig
 
 
@@ -213,13 +213,14 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         use_cache: bool | None = None,
         cache: HfxPerformerCache | None = None,
         *,
+        seq_idx: torch.Tensor | None = None,
         packed_batch: PackedBatch | None = None,
-        **kwargs: Unpack[PackedBatchKwargs],
+        **kwargs: Unpack[CuSeqLensKwargs],
     ) -> HfxModelOutput | tuple:
         """As :meth:`HfxTextModel.forward`, after the scheduled redraw of the projections (training mode).
 
-        A packed batch (``position_ids`` restarting per document, or ``kwargs``: ``seq_idx`` or ``cu_seq_lens_q/k``, as
-        ``DataCollatorWithFlattening`` returns them; :mod:`~hf_xformers.ops.packing`) gives every document what its
+        A packed batch (``seq_idx``, or ``kwargs``: ``cu_seq_lens_q/k``, as ``DataCollatorWithFlattening`` returns
+        them; :mod:`~hf_xformers.ops.packing`) gives every document what its
         own forward gives, bidirectional or causal. It cannot be combined with a cache (``use_cache=True`` or a
         cache passed back): packing is for training and encoding, a cache for decoding one row at a time.
 
@@ -238,7 +239,7 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
             global_attention_mask: refused (Performer has no global tokens).
             token_type_ids: ``(batch, seq_len)`` segment ids.
             position_ids: ``(batch, seq_len)`` positions on RoBERTa's table (None: counted from ``pad_token_id + 1``
-                over the real tokens); positions restarting per document mark a packed batch.
+                over the real tokens); positions only, they never mark documents.
             inputs_embeds: ``(batch, seq_len, hidden)``, instead of ``input_ids``.
             output_attentions: also return every layer's attention probabilities ``(batch, heads, seq_len, keys)``
                 (computed densely from the random features).
@@ -247,10 +248,11 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
             past_key_values: an :class:`HfxPerformerCache` from an earlier call (its name before transformers 5.24).
             use_cache: start or continue a cache and return it (causal models only).
             cache: the same as ``past_key_values``, under its name from transformers 5.24.
+            seq_idx: ``(batch, seq_len)``, the document of every token of a packed batch.
             packed_batch: the :class:`~hf_xformers.ops.packing.PackedBatch` a head already resolved (then the
                 boundary keywords are not read again).
-            **kwargs: the boundaries of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
-                ``seq_idx``, or ``cu_seq_lens_q/k`` with ``max_length_q/k``).
+            **kwargs: the boundaries of a packed row (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`:
+                ``cu_seq_lens_q/k`` with ``max_length_q/k``).
 
         Returns:
             ``HfxPerformerModelOutput``: ``last_hidden_state`` ``(batch, seq_len, hidden)``, ``pooler_output``
@@ -258,7 +260,7 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
             one is used, ``hidden_states`` and ``attentions`` when asked.
         """
         past_key_values = resolve_cache_argument(past_key_values, cache)
-        packing = packing_kwargs(self, kwargs)
+        packing = packing_kwargs(self, kwargs, seq_idx)
         self.scheduled_redraw()
         if use_cache or past_key_values is not None:
             self._refuse_packed_with_cache(
@@ -280,20 +282,12 @@ class HfxPerformerModel(HfxTextModel, HfxPerformerPreTrainedModel):
         self, input_ids, inputs_embeds, attention_mask, position_ids, packing: PackedBatchKwargs, packed_batch=None
     ) -> None:
         """A ``ValueError`` if a call with a cache is given a packed batch (a cache holds one state per row): in
-        ``packing`` (the forward's :class:`~hf_xformers.ops.packing.PackedBatchKwargs`), ``packed_batch`` or
-        ``position_ids``.
-
-        Positions are read as document boundaries only where nothing is padded: generate() numbers a left-padded
-        prompt's padding with ``padding_idx`` too, a restart that is padding, not a second document.
-        """
+        ``packing`` (the forward's :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) or ``packed_batch``
+        (``position_ids`` never mark documents: generate()'s are positions)."""
         ref = input_ids if input_ids is not None else inputs_embeds
         if ref is None or ref.dim() != (2 if input_ids is not None else 3):
             return  # the shape checks of the forward name the problem
-        explicit = packed_batch is not None or marks_documents(packing)
-        # Restarting positions mark documents only in a single row of several tokens (a decoding step has one).
-        if not explicit and (position_ids is None or ref.shape[0] != 1 or ref.shape[1] < 2):
-            return
-        if not explicit and unpadded_to_none(attention_mask) is not None:
+        if packed_batch is None and not marks_documents(packing):
             return
         if packed_batch is not None or self.packed_batch(tuple(ref.shape[:2]), ref.device, position_ids, None, packing):
             raise ValueError(

@@ -10,7 +10,7 @@ padded inside to a multiple of the chunk lengths and cut back, and every example
 (see ``chunked_local.py``), so padding a batch does not change its outputs.
 
 Packed (padding-free) batches, as ``DataCollatorWithFlattening(position_ids_start=0)`` makes them (boundaries as
-restarting ``position_ids``, ``seq_idx`` or ``cu_seq_lens_q/k``): the documents of a row are laid out in an internal
+``seq_idx`` or ``cu_seq_lens_q/k``; ``position_ids`` never mark documents): the documents of a row are laid out in an internal
 row, each in a region padded to the chunk multiple as its own forward pads it (:func:`lay_out_documents`), the layers
 run on that row with every chunk kept inside one document (``attention/chunked_local.py``, ``attention/lsh.py``) and
 the outputs are gathered back into the packed row: every document gets what its own forward gives (with fixed
@@ -19,8 +19,7 @@ restart at 0 in each document. Padding (``attention_mask``) is never part of a d
 (:class:`~hf_xformers.ops.packing.PackedBatch`). A packed batch costs its tokens plus less than one chunk multiple per
 document (and one more where the row's length is not read: training on an accelerator, traced graphs). The layout
 makes no host read when the batch carries ``cu_seq_lens_q/k`` (the number of documents by their shape), and a traced
-graph needs them: restarting ``position_ids`` alone do not say how many documents there are (a ``ValueError`` says
-so).
+graph needs them: ``seq_idx`` does not say how many documents there are (a ``ValueError`` says so).
 
 Mixed precision (``torch.autocast`` or ``model.to(bfloat16 / float16)``): mask logits fit the scores' dtype, LSH
 hashing and the rounds' softmax statistics compute in float32 (the fixed rotations stay a float32 buffer when the model
@@ -64,7 +63,7 @@ from ...ops.input_checks import (
     token_shape,
     unpadded_to_none,
 )
-from ...ops.packing import PackedBatch, PackedBatchKwargs, packing_kwargs, resolve_packed_batch
+from ...ops.packing import CuSeqLensKwargs, PackedBatch, PackedBatchKwargs, packing_kwargs, resolve_packed_batch
 from ...ops.shapes import ceil_div, cut_to_length
 from .configuration_reformer import HfxReformerConfig
 from .reversible import reversible_sequence
@@ -469,17 +468,15 @@ def lay_out_documents(
         ``(layout, slots, length)``: the :class:`DocumentLayout` of the internal row ``(batch, length)``, and the
         internal slot of every packed token ``(batch, packed_len)`` long.
     Raises:
-        ValueError: the number of documents is unknown (a traced graph whose documents only ``position_ids`` or
-            ``seq_idx`` mark).
+        ValueError: the number of documents is unknown (a traced graph whose documents only ``seq_idx`` marks).
     """
     count = packed.count
     if count is None:  # eager mode always knows it (resolve_packed_batch reads it): this is a traced graph
         raise ValueError(
             "Reformer lays the documents of a packed row out in an internal row whose length depends on the number "
-            "of documents, which a traced graph (torch.compile / torch.export) cannot read when only `position_ids` "
-            "or `seq_idx` mark them: pass `cu_seq_lens_q/k` and `max_length_q/k` for one packed row "
-            "(DataCollatorWithFlattening(return_flash_attn_kwargs=True)). For a single unpacked sequence under "
-            "tracing, leave `position_ids` out (or pass `attention_mask`): restarting positions read as documents."
+            "of documents, which a traced graph (torch.compile / torch.export) cannot read when only `seq_idx` marks "
+            "them: pass `cu_seq_lens_q/k` and `max_length_q/k` for one packed row "
+            "(DataCollatorWithFlattening(return_flash_attn_kwargs=True))."
         )
     index, inside = packed.index, packed.positions
     batch, packed_len = index.shape
@@ -700,8 +697,9 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         global_attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
         *,
+        seq_idx: torch.Tensor | None = None,
         packed_batch: PackedBatch | None = None,
-        **kwargs: Unpack[PackedBatchKwargs],
+        **kwargs: Unpack[CuSeqLensKwargs],
     ) -> HfxReformerModelOutput | tuple:
         """Encode (or decode) a batch, or a packed batch of documents (transformers' ``DataCollatorWithFlattening``
         with ``position_ids_start=0``).
@@ -719,26 +717,24 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
             return_dict: an :class:`HfxReformerModelOutput` (None: ``config.return_dict``) or a plain tuple.
             global_attention_mask: refused (Reformer has no global tokens).
             token_type_ids: refused (Reformer has no token types).
+            seq_idx: ``(batch, seq_len)``, the document of every token of a packed batch.
             packed_batch: the batch's :class:`~hf_xformers.ops.packing.PackedBatch`, as the heads resolve it once
-                (None: resolved here from ``kwargs``, ``position_ids`` and ``attention_mask``).
-            **kwargs: the boundaries of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
-                ``seq_idx``, or ``cu_seq_lens_q/k`` as ``(num_documents + 1,)`` cumulative lengths of one row, and
-                ``max_length_q/k``, the longest document, checked against the position table where the positions are
-                not read; restarting ``position_ids`` alone mark them too, in eager mode): every document then gets
-                what its own forward gives, and each may be up to ``max_position_embeddings`` long; padding
+                (None: resolved here from ``seq_idx``, ``kwargs`` and ``attention_mask``).
+            **kwargs: ``cu_seq_lens_q/k`` (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`) as ``(num_documents +
+                1,)`` cumulative lengths of one row, and ``max_length_q/k``, the longest document, checked against the
+                position table where the positions are not read. A packed batch's documents each get
+                what their own forward gives, and each may be up to ``max_position_embeddings`` long; padding
                 (``attention_mask``) is never part of a document. Traced graphs need ``cu_seq_lens_q/k``; packed
                 batches take no cache.
         Returns:
             :class:`HfxReformerModelOutput`, ``last_hidden_state`` ``(batch, seq_len, 2 * hidden_size)``.
         """
         cache = past_buckets_states
-        packing = packing_kwargs(self, kwargs)
+        packing = packing_kwargs(self, kwargs, seq_idx)
         reference = input_ids if input_ids is not None else inputs_embeds
         packed = packed_batch
         if packed is None and reference is not None and reference.dim() == (2 if input_ids is not None else 3):
-            packed = self._resolve_packed(
-                reference, attention_mask, position_ids, packing, cached=bool(use_cache) or cache is not None
-            )
+            packed = self._resolve_packed(reference, attention_mask, position_ids, packing)
         if packed is not None:
             position_ids = self._packed_position_ids(packed, position_ids, cache, use_cache)
             use_cache = False
@@ -788,18 +784,15 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         return _cut_output(hidden, all_hidden, all_attn, cache, seq_len, start)
 
     @staticmethod
-    def _resolve_packed(
-        reference, attention_mask, position_ids, packing: PackedBatchKwargs, cached: bool
-    ) -> PackedBatch | None:
+    def _resolve_packed(reference, attention_mask, position_ids, packing: PackedBatchKwargs) -> PackedBatch | None:
         """The documents of a packed batch (``reference``: ``input_ids`` or ``inputs_embeds``; ``packing``: the
-        forward's :class:`~hf_xformers.ops.packing.PackedBatchKwargs`), or None, resolved as
-        the heads resolve them: with the mask (padding restarts generate()'s positions, and a padded row is never read
-        as documents from its positions), and positions continuing a cache (``cached``) are positions."""
+        forward's :class:`~hf_xformers.ops.packing.PackedBatchKwargs`), or None, resolved as the heads resolve them,
+        with the mask where it covers the new tokens only (a cached step's mask covers the cache too)."""
         shape = tuple(reference.shape[:2])
         return resolve_packed_batch(
             shape, reference.device, position_ids,
             attention_mask=attention_mask if attention_mask is None or attention_mask.shape == shape else None,
-            positions_while_tracing=not cached, **packing,
+            **packing,
         )  # fmt: skip
 
     def _padded_to_chunks(
@@ -1093,13 +1086,15 @@ class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel, G
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        **kwargs: Unpack[PackedBatchKwargs],
+        *,
+        seq_idx: torch.Tensor | None = None,
+        **kwargs: Unpack[CuSeqLensKwargs],
     ) -> HfxReformerCausalLMOutput | tuple:
         """Returns ``logits`` ``(batch, seq_len, vocab)``; the mean next-token cross-entropy with ``labels`` or
         ``shift_labels`` (summed and divided by ``num_items_in_batch`` when given, as Trainer does).
 
-        A packed batch (``DataCollatorWithFlattening(position_ids_start=0)``: restarting ``position_ids``, or
-        ``kwargs``, :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) is read as documents that never see each other (see
+        A packed batch (``DataCollatorWithFlattening(position_ids_start=0)``: ``seq_idx``, or ``kwargs``,
+        :class:`~hf_xformers.ops.packing.CuSeqLensKwargs`) is read as documents that never see each other (see
         :class:`HfxReformerModel`), and no document's last token is scored against the next document's first.
 
         Args:
@@ -1117,19 +1112,19 @@ class HfxReformerForCausalLM(HfxCausalLMHeadMixin, HfxReformerPreTrainedModel, G
             output_attentions: also return every layer's attention probabilities.
             output_hidden_states: also return the hidden states before every layer and after the last.
             return_dict: an :class:`HfxReformerCausalLMOutput` (None: ``config.return_dict``) or a plain tuple.
-            **kwargs: the boundaries of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
-                ``seq_idx``, or ``cu_seq_lens_q/k`` with ``max_length_q/k``).
+            seq_idx: ``(batch, seq_len)``, the document of every token of a packed batch.
+            **kwargs: the boundaries of a packed row (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`:
+                ``cu_seq_lens_q/k`` with ``max_length_q/k``).
 
         Returns:
             ``HfxReformerCausalLMOutput``: ``loss``, ``logits`` ``(batch, seq_len, vocab_size)``,
             ``past_buckets_states`` (with ``use_cache``), ``hidden_states`` and ``attentions`` when asked.
         """
-        packing = packing_kwargs(self, kwargs)
+        packing = packing_kwargs(self, kwargs, seq_idx)
         documents = None
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference is not None and reference.dim() == (2 if input_ids is not None else 3):
-            cached = bool(use_cache) or past_buckets_states is not None
-            documents = self._packed_batch(input_ids, inputs_embeds, position_ids, attention_mask, packing, cached)
+            documents = self._packed_batch(input_ids, inputs_embeds, position_ids, attention_mask, packing)
         out = self.reformer(
             input_ids, attention_mask, position_ids, inputs_embeds, num_hashes, past_buckets_states, use_cache,
             output_attentions, output_hidden_states, return_dict=True, packed_batch=documents,

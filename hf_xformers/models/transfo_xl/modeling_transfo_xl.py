@@ -42,6 +42,7 @@ from ...ops.input_checks import (
     unpadded_to_none,
 )
 from ...ops.packing import (
+    CuSeqLensKwargs,
     PackedBatch,
     PackedBatchKwargs,
     marks_documents,
@@ -295,18 +296,12 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         packed_batch=None,
     ) -> None:
         """Raise the ``ValueError`` of :func:`~hf_xformers.ops.packing.refuse_packed` for a packed batch (several
-        documents in a row, in any of ``DataCollatorWithFlattening``'s forms: restarting ``position_ids``, ``packing``
-        (the forward's :class:`~hf_xformers.ops.packing.PackedBatchKwargs`), or a head's ``packed_batch``); an
-        ordinary batch passes.
-
-        ``position_ids`` mark documents only in eager mode and where nothing is padded: ``generate()`` passes
-        positions that restart at left padding (and those of every step while tracing), which are no documents.
-        """
+        documents in a row, marked in either of ``DataCollatorWithFlattening``'s forms: ``packing``, the forward's
+        :class:`~hf_xformers.ops.packing.PackedBatchKwargs`, or a head's ``packed_batch``); an ordinary batch passes,
+        whatever its ``position_ids`` (positions never mark documents)."""
         documents = packed_batch
-        if documents is None and (position_ids is not None or marks_documents(packing)):
-            documents = resolve_packed_batch(
-                shape, device, position_ids, attention_mask=attention_mask, positions_while_tracing=False, **packing
-            )
+        if documents is None and marks_documents(packing):
+            documents = resolve_packed_batch(shape, device, position_ids, attention_mask=attention_mask, **packing)
         if documents is not None:
             refuse_packed(type(self).__name__, *PACKING_REFUSAL)
 
@@ -321,8 +316,9 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
         return_dict: bool | None = None,
         position_ids: torch.Tensor | None = None,
         *,
+        seq_idx: torch.Tensor | None = None,
         packed_batch: PackedBatch | None = None,
-        **kwargs: Unpack[PackedBatchKwargs],
+        **kwargs: Unpack[CuSeqLensKwargs],
     ) -> HfxTransfoXLModelOutput | tuple:
         """Encode one segment of each stream.
 
@@ -341,18 +337,18 @@ class HfxTransfoXLModel(HfxTransfoXLPreTrainedModel):
                 ``(batch, n_head, seq_len, memory_len + seq_len)``.
             output_hidden_states: also return the hidden states after the embeddings and after every layer.
             return_dict: an :class:`HfxTransfoXLModelOutput` (None: ``config.return_dict``) or a plain tuple.
-            position_ids: accepted, with ``packed_batch`` and ``kwargs``, so that a packed (padding-free) batch from
-                ``DataCollatorWithFlattening`` is refused with a ``ValueError`` instead of mixing its documents
-                (positions are relative here: ``position_ids`` of an ordinary batch are not used).
+            position_ids: accepted and not used (positions are relative here).
+            seq_idx: accepted, with ``packed_batch`` and ``kwargs``, so that a packed (padding-free) batch from
+                ``DataCollatorWithFlattening`` is refused with a ``ValueError`` instead of mixing its documents.
             packed_batch: a head's :class:`~hf_xformers.ops.packing.PackedBatch`, refused as well.
-            **kwargs: the collator's other boundaries (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`), refused
+            **kwargs: the collator's other boundaries (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`), refused
                 as well.
         Returns:
             :class:`HfxTransfoXLModelOutput`.
         """
         batch, query_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, mems)
         device = input_ids.device if input_ids is not None else inputs_embeds.device
-        packing = packing_kwargs(self, kwargs)
+        packing = packing_kwargs(self, kwargs, seq_idx)
         self._refuse_packed((batch, query_len), device, attention_mask, position_ids, packing, packed_batch)
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = (
@@ -542,15 +538,17 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         position_ids: torch.Tensor | None = None,
-        **kwargs: Unpack[PackedBatchKwargs],
+        *,
+        seq_idx: torch.Tensor | None = None,
+        **kwargs: Unpack[CuSeqLensKwargs],
     ) -> HfxTransfoXLCausalLMOutput | tuple:
         """Returns ``logits`` (log-probabilities) ``(batch, seq_len, vocab_size)`` unless ``return_logits=False``
         (training needs only the loss, which the adaptive softmax computes for the target clusters alone), the
         new ``mems``, and with ``labels`` (shifted inside) or ``shift_labels`` (already aligned; they take precedence,
         as in transformers' causal LMs) the per-token ``losses`` and their mean ``loss`` (their sum over
         ``num_items_in_batch`` when Trainer passes it). ``use_cache`` is accepted for ``generate()`` and has no effect:
-        the memories are the cache. A packed batch (``position_ids`` restarting inside a row, or ``kwargs``:
-        :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) is refused (see :meth:`HfxTransfoXLModel.forward`).
+        the memories are the cache. A packed batch (``seq_idx``, or ``kwargs``:
+        :class:`~hf_xformers.ops.packing.CuSeqLensKwargs`) is refused (see :meth:`HfxTransfoXLModel.forward`).
 
         Args:
             input_ids: ``(batch, seq_len)`` token ids of the segment.
@@ -567,8 +565,9 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
                 ``(batch, n_head, seq_len, memory_len + seq_len)``.
             output_hidden_states: also return the hidden states after the embeddings and after every layer.
             return_dict: an :class:`HfxTransfoXLCausalLMOutput` (None: ``config.return_dict``) or a plain tuple.
-            position_ids: accepted only to refuse a packed batch (positions are relative here).
-            **kwargs: the padding-free collator's boundaries (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`),
+            position_ids: accepted and not used (positions are relative here).
+            seq_idx: a packed batch's documents, refused.
+            **kwargs: the padding-free collator's boundaries (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`),
                 refused.
 
         Returns:
@@ -579,7 +578,7 @@ class HfxTransfoXLForCausalLM(HfxGenerationMixin, HfxTransfoXLPreTrainedModel, G
         out = self.transformer(
             input_ids, mems=mems, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
-            position_ids=position_ids, **packing_kwargs(self, kwargs),
+            position_ids=position_ids, **packing_kwargs(self, kwargs, seq_idx),
         )  # fmt: skip
         hidden = out.last_hidden_state
         logits = None
@@ -707,7 +706,9 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         position_ids: torch.Tensor | None = None,
-        **kwargs: Unpack[PackedBatchKwargs],
+        *,
+        seq_idx: torch.Tensor | None = None,
+        **kwargs: Unpack[CuSeqLensKwargs],
     ) -> HfxTransfoXLSequenceClassifierOutput | tuple:
         """Returns ``logits`` ``(batch, num_labels)``, the loss when ``labels`` ``(batch,)`` (or multi-hot
         ``(batch, num_labels)``) are given, and the new ``mems``. A packed batch is refused (see
@@ -723,8 +724,9 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
             output_attentions: also return every layer's attention probabilities.
             output_hidden_states: also return the hidden states after the embeddings and after every layer.
             return_dict: an ``HfxTransfoXLSequenceClassifierOutput`` (None: ``config.return_dict``) or a plain tuple.
-            position_ids: accepted only to refuse a packed batch.
-            **kwargs: the padding-free collator's boundaries (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`),
+            position_ids: accepted and not used (positions are relative here).
+            seq_idx: a packed batch's documents, refused.
+            **kwargs: the padding-free collator's boundaries (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`),
                 refused.
 
         Returns:
@@ -735,7 +737,7 @@ class HfxTransfoXLForSequenceClassification(HfxTransfoXLPreTrainedModel):
         out = self.transformer(
             input_ids, mems=mems, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
-            position_ids=position_ids, **packing_kwargs(self, kwargs),
+            position_ids=position_ids, **packing_kwargs(self, kwargs, seq_idx),
         )  # fmt: skip
         logits = self.classifier(self.dropout(self._pool(out.last_hidden_state, input_ids, attention_mask)))
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None

@@ -58,9 +58,9 @@ from ...ops.input_checks import (
     unpadded_to_none,
 )
 from ...ops.packing import (
+    CuSeqLensKwargs,
     PackedBatch,
     PackedBatchKwargs,
-    documents_to_answer,
     packing_kwargs,
     refuse_packed,
     resolve_packed_batch,
@@ -396,17 +396,14 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         here), as each document's solo forward numbers them; ``(None, position_ids)`` for an ordinary batch. ``packing``:
         the forward's :class:`~hf_xformers.ops.packing.PackedBatchKwargs`.
 
-        ``position_ids`` mark documents only where nothing is padded and, while tracing, no cache is used: a padded
-        row's positions restart at its padding and a cached step's continue earlier tokens (``generate()`` passes
-        both), so there they are positions and nothing more. ``seq_idx`` / ``cu_seq_lens`` always mark documents.
+        ``seq_idx`` / ``cu_seq_lens`` mark documents; ``position_ids`` never do (a padded row's positions restart at
+        its padding and a cached step's continue earlier tokens: ``generate()`` passes both).
 
         Raises:
             ValueError: a packed batch with a cache (its keys would mix documents across calls), with
                 cross-attention, or whose positions do not start at 0 in every document.
         """
-        packed = packed_batch or resolve_packed_batch(
-            shape, device, position_ids, attention_mask=key_mask, positions_while_tracing=not uses_cache, **packing
-        )
+        packed = packed_batch or resolve_packed_batch(shape, device, position_ids, attention_mask=key_mask, **packing)
         if packed is None:
             return None, position_ids
         name = type(self).__name__
@@ -515,8 +512,9 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         return_dict: bool | None = None,
         cache: HfxUniversalCache | None = None,
         *,
+        seq_idx: torch.Tensor | None = None,
         packed_batch: PackedBatch | None = None,
-        **kwargs: Unpack[PackedBatchKwargs],
+        **kwargs: Unpack[CuSeqLensKwargs],
     ) -> HfxUniversalModelOutput | tuple:
         """Encode (or, for a decoder, continue) a batch, or a packed batch of documents (transformers'
         ``DataCollatorWithFlattening``, positions from 0: ``position_ids_start=0``).
@@ -537,14 +535,14 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             output_hidden_states: also return the states after the embeddings and after every step.
             return_dict: an :class:`HfxUniversalModelOutput` (None: ``config.return_dict``) or a plain tuple.
             cache: the same, under transformers 5.24's name (pass one of the two).
+            seq_idx: ``(batch, seq_len)``, the document of every token of a packed batch.
             packed_batch: the :class:`~hf_xformers.ops.packing.PackedBatch` a head already resolved (None: resolved
                 here).
-            **kwargs: the boundaries of a packed batch (:class:`~hf_xformers.ops.packing.PackedBatchKwargs`:
-                ``seq_idx``, or ``cu_seq_lens_q/k`` as ``(num_documents + 1,)`` cumulative lengths of one row, with
-                ``max_length_q/k``, the longest document, which the length check and the varlen kernel read instead
-                of the device; restarting ``position_ids`` mark them too; :mod:`~hf_xformers.ops.packing`): every
-                document then gets what its own forward gives (attention, separable convolutions and positions stay
-                inside it; ACT halts per position as always). No cache and no cross-attention then.
+            **kwargs: ``cu_seq_lens_q/k`` (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`) as ``(num_documents +
+                1,)`` cumulative lengths of one row, with ``max_length_q/k``, the longest document, which the length
+                check and the varlen kernel read instead of the device. A packed batch's documents each get what their
+                own forward gives (attention, separable convolutions and positions stay inside it; ACT halts per
+                position as always). No cache and no cross-attention then.
         Returns:
             :class:`HfxUniversalModelOutput`; for a packed batch ``pooler_output`` is ``(num_documents, hidden)``, one
             row per document in order, and ``ponder_loss`` the mean over all real tokens of the batch (as for a
@@ -561,7 +559,7 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         # padding, and the attention gets no mask (or is_causal) so that SDPA can use its fused kernels.
         key_mask = unpadded_to_none(attention_mask.bool()) if attention_mask is not None else None
         packed, position_ids = self._packed_inputs(
-            (batch, length), device, key_mask, position_ids, packing_kwargs(self, kwargs),
+            (batch, length), device, key_mask, position_ids, packing_kwargs(self, kwargs, seq_idx),
             past_key_values is not None or bool(use_cache), encoder_hidden_states, packed_batch,
         )  # fmt: skip
         self._check_length(past_len, length, packed, position_ids)
@@ -628,11 +626,10 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
         loss = None
         if self.config.use_act:
             loss = ponder_loss(out.ponder_steps, out.ponder_remainders, real_mask, self.config.act_loss_weight)
-        answered = documents_to_answer(packed) if self.pooler is not None else None
-        pools = self.pooler is not None and (answered is None or answered.count is not None)
+        pools = self.pooler is not None and (packed is None or packed.count is not None)
         return HfxUniversalModelOutput(
             last_hidden_state=out.last_hidden_state,
-            pooler_output=self.pooler(out.last_hidden_state, answered) if pools else None,
+            pooler_output=self.pooler(out.last_hidden_state, packed) if pools else None,
             hidden_states=out.hidden_states,
             attentions=out.attentions,
             cross_attentions=out.cross_attentions,
