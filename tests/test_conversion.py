@@ -300,21 +300,22 @@ def test_max_length_must_exceed_the_source(roberta_dir, bert_dir, tmp_path):
 
 def test_converted_bert_packs_with_position_ids_start_1(bert_dir):
     """BERT's pad id is 0, so a converted BERT's positions start at pad_token_id + 1 = 1 (RoBERTa's at 2, a
-    BigBird target's at 0): its config and model say so, and a packed batch collated with that start gives every
-    document its own forward."""
+    BigBird target's at 0): its config and model say so, and a packed batch collated with that start (its documents
+    marked by ``seq_idx``; positions alone mark none) gives every document its own forward."""
     model, tokenizer = convert_roberta_to_long(bert_dir, max_length=80, attention_window=16)
     assert position_ids_start_for(model) == position_ids_start_for(model.config) == 1
     bigbird, _ = convert_roberta_to_long(bert_dir, target="bigbird", max_length=80, target_options={"block_size": 8})
     assert position_ids_start_for(bigbird) == position_ids_start_for(bigbird.config) == 0
     features = [tokenizer(text) for text in SENTENCES[:3]]
-    packed = DataCollatorWithFlattening(position_ids_start=1, return_tensors="pt")(features)
+    packed = DataCollatorWithFlattening(position_ids_start=1, return_seq_idx=True, return_tensors="pt")(features)
+    keys = ("input_ids", "position_ids", "seq_idx")
     with torch.no_grad():
-        rows = model.longformer(input_ids=packed["input_ids"], position_ids=packed["position_ids"]).last_hidden_state[0]
+        rows = model.longformer(**{key: packed[key] for key in keys}).last_hidden_state[0]
         solos = [model.longformer(input_ids=torch.tensor([f["input_ids"]])).last_hidden_state[0] for f in features]
     assert (rows - torch.cat(solos)).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="position_ids_start=1"):
-        shifted = DataCollatorWithFlattening(position_ids_start=2, return_tensors="pt")(features)
-        model.longformer(input_ids=shifted["input_ids"], position_ids=shifted["position_ids"])
+        shifted = DataCollatorWithFlattening(position_ids_start=2, return_seq_idx=True, return_tensors="pt")(features)
+        model.longformer(**{key: shifted[key] for key in keys})
 
 
 def test_cli(roberta_dir, tmp_path):
