@@ -517,13 +517,11 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             return_dict: an :class:`HfxUniversalModelOutput` (None: ``config.return_dict``) or a plain tuple.
             cache: the same, under transformers 5.24's name (pass one of the two).
             seq_idx: ``(batch, seq_len)``, the document of every token of a packed batch.
-            packed_batch: the :class:`~hf_xformers.ops.packing.PackedBatch` a head already resolved (None: resolved
-                here).
-            **kwargs: ``cu_seq_lens_q/k`` (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`) as ``(num_documents +
-                1,)`` cumulative lengths of one row, with ``max_length_q/k``, the longest document, which the length
-                check and the varlen kernel read instead of the device. A packed batch's documents each get what their
-                own forward gives (attention, separable convolutions and positions stay inside it; ACT halts per
-                position as always). No cache and no cross-attention then.
+            packed_batch: the :class:`~hf_xformers.ops.packing.PackedBatch` a head resolved (None: resolved here).
+            **kwargs: ``cu_seq_lens_q/k`` (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`), cumulative lengths of one
+                row, and ``max_length_q/k``, the longest document (read instead of the device). Each packed document
+                gets what its own forward gives (attention, separable convolutions and positions stay inside it; ACT
+                halts per position as always). No cache and no cross-attention then.
         Returns:
             :class:`HfxUniversalModelOutput`; for a packed batch ``pooler_output`` is ``(num_documents, hidden)``, one
             row per document in order, and ``ponder_loss`` the mean over all real tokens of the batch (as for a
