@@ -738,21 +738,16 @@ def check_or_known(case: PackedCase, compiled: bool = False) -> None:
 # multi-document row with the task's default global tokens (Longformer's <s> of every document), and ordinary batches
 # in the forms transformers' own tests and generate() build (a left-padded prompt numbered over its mask, a mask with
 # holes, RoBERTa's positions without a mask, constant positions).
+# generate()'s inputs: no boundaries, positions counted over the attention mask.
+GENERATE = dict(form="none", numbering="generate")
 ANCHORS = [
     PackedCase(
         "longformer", "AutoModelForSequenceClassification", ((6, 9, 4),), "cu_seq_lens", collator="transformers"
     ),
-    PackedCase("universal", "AutoModel", ((4, 5),), "none", padding="left", mask="padding", numbering="generate"),
+    PackedCase("universal", "AutoModel", ((4, 5),), padding="left", mask="padding", **GENERATE),
     PackedCase(
-        "performer",
-        "AutoModelForCausalLM",
-        ((7,), (4, 3)),
-        "none",
-        padding="right",
-        mask="holes",
-        numbering="generate",
-        train=True,
-    ),  # fmt: skip
+        "performer", "AutoModelForCausalLM", ((7,), (4, 3)), padding="right", mask="holes", train=True, **GENERATE
+    ),
     PackedCase(
         "longformer", "AutoModelForSequenceClassification", ((6,), (4,)), "none", padding="right", numbering="roberta"
     ),
