@@ -3,9 +3,10 @@
 transformers' :class:`~transformers.DataCollatorWithFlattening` concatenates a batch of documents into one row
 ``(1, total_tokens)`` with no padding, and marks where each document starts (``seq_idx`` or ``cu_seq_lens_q/k``; its
 restarting ``position_ids`` are positions only, :mod:`hf_xformers.ops.packing`). Every hf_xformers text model attends
-within the documents of such a row, and its heads answer per document: sequence classification ``(num_documents, num_labels)``, multiple
-choice ``(num_examples, num_choices)``, extractive QA ``(num_documents, longest_document)`` start / end logits; the
-token heads (masked LM, causal LM, token classification) keep the row, ``(1, total_tokens, ...)``.
+within the documents of such a row, and its heads answer per document: sequence classification ``(num_documents,
+num_labels)``, multiple choice ``(num_examples, num_choices)``, extractive QA ``(num_documents, longest_document)``
+start / end logits; the token heads (masked LM, causal LM, token classification) keep the row, ``(1, total_tokens,
+...)``.
 
 transformers' collator serves the per-token tasks; :class:`DataCollatorForPackedDocuments` delegates those to it and
 adds what it cannot serve: per-document labels, multiple choice, ``global_attention_mask`` / ``token_type_ids``

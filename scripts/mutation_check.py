@@ -48,8 +48,8 @@ MUTANTS = (
         "seq_idx: every document boundary one token early",
         PACKING,
         "    run_starts = torch.cat([torch.ones_like(labels[:, :1], dtype=torch.bool), changes], dim=-1)\n",
-        "    first, last = torch.ones_like(labels[:, :1], dtype=torch.bool), torch.zeros_like(labels[:, :1], dtype=torch.bool)\n"
-        "    run_starts = torch.cat([first, changes[:, 1:], last], dim=-1)\n",
+        "    first = torch.ones_like(labels[:, :1], dtype=torch.bool)\n"
+        "    run_starts = torch.cat([first, changes[:, 1:], torch.zeros_like(first)], dim=-1)\n",
     ),
     Mutant(
         "late-cu-boundary",
@@ -130,8 +130,11 @@ def run_fuzz_test(root: Path, pytest_args: list[str]) -> tuple[int, float, str]:
     command = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-x", FUZZ_TEST]
     started = time.perf_counter()
     done = subprocess.run([*command, *pytest_args], cwd=root, env=env, capture_output=True, text=True)
-    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-3:])
-    return done.returncode, time.perf_counter() - started, tail
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    # What failed: the first error line of pytest's report (what caught the mutant), else the last lines.
+    why = [line for line in lines if line.lstrip("E |+").startswith(("AssertionError", "ValueError", "RuntimeError"))]
+    why = why[:1] or lines[-3:]
+    return done.returncode, time.perf_counter() - started, "\n".join(why)
 
 
 def check_imports_the_copy(root: Path) -> None:
@@ -179,9 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         code, seconds, tail = trial(mutant, pytest_args, args.keep)
         killed = "yes" if code == 1 else ("no" if code == 0 else f"error (pytest exit {code})")
         rows.append((mutant.name, killed, seconds))
-        print(f"{mutant.name}: {killed} ({seconds:.0f} s)  {mutant.what}", flush=True)
-        if code not in (0, 1):
-            print(tail)
+        print(f"{mutant.name}: {killed} ({seconds:.0f} s)  {mutant.what}\n  {tail.strip()[:300]}", flush=True)
     width = max(len(name) for name, _, _ in rows)
     print(f"\n| {'mutant':{width}} | killed | seconds |\n|{'-' * (width + 2)}|--------|---------|")
     for name, killed, seconds in rows:

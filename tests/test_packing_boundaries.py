@@ -18,17 +18,12 @@ from hf_xformers.ops import packing
 from hf_xformers.ops.input_checks import as_if_on_accelerator
 from hf_xformers.registration import REGISTRY
 
-from . import test_bigbird, test_longformer, test_performer, test_reformer, test_universal
 from .host_reads import HostReadCounter
 from .packing_conformance import _document
 
-SUITES = {
-    "longformer": test_longformer.TestLongformerConformance,
-    "bigbird": test_bigbird.TestBigBirdConformance,
-    "performer": test_performer.TestPerformerConformance,
-    "reformer": test_reformer.TestReformerConformance,
-    "universal": test_universal.TestUniversalConformance,
-}
+# The conformance suites of the packing architectures (their tiny configs and packing helpers).
+from .test_packing_faithful import SUITES
+
 # transformers' testers' tiny text config (scripts/transformers_tests/test_hfx_models.py).
 TESTER = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
               max_position_embeddings=64)  # fmt: skip

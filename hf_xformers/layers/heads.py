@@ -280,8 +280,8 @@ class HfxCausalLMHeadMixin(HfxLMHeadMixin, HfxGenerationMixin):
         ``cache`` or ``past_key_values``), the cache when one is used (``use_cache=True``), and with ``labels`` or
         ``shift_labels`` the mean next-token cross-entropy (the sum over ``num_items_in_batch`` when Trainer passes
         it). A packed batch (``seq_idx`` or ``cu_seq_lens_q/k``, as ``DataCollatorWithFlattening`` returns them;
-        ``kwargs``: :class:`~hf_xformers.ops.packing.CuSeqLensKwargs`) is read as documents that never see each other, and no document's last token is scored against the next
-        document's first.
+        ``kwargs``: :class:`~hf_xformers.ops.packing.CuSeqLensKwargs`) is read as documents that never see each other,
+        and no document's last token is scored against the next document's first.
 
         Args:
             input_ids: ``(batch, seq_len)`` token ids (with a cache: the new tokens only), or a packed row

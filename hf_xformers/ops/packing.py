@@ -63,7 +63,8 @@ class PackedBatchKwargs(CuSeqLensKwargs, total=False):
     :func:`packing_kwargs` collects from a ``forward``'s ``seq_idx`` parameter and ``**kwargs``.
 
     Attributes:
-        seq_idx: ``(batch, seq_len)``, the document of every token (``DataCollatorWithFlattening(return_seq_idx=True)``).
+        seq_idx: ``(batch, seq_len)``, the document of every token
+            (``DataCollatorWithFlattening(return_seq_idx=True)``).
     """
 
     seq_idx: torch.Tensor | None

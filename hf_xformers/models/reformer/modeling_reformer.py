@@ -10,16 +10,16 @@ padded inside to a multiple of the chunk lengths and cut back, and every example
 (see ``chunked_local.py``), so padding a batch does not change its outputs.
 
 Packed (padding-free) batches, as ``DataCollatorWithFlattening(position_ids_start=0)`` makes them (boundaries as
-``seq_idx`` or ``cu_seq_lens_q/k``; ``position_ids`` never mark documents): the documents of a row are laid out in an internal
-row, each in a region padded to the chunk multiple as its own forward pads it (:func:`lay_out_documents`), the layers
-run on that row with every chunk kept inside one document (``attention/chunked_local.py``, ``attention/lsh.py``) and
-the outputs are gathered back into the packed row: every document gets what its own forward gives (with fixed
+``seq_idx`` or ``cu_seq_lens_q/k``; ``position_ids`` never mark documents): the documents of a row are laid out in an
+internal row, each in a region padded to the chunk multiple as its own forward pads it (:func:`lay_out_documents`), the
+layers run on that row with every chunk kept inside one document (``attention/chunked_local.py``, ``attention/lsh.py``)
+and the outputs are gathered back into the packed row: every document gets what its own forward gives (with fixed
 rotations: eval, or a ``hash_seed``; training rotations are one draw per layer and call, as for any batch). Positions
 restart at 0 in each document. Padding (``attention_mask``) is never part of a document
 (:class:`~hf_xformers.ops.packing.PackedBatch`). A packed batch costs its tokens plus less than one chunk multiple per
-document (and one more where the row's length is not read: training on an accelerator, traced graphs). The layout
-makes no host read when the batch carries ``cu_seq_lens_q/k`` (the number of documents by their shape), and a traced
-graph needs them: ``seq_idx`` does not say how many documents there are (a ``ValueError`` says so).
+document (and one more where the row's length is not read: training on an accelerator, traced graphs). The layout makes
+no host read when the batch carries ``cu_seq_lens_q/k`` (the number of documents by their shape), and a traced graph
+needs them: ``seq_idx`` does not say how many documents there are (a ``ValueError`` says so).
 
 Mixed precision (``torch.autocast`` or ``model.to(bfloat16 / float16)``): mask logits fit the scores' dtype, LSH
 hashing and the rounds' softmax statistics compute in float32 (the fixed rotations stay a float32 buffer when the model

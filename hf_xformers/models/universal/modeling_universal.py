@@ -536,13 +536,11 @@ class HfxUniversalModel(HfxUniversalPreTrainedModel):
             return_dict: an :class:`HfxUniversalModelOutput` (None: ``config.return_dict``) or a plain tuple.
             cache: the same, under transformers 5.24's name (pass one of the two).
             seq_idx: ``(batch, seq_len)``, the document of every token of a packed batch.
-            packed_batch: the :class:`~hf_xformers.ops.packing.PackedBatch` a head already resolved (None: resolved
-                here).
-            **kwargs: ``cu_seq_lens_q/k`` (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`) as ``(num_documents +
-                1,)`` cumulative lengths of one row, with ``max_length_q/k``, the longest document, which the length
-                check and the varlen kernel read instead of the device. A packed batch's documents each get what their
-                own forward gives (attention, separable convolutions and positions stay inside it; ACT halts per
-                position as always). No cache and no cross-attention then.
+            packed_batch: the :class:`~hf_xformers.ops.packing.PackedBatch` a head resolved (None: resolved here).
+            **kwargs: ``cu_seq_lens_q/k`` (:class:`~hf_xformers.ops.packing.CuSeqLensKwargs`), cumulative lengths of one
+                row, and ``max_length_q/k``, the longest document (read instead of the device). Each packed document
+                gets what its own forward gives (attention, separable convolutions and positions stay inside it; ACT
+                halts per position as always). No cache and no cross-attention then.
         Returns:
             :class:`HfxUniversalModelOutput`; for a packed batch ``pooler_output`` is ``(num_documents, hidden)``, one
             row per document in order, and ``ponder_loss`` the mean over all real tokens of the batch (as for a
@@ -891,16 +889,17 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, 
         return_dict: bool | None = None,
         cache: HfxUniversalCache | None = None,
         position_ids: torch.Tensor | None = None,
-        **kwargs: Unpack[PackedBatchKwargs],
+        *,
+        seq_idx: torch.Tensor | None = None,
+        **kwargs: Unpack[CuSeqLensKwargs],
     ) -> HfxUniversalSeq2SeqLMOutput | tuple:
         """Returns ``logits`` ``(batch, tgt_len, vocab)``, the decoder cache when one is used, and with ``labels`` the
         cross-entropy (mean over labelled tokens, or sum over ``num_items_in_batch``) plus the ponder loss.
 
         ``input_ids``/``attention_mask`` ``(batch, src_len)`` feed the encoder unless ``encoder_outputs`` are given
         (``generate()`` encodes once); ``decoder_attention_mask`` is ``(batch, past + tgt_len)`` with a cache.
-        ``position_ids`` and the padding-free collator's boundaries (``kwargs``:
-        :class:`~hf_xformers.ops.packing.PackedBatchKwargs`) are accepted only to refuse them with a ``ValueError``:
-        packed batches are not supported here.
+        ``position_ids`` and the padding-free collator's boundaries (``seq_idx``, ``kwargs``) are accepted only to
+        refuse them with a ``ValueError``: packed batches are not supported here.
 
         Args:
             input_ids: ``(batch, src_len)`` source token ids.
@@ -921,13 +920,14 @@ class HfxUniversalForSeq2SeqLM(HfxGenerationMixin, HfxUniversalPreTrainedModel, 
             return_dict: an ``HfxUniversalSeq2SeqLMOutput`` (None: ``config.return_dict``) or a plain tuple.
             cache: the same as ``past_key_values``, under its name from transformers 5.24.
             position_ids: refused (see above).
-            **kwargs: the padding-free collator's boundaries, refused (see above).
+            seq_idx: refused (see above).
+            **kwargs: the padding-free collator's other boundaries, refused (see above).
 
         Returns:
             ``HfxUniversalSeq2SeqLMOutput``: ``loss``, ``logits`` ``(batch, tgt_len, vocab_size)``, the cache, the
             encoder's and decoder's ponder losses and steps, ``hidden_states`` and ``attentions`` when asked.
         """
-        self._refuse_packing(position_ids, packing_kwargs(self, kwargs))
+        self._refuse_packing(position_ids, packing_kwargs(self, kwargs, seq_idx))
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
                 input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
