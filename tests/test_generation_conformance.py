@@ -176,11 +176,14 @@ def test_transformers_dict_output_tests(model_type, task, model_class, mode):
 
 
 def _mask_with_holes(batch: int, length: int) -> torch.Tensor:
-    """An attention mask as transformers' model testers draw one (``random_attention_mask``): padding anywhere but in
-    the last column, here one hole per row at a different place, ``(batch, length)``."""
+    """An attention mask as transformers' model testers draw one (``random_attention_mask``): the first column real,
+    padding anywhere else, ``(batch, length)``; here a hole per row at a different place, and the last row's prompt
+    ends in padding (``generate()`` then numbers the first new token from the padded slot's position, so its
+    ``position_ids`` restart among the real tokens: an ordinary input all the same)."""
     mask = torch.ones(batch, length, dtype=torch.long)
     for row in range(batch):
         mask[row, 1 + 2 * row] = 0
+    mask[-1, -1] = 0
     return mask
 
 
