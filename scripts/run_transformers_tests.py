@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             return returncode
         counts = summarise(junit)
     print(f"\ntransformers {transformers.__version__}, tests of {checkout}")
-    print(f"{'test class':32} {'run':>5} {'passed':>7} {'skipped':>8} {'failed':>7}")
+    print(f"{'test class':36} {'run':>5} {'passed':>7} {'skipped':>8} {'failed':>7}")
     for test_class, c in sorted(counts.items()):
-        print(f"{test_class:32} {c['run']:5} {c['passed']:7} {c['skipped']:8} {c['failed']:7}")
+        print(f"{test_class:36} {c['run']:5} {c['passed']:7} {c['skipped']:8} {c['failed']:7}")
     return returncode
 
 
