@@ -194,7 +194,9 @@ def test_a_returned_cache_means_one_query_per_step(model_type, task, model_class
     """transformers' ``_check_generate_outputs`` reads a returned cache as the promise that every step after the
     first fed the new token alone: with one, each later step's attentions are ``(rows, heads, 1, keys so far)``
     (Transformer-XL's memories count as keys); without one, ``(rows, heads, n, n)`` over every token so far. So a
-    cache comes back exactly when ``use_cache`` asks for it, also under a mask with holes (what its model testers pass)."""
+    cache comes back exactly when ``use_cache`` asks for it, also under a mask with holes (what its model testers pass;
+    transformers' four dict-output tests run without the cache, and a prompt ending in padding once made Performer,
+    Transformer-XL and the Universal Transformer refuse those inputs as a packed batch)."""
     config_class = REGISTRY[model_type][0]
     torch.manual_seed(0)
     config = config_class(vocab_size=VOCAB, **{**TINY_CONFIGS[model_type], **SHORT_MEMORY.get(model_type, {})})
