@@ -1,16 +1,32 @@
 """Run transformers' own common model tests and generation tests on every hf_xformers class.
 
-transformers' wheel ships no tests, so this needs a transformers checkout at the tag of the installed release::
+transformers' wheel ships no tests. Its PyPI sdist has ``tests/test_modeling_common.py`` but no ``tests/__init__.py``,
+``tests/generation/`` nor ``tests/exporters/``, which ``test_modeling_common`` imports; a copy of transformers'
+``tests/generation/test_utils.py`` (``GenerationTesterMixin``) and a stub of ``tests/exporters/test_export.py`` lie in
+the team's ``shared/transformers-tests/`` (its README says which upstream file). Assemble a "checkout" from the sdist
+of the installed release and that folder, then run::
 
-    git clone --depth 1 --branch v5.23.0 https://github.com/huggingface/transformers /tmp/transformers-5.23.0
+    pip download --no-binary :all: --no-deps transformers==5.23.0 -d /tmp
+    tar xzf /tmp/transformers-5.23.0.tar.gz -C /tmp
+    cp -r ../shared/transformers-tests/. /tmp/transformers-5.23.0/tests/   # __init__.py, generation/, exporters/
     pip install pytest parameterized
-    python scripts/run_transformers_tests.py /tmp/transformers-5.23.0                     # every class
-    python scripts/run_transformers_tests.py /tmp/transformers-5.23.0 -k HfxTransfoXLTest  # pytest arguments pass on
+    python scripts/run_transformers_tests.py /tmp/transformers-5.23.0 -p no:xdist                     # every class
+    python scripts/run_transformers_tests.py /tmp/transformers-5.23.0 -p no:xdist -k HfxTransfoXLTest  # pytest args
+
+(A git checkout of huggingface/transformers at the release's tag has all of it and works as it is.) For another
+release, run it from a virtual environment holding that release (the checkout's tests must match the installed
+transformers), e.g. 5.24.0 as ``make test-newest`` installs it::
+
+    python3 -m venv /tmp/venv-524 && /tmp/venv-524/bin/pip install torch==2.13.0   # the CPU build
+    echo torch==2.13.0 > /tmp/venv-524/torch-pin.txt
+    /tmp/venv-524/bin/pip install -c /tmp/venv-524/torch-pin.txt -e ".[test]" transformers==5.24.0 parameterized
+    /tmp/venv-524/bin/python scripts/run_transformers_tests.py /tmp/transformers-5.24.0 -p no:xdist
 
 The harness (``scripts/transformers_tests/test_hfx_models.py``) imports ``tests.test_modeling_common`` and
-``tests.generation.test_utils`` from the checkout, so it stays out of this project's suite. It runs under the
-checkout's pytest configuration, with the checkout's ``tests`` package and this repository's ``hf_xformers`` first on
-the path; the summary gives, per test class, the tests run, passed, skipped and failed (from pytest's JUnit report).
+``tests.generation.test_utils`` from the checkout, so it stays out of this project's suite (and out of ``make test``).
+It runs under the checkout's pytest configuration, with the checkout's ``tests`` package and this repository's
+``hf_xformers`` first on the path; the summary gives, per test class, the tests run, passed, skipped and failed (from
+pytest's JUnit report).
 """
 
 from __future__ import annotations
@@ -28,16 +44,24 @@ import transformers
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "scripts" / "transformers_tests" / "test_hfx_models.py"
-NEEDED = ("tests/__init__.py", "tests/test_modeling_common.py", "tests/generation/test_utils.py", "pyproject.toml")
+NEEDED = (
+    "pyproject.toml",
+    "tests/test_modeling_common.py",
+    "tests/__init__.py",
+    "tests/generation/test_utils.py",
+    "tests/exporters/test_export.py",
+)
 
 
 def check_checkout(checkout: Path) -> None:
-    """A ``ValueError`` naming what is missing from ``checkout``."""
+    """A ``ValueError`` naming what is missing from ``checkout`` and how to complete it."""
     missing = [name for name in NEEDED if not (checkout / name).is_file()]
     if missing:
         raise ValueError(
-            f"{checkout} lacks {', '.join(missing)}: pass a git checkout of huggingface/transformers at the tag of "
-            f"the installed release (v{transformers.__version__}); the PyPI sdist lacks tests/generation/."
+            f"{checkout} lacks {', '.join(missing)}. Pass transformers' sdist of the installed release "
+            f"(v{transformers.__version__}), unpacked, with the shared generation tests copied into its tests/ "
+            f"(cp -r shared/transformers-tests/. {checkout}/tests/: __init__.py, generation/, exporters/), or a git "
+            "checkout of huggingface/transformers at that tag; see this script's docstring."
         )
 
 
@@ -58,7 +82,11 @@ def summarise(junit: Path) -> dict[str, collections.Counter]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkout", type=Path, help="a transformers git checkout at the installed release's tag")
+    parser.add_argument(
+        "checkout",
+        type=Path,
+        help="transformers' sdist with the shared generation tests in tests/, or a git checkout (see above)",
+    )
     args, pytest_args = parser.parse_known_args(argv)
     checkout = args.checkout.resolve()
     check_checkout(checkout)
@@ -75,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             return returncode
         counts = summarise(junit)
     print(f"\ntransformers {transformers.__version__}, tests of {checkout}")
-    print(f"{'test class':32} {'run':>5} {'passed':>7} {'skipped':>8} {'failed':>7}")
+    print(f"{'test class':36} {'run':>5} {'passed':>7} {'skipped':>8} {'failed':>7}")
     for test_class, c in sorted(counts.items()):
-        print(f"{test_class:32} {c['run']:5} {c['passed']:7} {c['skipped']:8} {c['failed']:7}")
+        print(f"{test_class:36} {c['run']:5} {c['passed']:7} {c['skipped']:8} {c['failed']:7}")
     return returncode
 
 

@@ -176,11 +176,14 @@ def test_transformers_dict_output_tests(model_type, task, model_class, mode):
 
 
 def _mask_with_holes(batch: int, length: int) -> torch.Tensor:
-    """An attention mask as transformers' model testers draw one (``random_attention_mask``): padding anywhere but in
-    the last column, here one hole per row at a different place, ``(batch, length)``."""
+    """An attention mask as transformers' model testers draw one (``random_attention_mask``): the first column real,
+    padding anywhere else, ``(batch, length)``; here a hole per row at a different place, and the last row's prompt
+    ends in padding (``generate()`` then numbers the first new token from the padded slot's position, so its
+    ``position_ids`` restart among the real tokens: an ordinary input all the same)."""
     mask = torch.ones(batch, length, dtype=torch.long)
     for row in range(batch):
         mask[row, 1 + 2 * row] = 0
+    mask[-1, -1] = 0
     return mask
 
 
@@ -191,7 +194,9 @@ def test_a_returned_cache_means_one_query_per_step(model_type, task, model_class
     """transformers' ``_check_generate_outputs`` reads a returned cache as the promise that every step after the
     first fed the new token alone: with one, each later step's attentions are ``(rows, heads, 1, keys so far)``
     (Transformer-XL's memories count as keys); without one, ``(rows, heads, n, n)`` over every token so far. So a
-    cache comes back exactly when ``use_cache`` asks for it, also under a mask with holes (what its model testers pass)."""
+    cache comes back exactly when ``use_cache`` asks for it, also under a mask with holes (what its model testers pass;
+    transformers' four dict-output tests run without the cache, and a prompt ending in padding once made Performer,
+    Transformer-XL and the Universal Transformer refuse those inputs as a packed batch)."""
     config_class = REGISTRY[model_type][0]
     torch.manual_seed(0)
     config = config_class(vocab_size=VOCAB, **{**TINY_CONFIGS[model_type], **SHORT_MEMORY.get(model_type, {})})

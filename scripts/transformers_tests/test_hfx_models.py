@@ -273,6 +273,13 @@ class HfxUniversalTest(HfxTextTests, GenerationTesterMixin, unittest.TestCase):
     all_model_classes = tuple(c for c in classes(model_type) if c.__name__ != "HfxUniversalForSeq2SeqLM")
 
 
+class HfxUniversalFixedStepsTest(HfxUniversalTest):
+    """The same classes in fixed-step mode (no ACT): every position takes ``num_hidden_layers`` steps, a path of its own
+    in the recurrent block and in the decoding cache."""
+
+    config_kwargs = dict(_TEXT, use_act=False)
+
+
 class HfxUniversalSeq2SeqTest(HfxTextTests, GenerationTesterMixin, unittest.TestCase):
     model_type = "hfx-universal"
     config_kwargs = dict(_TEXT, act_max_steps=2)
@@ -286,6 +293,10 @@ class HfxUniversalSeq2SeqTest(HfxTextTests, GenerationTesterMixin, unittest.Test
     )
     def test_attention_outputs(self):
         pass
+
+
+class HfxUniversalSeq2SeqFixedStepsTest(HfxUniversalSeq2SeqTest):
+    config_kwargs = dict(_TEXT, use_act=False)
 
 
 class HfxSwinTest(ModelTesterMixin, unittest.TestCase):
