@@ -66,8 +66,7 @@ def unpack_document_rows(values: torch.Tensor, packed: PackedBatch, fill: float)
     # Padding runs may be longer than any document: their slot is dropped, so any place in it will do. A real token
     # past `longest` (an understated `max_length_q`, unchecked where values cannot be read) fails here instead of
     # overwriting its document's last place.
-    packed.assert_within(longest)
-    positions = packed.positions.masked_fill(packed.index == count, 0)
+    positions = packed.assert_within(longest)
     out = out.index_put((packed.index.reshape(-1), positions.reshape(-1)), values.reshape(-1))
     return out[:count]
 

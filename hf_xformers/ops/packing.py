@@ -214,12 +214,18 @@ class PackedBatch:
         flat = values.reshape(-1, *values.shape[2:])
         return flat.new_zeros(count + 1, *flat.shape[1:]).index_add(0, self.first_token_slots(), flat)[:count]
 
-    def assert_within(self, longest: int) -> None:
+    def assert_within(self, longest: int) -> torch.Tensor:
         """Fail at run time (a graph assertion: no host read) where a real token lies ``longest`` or more tokens into
         its document: a layout sized by an understated ``max_length_q/k`` would drop that document's tail. Where the
-        values may be read, :func:`resolve_packed_batch` has refused such a batch with a ``ValueError`` already."""
+        values may be read, :func:`resolve_packed_batch` has refused such a batch with a ``ValueError`` already.
+
+        Returns:
+            ``(batch, seq_len)`` long, the positions it checked: :attr:`positions`, padding's set to 0 when
+            :attr:`count` is known (its slot is dropped).
+        """
         positions = self.positions if self.count is None else self.positions.masked_fill(self.index == self.count, 0)
         torch._assert_async((positions < longest).all(), understated_longest(longest))
+        return positions
 
     def first_token_slots(self) -> torch.Tensor:
         """``(batch * seq_len,)`` long: a document's first token in its slot, every other token in slot ``count``,
