@@ -385,7 +385,8 @@ def test_float_class_ids_are_regression_with_a_warning(longformer_dir, cache_dir
     # As the warning says: classes 0, 1, 2.
     metrics = run_classification.main([*args, "--problem_type", "single_label_classification"])
     assert "eval_accuracy" in metrics and "eval_mse" not in metrics
-    assert "WARNING" not in capsys.readouterr().out
+    # The script's own warning only: transformers' load report (a WARNING naming the new head) may come or not.
+    assert " WARNING run_classification: " not in capsys.readouterr().out
     with refused(capsys, "--problem_type multi_label_classification does not fit a label column that holds one"):
         run_classification.main([*args, "--problem_type", "multi_label_classification"])
 
