@@ -22,12 +22,14 @@ attention variant is only the part that differs between architectures.
 
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ..ops.attention_switch import attention_implementation
+from ..ops.sequence_parallel import SequenceShards, heads_to_tokens, tokens_to_heads
 from ..ops.shapes import ceil_div, cut_to_length, merge_heads, split_heads, unblock
 
 __all__ = [
@@ -78,6 +80,9 @@ class HfxSelfAttention(KernelChoice):
     """
 
     supports_global_attention = False
+    # The projections that read the input, one token at a time, in the order the sequence-parallel exchange carries
+    # them (:meth:`attend_sequence_parallel`). A variant whose mechanism reads the input otherwise cannot take it.
+    sequence_parallel_projections: tuple[str, ...] = ("query", "key", "value")
 
     def forward(
         self,
@@ -95,6 +100,7 @@ class HfxSelfAttention(KernelChoice):
         Raises:
             ValueError: a ``global_attention_mask`` given to a variant without global tokens, which cannot honour it.
         """
+        shards = named_extras.pop("sequence_parallel", None)
         if self.supports_global_attention:
             named_extras["global_attention_mask"] = global_attention_mask
         elif global_attention_mask is not None:
@@ -102,7 +108,52 @@ class HfxSelfAttention(KernelChoice):
                 f"{type(self).__name__} has no global attention (supports_global_attention is False): drop "
                 "`global_attention_mask`."
             )
+        if shards is not None:
+            return self.attend_sequence_parallel(hidden_states, shards, attention_mask, *extras, **named_extras)
         return self.attend_tokens(hidden_states, attention_mask, output_attentions, *extras, **named_extras)
+
+    def attend_sequence_parallel(
+        self, hidden_states: torch.Tensor, shards: SequenceShards, attention_mask, *extras, **named_extras
+    ) -> AttentionOutput:
+        """Ulysses: this rank's tokens ``(batch, shard, hidden)`` -> their context ``(batch, shard, hidden)``, the
+        mechanism run whole on ``heads / size`` heads (``ops/sequence_parallel.py``).
+
+        Each of :attr:`sequence_parallel_projections` is applied to the rank's tokens; one all-to-all carries them to
+        the rank of their heads; :meth:`head_shard` runs :meth:`attend_tokens` unchanged there, its projections
+        become column selectors on what arrived (exact: a projection reads one token at a time) and the masks and
+        extras are the whole sequence's, prepared once by the model; a second all-to-all brings the context back.
+        """
+        batch, shard = hidden_states.shape[:2]
+        heads, dim = self.num_heads, self.head_dim
+        names = self.sequence_parallel_projections
+        projected = torch.cat([getattr(self, name)(hidden_states) for name in names], dim=-1)
+        # (batch, shard, P, heads, dim) -> (batch, shard, heads, P * dim): each head's P projections travel together.
+        per_head = projected.view(batch, shard, len(names), heads, dim).transpose(2, 3).flatten(3)
+        arrived = tokens_to_heads(per_head, shards.group)  # (batch, seq, heads / size, P * dim)
+        length, local_heads = arrived.shape[1], arrived.shape[2]
+        arrived = arrived.view(batch, length, local_heads, len(names), dim).transpose(2, 3).flatten(2)
+        view = self.head_shard(shards.rank * local_heads, local_heads)
+        out = view.attend_tokens(arrived, attention_mask, False, *extras, **named_extras)
+        context = heads_to_tokens(out.context.view(batch, length, local_heads, dim), shards.group)
+        return AttentionOutput(context.reshape(batch, shard, heads * dim))
+
+    def head_shard(self, first: int, count: int) -> HfxSelfAttention:
+        """This module restricted to heads ``first .. first + count`` of its input, the projections of
+        :attr:`sequence_parallel_projections` replaced by column selectors of :meth:`attend_sequence_parallel`'s
+        exchanged input. A view: it shares every parameter and buffer; a variant with per-head state (BigBird's
+        random blocks) narrows it in :meth:`narrow_head_state`."""
+        view = copy.copy(self)
+        view._modules = dict(self._modules)
+        view._buffers = dict(self._buffers)
+        view.num_heads = count
+        width = count * self.head_dim
+        for i, name in enumerate(self.sequence_parallel_projections):
+            setattr(view, name, _Columns(i * width, width))
+        view.narrow_head_state(first, count)
+        return view
+
+    def narrow_head_state(self, first: int, count: int) -> None:
+        """Keep the per-head state of heads ``first .. first + count`` (on a :meth:`head_shard` view); none here."""
 
     def attend_tokens(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, output_attentions: bool
@@ -110,6 +161,18 @@ class HfxSelfAttention(KernelChoice):
         """The variant's attention: ``hidden_states`` ``(batch, seq_len, hidden)``, ``attention_mask`` ``(batch,
         seq_len)`` bool or None, and the extras of its model (further parameters) -> :class:`AttentionOutput`."""
         raise NotImplementedError(f"{type(self).__name__} must implement attend_tokens (attention/base.py).")
+
+
+class _Columns(nn.Module):
+    """``x[..., start:start + width]``: a projection of :meth:`HfxSelfAttention.head_shard`, whose input already holds
+    the projected heads."""
+
+    def __init__(self, start: int, width: int) -> None:
+        super().__init__()
+        self.start, self.width = start, width
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states.narrow(-1, self.start, self.width)
 
 
 def plain_linears(*modules: nn.Module) -> bool:

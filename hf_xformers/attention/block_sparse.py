@@ -263,6 +263,11 @@ class HfxBlockSparseSelfAttention(PackedBlockSparse, HfxFullSelfAttention, Kerne
             key_mask, last_block, random, torch.zeros(batch, num_blocks, 0, dtype=torch.bool, device=device)
         )
 
+    def narrow_head_state(self, first: int, count: int) -> None:
+        # The seeded random blocks are drawn for every head at once (the same table on every rank); a head shard keeps
+        # its heads' rows, so that each head sees the blocks it sees in one process.
+        self.random_block_table = self.random_block_table.narrow(1, first, count)
+
     # ----- forward ----------------------------------------------------------------------------------------
     def attend_tokens(
         self,

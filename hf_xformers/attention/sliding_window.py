@@ -90,6 +90,9 @@ class HfxSlidingWindowSelfAttention(HfxSelfAttention, BandedAttention, PackedGlo
 
     supports_global_attention = True
 
+    # Sequence parallelism carries the global projections of every token too: any token may be global.
+    sequence_parallel_projections = ("query", "key", "value", "query_global", "key_global", "value_global")
+
     def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__(config.hidden_size, config.num_attention_heads)
         window = config.attention_window
@@ -165,7 +168,7 @@ class HfxSlidingWindowSelfAttention(HfxSelfAttention, BandedAttention, PackedGlo
         ``global_attention_mask``. None (the module called on its own): :meth:`shared_layout` for this layer.
         """
         implementation = self.kernel_choice(hidden_states)
-        batch, length, hidden = hidden_states.shape
+        batch, length = hidden_states.shape[:2]
         if layout is None:  # called on its own, not through the model
             layout = self.shared_layout(
                 implementation, hidden_states, length, attention_mask, global_attention_mask, document_ids
@@ -232,11 +235,11 @@ class HfxSlidingWindowSelfAttention(HfxSelfAttention, BandedAttention, PackedGlo
         """A packed row ``(1, seq_len, hidden)`` in one call of FlashAttention's varlen kernel over its documents
         (``cu_seq_lens`` ``(count + 1,)`` int32, ``longest`` the longest document): query ``i`` sees the keys ``j`` of
         its own document with ``|i - j| <= w``, i.e. ``window_size=(w, w)``. Returns ``(1, seq_len, hidden)``."""
-        batch, length, hidden = hidden_states.shape
+        batch, length = hidden_states.shape[:2]
         w = self.one_sided_window
         q, k, v = (t.reshape(batch * length, self.num_heads, self.head_dim) for t in self.fused_qkv(hidden_states))
         out = varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, longest, longest, window_size=(w, w))
-        return out.reshape(batch, length, hidden)
+        return out.reshape(batch, length, self.num_heads * self.head_dim)
 
     def _dense_attention(self, hidden_states, attention_mask, is_global, document_ids=None) -> torch.Tensor:
         """Short inputs: one attention call over all keys, masked to the window and the global keys.

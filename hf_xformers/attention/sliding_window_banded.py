@@ -174,7 +174,8 @@ class BandedAttention:
         probabilities (nobody asked for them). Returns the context ``(batch, seq_len, hidden)`` and the
         probabilities ``(batch, heads, seq_len, G + 2w + 1)`` or None.
         """
-        batch, length, hidden = hidden_states.shape
+        batch, length = hidden_states.shape[:2]
+        hidden = self.num_heads * self.head_dim  # the context's width (a sequence-parallel input is wider)
         heads, dim, w, b = self.num_heads, self.head_dim, self.one_sided_window, self.query_block
         nb = ceil_div(length, b)
         if is_tracing():

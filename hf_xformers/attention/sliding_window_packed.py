@@ -117,7 +117,8 @@ class PackedGlobalAttention:
         Returns ``(batch, G, hidden)`` contexts and, if ``return_probs``, ``(batch, heads, G, seq_len)``
         probabilities (zeros outside the document).
         """
-        batch, length, hidden = hidden_states.shape
+        batch, length = hidden_states.shape[:2]
+        hidden = self.num_heads * self.head_dim  # the context's width (a sequence-parallel input is wider)
         heads, dim = self.num_heads, self.head_dim
         members, positions, place = packed_globals.members, packed_globals.key_positions, packed_globals.place
         groups, group_size, width = members.shape[1], members.shape[2], positions.shape[2]

@@ -12,6 +12,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..ops.attention_switch import mark_implementation_unset
+from ..ops.sequence_parallel import current_shards, gather_batch, sequence_parallel_group, sharded_forward
 from .head_layers import HfxLMHead
 from .transformers_loading import TransformersCheckpointMixin
 
@@ -27,6 +28,55 @@ class HfxPreTrainedModel(TransformersCheckpointMixin, PreTrainedModel):
     # Our forward passes take **kwargs only to pass them on; losses are plain means. Without this, Trainer
     # multiplies the loss by the world size under DDP (see the team notes on transformers v5).
     accepts_loss_kwargs = False
+    # Why this architecture cannot run sequence-parallel (ops/sequence_parallel.py; docs/training-past-one-device.md),
+    # or None where it can: the architectures whose encoder is HfxTextModel's, with attention that reads its input
+    # only through per-token projections, set None.
+    sequence_parallel_refusal: str | None = "its layers have no sequence-parallel path"
+
+    def __call__(self, *args, **kwargs):
+        # Sequence parallelism (DeepSpeed Ulysses under accelerate's ParallelismConfig(sp_backend="deepspeed")): in
+        # training, with DeepSpeed's group set up, the batch arrives as this rank's slice of the tokens. The outermost
+        # call gathers the inputs and marks the forward; a base model inside it shards its encoder. Evaluation runs
+        # whole on every rank, as accelerate asks of DeepSpeed (disable_in_eval) and Trainer feeds it.
+        if not self.training or current_shards() is not None:
+            return super().__call__(*args, **kwargs)
+        group = sequence_parallel_group()
+        if group is None:
+            return super().__call__(*args, **kwargs)
+        self.check_sequence_parallel(torch.distributed.get_world_size(group), args, kwargs)
+        args, kwargs, shards = gather_batch(group, args, kwargs)
+        with sharded_forward(shards):
+            return super().__call__(*args, **kwargs)
+
+    def check_sequence_parallel(self, size: int, args: tuple, kwargs: dict) -> None:
+        """``ValueError`` naming the fix when this model, or this call, cannot run on ``size`` ranks sharing the
+        sequence: an architecture without the path (``sequence_parallel_refusal``), heads that ``size`` does not
+        divide, per-rank outputs that would be slices (attentions, hidden states), a cache, several choices."""
+        name = type(self).__name__
+        if self.sequence_parallel_refusal is not None:
+            raise ValueError(
+                f"{name} cannot train with sequence parallelism: {self.sequence_parallel_refusal}. Train it without "
+                "sp_size (ParallelismConfig(sp_size=1)), or use hfx-longformer, hfx-bigbird, hfx-performer or "
+                "hfx-linformer (docs/training-past-one-device.md)."
+            )
+        heads = self.config.num_attention_heads
+        if heads % size:
+            raise ValueError(
+                f"{name} has {heads} attention heads, which the {size} ranks of the sequence-parallel group cannot "
+                f"share (each rank runs heads / sp_size of them): choose an sp_size that divides {heads}."
+            )
+        for option in ("output_attentions", "output_hidden_states", "use_cache"):
+            if kwargs.get(option) or (option != "use_cache" and getattr(self.config, option, False)):
+                raise ValueError(
+                    f"{name}: {option}=True is not available under sequence parallelism (each rank holds a slice of "
+                    f"the heads and tokens); pass {option}=False, or run the model without sp_size to inspect it."
+                )
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() != 2:
+            raise ValueError(
+                f"{name}: sequence parallelism takes input_ids of shape (batch, seq_len) (DeepSpeed shards dim 1), got "
+                f"{tuple(ids.shape)}; multiple-choice inputs (batch, choices, seq_len) cannot be sharded so."
+            )
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -32,6 +32,7 @@ from ..ops.packing import (
     refuse_packed,
     resolve_packed_batch,
 )
+from ..ops.sequence_parallel import current_shards
 from .embeddings import HfxTextEmbeddings
 from .encoder import HfxEncoder, HfxModelOutput, HfxPooler
 from .pretrained import HfxPreTrainedModel  # noqa: F401 (its old import path)
@@ -94,6 +95,22 @@ class HfxTextModel:
         if global_attention_mask is not None and not is_tracing() and not bool(global_attention_mask.any()):
             global_attention_mask = None
         return attention_mask, global_attention_mask, {} if packed is None else {"document_ids": packed.document_ids}
+
+    def _encode_tokens(self, hidden, attention_mask, global_attention_mask, output_attentions, output_hidden_states,
+                       attention_kwargs: dict) -> HfxModelOutput:  # fmt: skip
+        """The encoder on the embeddings ``hidden`` ``(batch, seq_len, hidden)``. In a sequence-parallel forward
+        (``ops/sequence_parallel.py``) the masks and layouts are the whole sequence's, the encoder runs on this rank's
+        tokens (its attention exchanging heads for tokens) and the last hidden states are gathered whole."""
+        shards = current_shards()
+        if shards is not None:
+            hidden = shards.local(hidden)
+            attention_kwargs = {**attention_kwargs, "sequence_parallel": shards}
+        out = self.encoder(
+            hidden, attention_mask, global_attention_mask, output_attentions, output_hidden_states, attention_kwargs
+        )
+        if shards is not None:
+            out.last_hidden_state = shards.gather(out.last_hidden_state)
+        return out
 
     def _pool(self, hidden_states: torch.Tensor, packed: PackedBatch | None) -> torch.Tensor | None:
         """The pooler's output, or None without a pooler, or for a packed batch whose number of documents a traced
@@ -247,7 +264,7 @@ class HfxTextModel:
         attention_mask, global_attention_mask, attention_kwargs = self.prepare_attention_inputs(
             attention_mask, global_attention_mask, hidden.shape[1], packed
         )
-        out = self.encoder(
+        out = self._encode_tokens(
             hidden, attention_mask, global_attention_mask, output_attentions, output_hidden_states, attention_kwargs
         )
         out = HfxModelOutput(

@@ -87,6 +87,7 @@ class HfxBigBirdPreTrainedModel(HfxPreTrainedModel):
     # The block table (global, window, seeded random blocks) and padding as FlexAttention's BlockMask.
     _supports_flex_attn = True
     config_class = HfxBigBirdConfig
+    sequence_parallel_refusal = None  # Ulysses: each rank runs the whole sequence on heads / sp_size heads
     base_model_prefix = "bigbird"
     _no_split_modules = ["HfxEncoderLayer"]
 

@@ -31,6 +31,7 @@ from .configuration_linformer import HfxLinformerConfig
 class HfxLinformerPreTrainedModel(HfxPreTrainedModel):
     config_class = HfxLinformerConfig
     base_model_prefix = "linformer"
+    sequence_parallel_refusal = None  # Ulysses: each rank runs the whole sequence on heads / sp_size heads
     _no_split_modules = ["HfxEncoderLayer"]
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -27,6 +27,7 @@ from .configuration_longformer import HfxLongformerConfig
 class HfxLongformerPreTrainedModel(HfxPreTrainedModel):
     config_class = HfxLongformerConfig
     base_model_prefix = "longformer"
+    sequence_parallel_refusal = None  # Ulysses: each rank runs the whole sequence on heads / sp_size heads
     _no_split_modules = ["HfxEncoderLayer"]
     # Its band, global tokens and padding as FlexAttention's BlockMask (sliding_window_layout.band_block_mask).
     _supports_flex_attn = True

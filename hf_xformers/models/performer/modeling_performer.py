@@ -90,6 +90,7 @@ class HfxPerformerCache(HfxCache):
 class HfxPerformerPreTrainedModel(HfxPreTrainedModel):
     config_class = HfxPerformerConfig
     base_model_prefix = "performer"
+    sequence_parallel_refusal = None  # Ulysses: each rank runs the whole sequence on heads / sp_size heads
     _no_split_modules = ["HfxEncoderLayer"]
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -568,6 +568,11 @@ class HfxReformerPreTrainedModel(HfxPreTrainedModel):
     # Local attention's chunk windows as FlexAttention's BlockMask (LSH layers keep their sorted-chunk kernel).
     _supports_flex_attn = True
     config_class = HfxReformerConfig
+    sequence_parallel_refusal = (
+        "its reversible layers recompute activations in the backward pass and its LSH and local attention "
+        "read the input through their own paths (one shared query-key projection, buckets per head, chunked "
+        "look-back); they have no sequence-parallel path yet"
+    )
     base_model_prefix = "reformer"
     # The unit FSDP shards by and device maps keep whole must be a module whose forward encloses every use of its
     # parameters: the reversible path calls each layer's f and g (never a layer's forward) from one autograd

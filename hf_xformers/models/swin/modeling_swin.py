@@ -379,6 +379,10 @@ class HfxSwinEncoder(nn.Module):
 
 class HfxSwinPreTrainedModel(HfxPreTrainedModel):
     config_class = HfxSwinConfig
+    sequence_parallel_refusal = (
+        "an image model: its windows shift across the whole patch grid and merge it stage by stage; shard "
+        "images with data parallelism instead"
+    )
     base_model_prefix = "swin"
     main_input_name = "pixel_values"
     # Window attention with the relative-position bias and the shift mask as FlexAttention's score_mod.

@@ -107,6 +107,10 @@ class HfxTransfoXLPreTrainedModel(HfxPreTrainedModel):
     weight init, vocabulary resizing (adaptive clusters) and zero memories."""
 
     config_class = HfxTransfoXLConfig
+    sequence_parallel_refusal = (
+        "its memories hold the previous segment's hidden states of every token and its relative positions "
+        "span memory and segment; train with shorter segments (mem_len) instead"
+    )
     base_model_prefix = "transformer"
     _no_split_modules = ["HfxTransfoXLLayer"]
     # attn_implementation: relative-position attention has one kernel (attention/relative_memory.py), explicit scores

@@ -241,6 +241,10 @@ class HfxUniversalLMHead(HfxLMHead):
 
 class HfxUniversalPreTrainedModel(HfxPreTrainedModel):
     config_class = HfxUniversalConfig
+    sequence_parallel_refusal = (
+        "its recurrent block halts per token across depth (ACT) and its decoder attends through a cache; it "
+        "has no sequence-parallel path"
+    )
     base_model_prefix = "universal"
     _no_split_modules = ["HfxUniversalLayer"]
     # Causal and padding masks as FlexAttention's BlockMask (multi_head.py); dense attention otherwise.

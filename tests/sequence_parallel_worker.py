@@ -1,0 +1,270 @@
+"""One rank of ``tests/test_sequence_parallel.py``: every supported (type, head, batch) under DeepSpeed Ulysses on gloo.
+
+Run from the repository root as ``torchrun --standalone --nproc_per_node=N -m tests.sequence_parallel_worker OUT.json``
+with ``DS_ACCELERATOR=cpu``. Each rank:
+
+1. computes every case in one process on the whole batch (training mode, no dropout): loss, logits, gradients;
+2. sets up DeepSpeed's sequence-parallel group over all ranks (``parallel_state_sp.initialize_sequence_parallel``, what
+   ``UlyssesSPAttentionHF.register_with_transformers`` does under accelerate);
+3. runs each case again on its shard of the batch (rank ``r``: tokens ``r * S/N .. (r + 1) * S/N`` of every
+   per-token tensor, as DeepSpeed's ``UlyssesSPDataLoaderAdapter`` cuts them; the ``*-adapter`` cases go through the
+   adapter itself and transformers' ``deepspeed_sp_compute_loss``, as Trainer does), averages the gradients over the
+   group (what DeepSpeed's engine does over its sequence-data-parallel group) and compares.
+
+Rank 0 writes the largest differences per case to ``OUT.json``; ranks that disagree with rank 0 are reported too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import traceback
+import types
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.runtime.sequence_parallel import parallel_state_sp  # noqa: E402
+
+from hf_xformers import HfxReformerConfig, HfxReformerForMaskedLM  # noqa: E402
+from tests.conformance import _TINY, _ids  # noqa: E402
+from tests.test_bigbird import TestBigBirdConformance  # noqa: E402
+from tests.test_linformer import TestLinformerConformance  # noqa: E402
+from tests.test_longformer import TestLongformerConformance  # noqa: E402
+from tests.test_performer import TestPerformerConformance  # noqa: E402
+
+LENGTH = 32  # divisible by 2 and 4 ranks; 8 BigBird blocks of 4, several Longformer windows
+DOCUMENTS = (9, 14, 9)  # the packed row's documents (sum = LENGTH)
+
+CONFIGS = {
+    "hfx-longformer": (TestLongformerConformance, {}),
+    "hfx-bigbird": (TestBigBirdConformance, {"fixed_random_blocks": True, "num_random_blocks": 2}),
+    "hfx-performer": (TestPerformerConformance, {}),
+    "hfx-performer-causal": (TestPerformerConformance, {"is_decoder": True}),
+    "hfx-linformer": (TestLinformerConformance, {"linformer_k": 16, "max_position_embeddings": 64}),
+}
+HEADS = {
+    "masked_lm": "AutoModelForMaskedLM",
+    "sequence_classification": "AutoModelForSequenceClassification",
+    "question_answering": "AutoModelForQuestionAnswering",
+    "token_classification": "AutoModelForTokenClassification",
+    "causal_lm": "AutoModelForCausalLM",
+}
+
+
+def padded_batch(head: str) -> dict:
+    ids = _ids(2, LENGTH, seed=3)
+    mask = torch.ones(2, LENGTH, dtype=torch.long)
+    mask[1, LENGTH - 11 :] = 0  # row 1 padded: the last shard (of 4) is pure padding there
+    ids = ids.masked_fill(mask == 0, 1)
+    ids[:, 5] = 2  # a separator: Longformer's question answering puts the question (before it) global
+    batch = {"input_ids": ids, "attention_mask": mask}
+    return {**batch, **labels_for(head, ids, mask, sequences=2)}
+
+
+def packed_batch(head: str) -> dict:
+    ids = _ids(1, LENGTH, seed=4)
+    seq_idx = torch.cat([torch.full((n,), i) for i, n in enumerate(DOCUMENTS)])[None]
+    starts = torch.tensor([0, *DOCUMENTS]).cumsum(0)[:-1]
+    ids[0, starts + 3] = 2  # a separator in every document (Longformer's question answering)
+    batch = {"input_ids": ids, "seq_idx": seq_idx}
+    return {**batch, **labels_for(head, ids, torch.ones_like(ids), sequences=len(DOCUMENTS))}
+
+
+def labels_for(head: str, ids: torch.Tensor, mask: torch.Tensor, sequences: int) -> dict:
+    g = torch.Generator().manual_seed(5)
+    if head in ("masked_lm", "causal_lm", "token_classification"):
+        high = _TINY["vocab_size"] if head != "token_classification" else _TINY["num_labels"]
+        labels = torch.randint(0, high, ids.shape, generator=g)
+        keep = (torch.rand(ids.shape, generator=g) < 0.5) & mask.bool()
+        labels = labels.masked_fill(~keep, -100)
+        labels[:, 0] = -100  # the label DeepSpeed's adapter drops (see ops/sequence_parallel.gather_batch)
+        return {"labels": labels}
+    if head == "sequence_classification":
+        return {"labels": torch.randint(0, _TINY["num_labels"], (sequences,), generator=g)}
+    return {
+        "start_positions": torch.randint(0, 20, (sequences,), generator=g),
+        "end_positions": torch.randint(0, 20, (sequences,), generator=g),
+    }
+
+
+def cases() -> list[tuple[str, str, str]]:
+    out = []
+    for model_type in CONFIGS:
+        causal = model_type.endswith("causal")
+        for head in ("causal_lm",) if causal else ("masked_lm", "sequence_classification", "question_answering",
+                                                   "token_classification"):  # fmt: skip
+            for form in ("padded", "packed"):
+                if model_type == "hfx-linformer" and form == "packed":
+                    continue  # Linformer refuses packed batches (its projections span the whole row)
+                out.append((model_type, head, form))
+    out += [("hfx-longformer", "masked_lm", "adapter"), ("hfx-performer-causal", "causal_lm", "adapter")]
+    return out
+
+
+def build(model_type: str, head: str):
+    conformance, overrides = CONFIGS[model_type]
+    config = conformance().make_config(**overrides)
+    torch.manual_seed(0)
+    return conformance.heads[HEADS[head]](config).train()
+
+
+def batch_of(head: str, form: str) -> dict:
+    return packed_batch(head) if form == "packed" else padded_batch(head)
+
+
+def run(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    out = model(**batch)
+    out.loss.backward()
+    logits = out.logits if hasattr(out, "logits") else torch.stack([out.start_logits, out.end_logits])
+    grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return out.loss.detach(), logits.detach(), grads
+
+
+def shard(batch: dict, rank: int, size: int) -> dict:
+    cut = LENGTH // size
+    return {
+        k: (v[:, rank * cut : (rank + 1) * cut] if v.dim() == 2 and v.shape[1] == LENGTH else v)
+        for k, v in batch.items()
+    }
+
+
+def through_adapter(model, batch: dict, rank: int, size: int, group) -> tuple:
+    """As Trainer under ParallelismConfig(sp_backend="deepspeed"): DeepSpeed's adapter shards the batch (and turns
+    labels into shift_labels), Trainer sets labels = shift_labels and combines the ranks' losses with
+    deepspeed_sp_compute_loss."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+    from deepspeed.utils import groups
+    from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
+
+    groups.mpu = parallel_state_sp  # what deepspeed.initialize(mpu=...) records
+    positions = torch.arange(LENGTH).expand_as(batch["input_ids"]) + model.config.pad_token_id + 1
+    full = {**batch, "position_ids": positions * batch["attention_mask"] + (1 - batch["attention_mask"])}
+    loader = UlyssesSPDataLoaderAdapter([full], sp_rank=rank, sp_group=group, sp_world_size=size, device="cpu")
+    inputs = next(iter(loader))
+    inputs["labels"] = inputs["shift_labels"]
+    pc = types.SimpleNamespace(sp_backend="deepspeed", sp_size=size)
+    loss, out = deepspeed_sp_compute_loss(None, model, inputs, True, pc)
+    loss.backward()
+    grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return loss.detach(), out.logits.detach(), grads, full
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1.0))
+
+
+def refusals(rank: int, size: int) -> dict:
+    """The ValueError of each call that sequence parallelism cannot serve, on this group (message or "no error")."""
+    conformance, _ = CONFIGS["hfx-longformer"]
+    calls = {
+        "heads_not_divisible": lambda: build_with(conformance, num_attention_heads=size // 2)(),
+        "output_attentions": lambda: build_with(conformance)(output_attentions=True),
+        "unsupported_architecture": lambda: reformer()(),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[f"refusal/{name}"] = {"message": "no error"}
+        except ValueError as error:
+            out[f"refusal/{name}"] = {"message": str(error)}
+        except Exception:
+            out[f"refusal/{name}"] = {"message": "other error: " + traceback.format_exc()[-1500:]}
+    return out
+
+
+def build_with(conformance, **overrides):
+    """A call of a masked-LM model built with ``overrides`` on this rank's shard of the padded batch."""
+    config = conformance().make_config(**overrides)
+    model = conformance.heads["AutoModelForMaskedLM"](config).train()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    return lambda **kw: model(**shard(padded_batch("masked_lm"), rank, size), **kw)
+
+
+def reformer():
+    from tests.test_reformer import TINY
+
+    model = HfxReformerForMaskedLM(HfxReformerConfig(**{**TINY, "is_decoder": False})).train()
+    ids = _ids(1, LENGTH // dist.get_world_size(), seed=1)
+    return lambda: model(input_ids=ids)
+
+
+def main(out_path: str) -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    todo = cases()
+    models, references = {}, {}
+    failed = {}
+    for case in todo:
+        model_type, head, form = case
+        try:
+            models[case] = build(model_type, head)
+        except Exception:
+            failed["/".join(case)] = {"error": "building: " + traceback.format_exc()[-3000:]}
+            continue
+        batch = batch_of(head, form)
+        if form == "adapter":  # the positions the adapter needs, in the reference too
+            mask = batch["attention_mask"]
+            positions = torch.arange(LENGTH).expand_as(mask) + models[case].config.pad_token_id + 1
+            batch["position_ids"] = positions * mask + (1 - mask)
+        try:
+            references[case] = run(copy.deepcopy(models[case]), batch)
+        except Exception:
+            failed["/".join(case)] = {"error": "one process: " + traceback.format_exc()[-3000:]}
+    parallel_state_sp.initialize_sequence_parallel(size)
+    group = parallel_state_sp.get_sequence_parallel_group()
+    results = dict(failed)
+    for case in todo:
+        model_type, head, form = case
+        name = "/".join(case)
+        if name in failed:
+            continue
+        try:
+            model = models[case]
+            seen = []  # the tokens each encoder layer holds on this rank: the shard, or SP did not run
+            layers = [mod for mod in model.modules() if type(mod).__name__ == "HfxEncoderLayer"]
+            hooks = [
+                layer.register_forward_pre_hook(lambda mod, args, seen=seen: seen.append(args[0].shape[1]))
+                for layer in layers
+            ]
+            if form == "adapter":
+                loss, logits, grads, _ = through_adapter(model, batch_of(head, "padded"), rank, size, group)
+            else:
+                loss, logits, grads = run(model, shard(batch_of(head, form), rank, size))
+            for hook in hooks:
+                hook.remove()
+            for g in grads.values():
+                dist.all_reduce(g, group=group)
+                g /= size
+            ref_loss, ref_logits, ref_grads = references[case]
+            results[name] = {
+                "loss": float(loss),
+                "reference_loss": float(ref_loss),
+                "loss_rel_diff": max_rel(loss, ref_loss),
+                "logits_rel_diff": max_rel(logits, ref_logits),
+                "grads_rel_diff": max(max_rel(grads[n], ref_grads[n]) for n in ref_grads),
+                "grads_max_abs": max(float(g.abs().max()) for g in ref_grads.values()),
+                "encoder_tokens": sorted(set(seen)),
+            }
+        except Exception:  # reported per case: one broken case must not hide the others
+            results[name] = {"error": traceback.format_exc()[-3000:]}
+    results.update(refusals(rank, size))
+    gathered = [None] * size
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        merged = {name: {**result, "ranks": [g[name] for g in gathered]} for name, result in results.items()}
+        with open(out_path, "w") as f:
+            json.dump({"world_size": size, "cases": merged}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

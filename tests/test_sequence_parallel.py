@@ -1,0 +1,96 @@
+"""Sequence parallelism (DeepSpeed Ulysses) on the CPU: 2 and 4 gloo ranks give one process's loss, logits and gradients.
+
+One ``torchrun`` launch of ``tests/sequence_parallel_worker.py`` per group size runs every case (starting processes
+costs more than the tiny models): hfx-longformer, hfx-bigbird (seeded random blocks), hfx-performer (bidirectional
+and causal) and hfx-linformer, with every token-sequence head, on a padded batch (one row's last shard pure padding)
+and on a packed row (``seq_idx``; Linformer refuses packing), plus two cases through DeepSpeed's own data-loader
+adapter and transformers' ``deepspeed_sp_compute_loss`` (what Trainer runs), and the set-up refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="sequence parallelism runs on DeepSpeed (pip install -e .[test])")
+
+ROOT = Path(__file__).resolve().parent.parent
+TOLERANCE = 1e-5  # relative to the largest reference value (at least 1), float32
+TIMEOUT_S = 420
+
+sys.path.insert(0, str(ROOT))
+from tests.sequence_parallel_worker import cases  # noqa: E402
+
+CASES = ["/".join(case) for case in cases()]
+
+
+def _launch(tmp_path_factory, ranks: int) -> dict:
+    out = tmp_path_factory.mktemp(f"sp{ranks}") / "results.json"
+    env = {
+        **os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "DS_ACCELERATOR": "cpu",
+    }  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+        "-m", "tests.sequence_parallel_worker", str(out),
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as error:  # a collective that never pairs up hangs rather than fails
+        pytest.fail(
+            f"{ranks} sequence-parallel ranks did not finish in {TIMEOUT_S} s:\n{(error.stdout or b'')[-4000:]!r}"
+        )
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    results = json.loads(out.read_text())
+    assert results["world_size"] == ranks
+    return results["cases"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    return _launch(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> dict:
+    return _launch(tmp_path_factory, 4)
+
+
+def _check_exact(result: dict, ranks: int) -> None:
+    assert "error" not in result, result["error"]
+    # The encoder really ran on shards (otherwise every rank computing the whole batch would pass too).
+    assert result["encoder_tokens"] == [32 // ranks]
+    assert result["loss_rel_diff"] <= TOLERANCE, (result["loss"], result["reference_loss"])
+    assert result["logits_rel_diff"] <= TOLERANCE
+    assert result["grads_rel_diff"] <= TOLERANCE
+    assert result["grads_max_abs"] > 1e-3  # gradients that are not all zero: the comparison proves something
+    # Every rank computed the same loss (Trainer and DeepSpeed average what the ranks report).
+    assert len({rank["loss"] for rank in result["ranks"]}) == 1
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sequence_parallel_two_ranks_equal_one_process(two_ranks, case):
+    _check_exact(two_ranks[case], 2)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sequence_parallel_four_ranks_equal_one_process(four_ranks, case):
+    _check_exact(four_ranks[case], 4)
+
+
+@pytest.mark.parametrize(
+    "refusal, words",
+    [
+        ("heads_not_divisible", "choose an sp_size that divides"),
+        ("output_attentions", "pass output_attentions=False"),
+        ("unsupported_architecture", "HfxReformerForMaskedLM cannot train with sequence parallelism"),
+    ],
+)
+def test_sequence_parallel_refuses_what_it_cannot_serve(two_ranks, four_ranks, refusal, words):
+    for results in (two_ranks, four_ranks):
+        assert words in results[f"refusal/{refusal}"]["message"]
