@@ -29,14 +29,17 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import transformers  # noqa: E402
 from deepspeed.runtime.sequence_parallel import parallel_state_sp  # noqa: E402
 
-from hf_xformers import HfxReformerConfig, HfxReformerForMaskedLM  # noqa: E402
+from hf_xformers.attention.base import HfxSelfAttention  # noqa: E402
 from tests.conformance import _TINY, _ids  # noqa: E402
 from tests.test_bigbird import TestBigBirdConformance  # noqa: E402
 from tests.test_linformer import TestLinformerConformance  # noqa: E402
 from tests.test_longformer import TestLongformerConformance  # noqa: E402
 from tests.test_performer import TestPerformerConformance  # noqa: E402
+from tests.test_reformer import TestReformerConformance  # noqa: E402
+from tests.test_universal import TestUniversalConformance  # noqa: E402
 
 LENGTH = 32  # divisible by 2 and 4 ranks; 8 BigBird blocks of 4, several Longformer windows
 DOCUMENTS = (9, 14, 9)  # the packed row's documents (sum = LENGTH)
@@ -47,6 +50,13 @@ CONFIGS = {
     "hfx-performer": (TestPerformerConformance, {}),
     "hfx-performer-causal": (TestPerformerConformance, {"is_decoder": True}),
     "hfx-linformer": (TestLinformerConformance, {"linformer_k": 16, "max_position_embeddings": 64}),
+    # Seeded LSH rotations (training draws fresh ones otherwise); local chunks of 4, LSH chunks of 8.
+    "hfx-reformer": (TestReformerConformance, {"hash_seed": 3, "num_attention_heads": 4}),
+    "hfx-reformer-causal": (TestReformerConformance, {"hash_seed": 3, "num_attention_heads": 4, "is_decoder": True}),
+    # Training's fresh random draws (BigBird's random blocks, Reformer's LSH rotations): every rank draws for all
+    # heads, as one process does, and keeps its heads' part; the same generator state gives the same draws.
+    "hfx-bigbird-drawn": (TestBigBirdConformance, {"fixed_random_blocks": False, "num_random_blocks": 2}),
+    "hfx-reformer-drawn": (TestReformerConformance, {"num_attention_heads": 4}),
 }
 HEADS = {
     "masked_lm": "AutoModelForMaskedLM",
@@ -97,13 +107,21 @@ def cases() -> list[tuple[str, str, str]]:
     out = []
     for model_type in CONFIGS:
         causal = model_type.endswith("causal")
-        for head in ("causal_lm",) if causal else ("masked_lm", "sequence_classification", "question_answering",
-                                                   "token_classification"):  # fmt: skip
+        heads = ("masked_lm", "sequence_classification", "question_answering")
+        if model_type.endswith("drawn"):
+            heads = ("masked_lm",)
+        elif model_type != "hfx-reformer":
+            heads += ("token_classification",)  # (Reformer has no token-classification head)
+        for head in ("causal_lm",) if causal else heads:
             for form in ("padded", "packed"):
                 if model_type == "hfx-linformer" and form == "packed":
                     continue  # Linformer refuses packed batches (its projections span the whole row)
                 out.append((model_type, head, form))
-    out += [("hfx-longformer", "masked_lm", "adapter"), ("hfx-performer-causal", "causal_lm", "adapter")]
+    out += [
+        ("hfx-longformer", "masked_lm", "adapter"),
+        ("hfx-performer-causal", "causal_lm", "adapter"),
+        ("hfx-reformer-causal", "causal_lm", "adapter"),
+    ]
     return out
 
 
@@ -111,7 +129,9 @@ def build(model_type: str, head: str):
     conformance, overrides = CONFIGS[model_type]
     config = conformance().make_config(**overrides)
     torch.manual_seed(0)
-    return conformance.heads[HEADS[head]](config).train()
+    auto = HEADS[head]
+    model_class = conformance.heads.get(auto) or transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    return model_class(config).train()
 
 
 def batch_of(head: str, form: str) -> dict:
@@ -119,6 +139,7 @@ def batch_of(head: str, form: str) -> dict:
 
 
 def run(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    torch.manual_seed(1234)  # the same random draws in one process and on every rank
     out = model(**batch)
     out.loss.backward()
     logits = out.logits if hasattr(out, "logits") else torch.stack([out.start_logits, out.end_logits])
@@ -149,6 +170,7 @@ def through_adapter(model, batch: dict, rank: int, size: int, group) -> tuple:
     inputs = next(iter(loader))
     inputs["labels"] = inputs["shift_labels"]
     pc = types.SimpleNamespace(sp_backend="deepspeed", sp_size=size)
+    torch.manual_seed(1234)
     loss, out = deepspeed_sp_compute_loss(None, model, inputs, True, pc)
     loss.backward()
     grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
@@ -165,7 +187,7 @@ def refusals(rank: int, size: int) -> dict:
     calls = {
         "heads_not_divisible": lambda: build_with(conformance, num_attention_heads=size // 2)(),
         "output_attentions": lambda: build_with(conformance)(output_attentions=True),
-        "unsupported_architecture": lambda: reformer()(),
+        "unsupported_architecture": lambda: universal()(),
     }
     out = {}
     for name, call in calls.items():
@@ -187,10 +209,8 @@ def build_with(conformance, **overrides):
     return lambda **kw: model(**shard(padded_batch("masked_lm"), rank, size), **kw)
 
 
-def reformer():
-    from tests.test_reformer import TINY
-
-    model = HfxReformerForMaskedLM(HfxReformerConfig(**{**TINY, "is_decoder": False})).train()
+def universal():
+    model = TestUniversalConformance.heads["AutoModelForMaskedLM"](TestUniversalConformance().make_config()).train()
     ids = _ids(1, LENGTH // dist.get_world_size(), seed=1)
     return lambda: model(input_ids=ids)
 
@@ -228,8 +248,8 @@ def main(out_path: str) -> None:
             continue
         try:
             model = models[case]
-            seen = []  # the tokens each encoder layer holds on this rank: the shard, or SP did not run
-            layers = [mod for mod in model.modules() if type(mod).__name__ == "HfxEncoderLayer"]
+            seen = []  # the tokens each attention layer gets on this rank: the shard, or SP did not run
+            layers = [mod for mod in model.modules() if isinstance(mod, HfxSelfAttention)]
             hooks = [
                 layer.register_forward_pre_hook(lambda mod, args, seen=seen: seen.append(args[0].shape[1]))
                 for layer in layers

@@ -83,6 +83,21 @@ class HfxSelfAttention(KernelChoice):
     # The projections that read the input, one token at a time, in the order the sequence-parallel exchange carries
     # them (:meth:`attend_sequence_parallel`). A variant whose mechanism reads the input otherwise cannot take it.
     sequence_parallel_projections: tuple[str, ...] = ("query", "key", "value")
+    # (first, count, all) on a sequence-parallel head shard (:meth:`head_shard`): it runs heads first .. first + count
+    # of the layer's all; None on the layer itself.
+    head_range: tuple[int, int, int] | None = None
+
+    @property
+    def all_heads(self) -> int:
+        """The layer's number of heads (a head shard's :attr:`num_heads` is a part of them)."""
+        return self.num_heads if self.head_range is None else self.head_range[2]
+
+    def own_heads(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """``tensor``, drawn for :attr:`all_heads` along ``dim``, narrowed to this module's heads: a head shard makes
+        the random draws of the whole layer (the same generator calls as one process) and keeps its heads' part."""
+        if self.head_range is None:
+            return tensor
+        return tensor.narrow(dim, self.head_range[0], self.head_range[1])
 
     def forward(
         self,
@@ -135,7 +150,9 @@ class HfxSelfAttention(KernelChoice):
         view = self.head_shard(shards.rank * local_heads, local_heads)
         out = view.attend_tokens(arrived, attention_mask, False, *extras, **named_extras)
         context = heads_to_tokens(out.context.view(batch, length, local_heads, dim), shards.group)
-        return AttentionOutput(context.reshape(batch, shard, heads * dim))
+        # The third field is the variant's own (Reformer's LSH buckets of this rank's heads, which the reversible
+        # backward pass hands back to this rank's recomputation); attention probabilities are refused under SP.
+        return AttentionOutput(context.reshape(batch, shard, heads * dim), None, out.global_attentions)
 
     def head_shard(self, first: int, count: int) -> HfxSelfAttention:
         """This module restricted to heads ``first .. first + count`` of its input, the projections of
@@ -146,6 +163,7 @@ class HfxSelfAttention(KernelChoice):
         view._modules = dict(self._modules)
         view._buffers = dict(self._buffers)
         view.num_heads = count
+        view.head_range = (first, count, self.num_heads)
         width = count * self.head_dim
         for i, name in enumerate(self.sequence_parallel_projections):
             setattr(view, name, _Columns(i * width, width))

@@ -179,7 +179,8 @@ class HfxBlockSparseSelfAttention(PackedBlockSparse, HfxFullSelfAttention, Kerne
         allowed = (i >= 1) & (i <= last - 1) & (j >= 1) & (j <= last - 1) & ((i - j).abs() > 1)
         valid = self._valid_slots(last_block, num_blocks)
         # Float32 under any default dtype: 16-bit scores tie often, and topk breaks ties by position (a biased draw).
-        scores = torch.rand(batch, self.num_heads, num_blocks, num_blocks, device=device, dtype=torch.float32)
+        scores = torch.rand(batch, self.all_heads, num_blocks, num_blocks, device=device, dtype=torch.float32)
+        scores = self.own_heads(scores, 1)
         chosen = _draw_allowed(scores, allowed[:, None], r)
         return chosen.masked_fill(~valid[:, None], 0), valid
 
@@ -201,8 +202,8 @@ class HfxBlockSparseSelfAttention(PackedBlockSparse, HfxFullSelfAttention, Kerne
         else:
             j = torch.arange(layout.max_count, device=device)
             allowed = (j >= 1) & (j <= (count - 2)[:, None]) & ((local[:, None] - j).abs() > 1)
-            scores = torch.rand(heads, local.shape[0], layout.max_count, device=device, dtype=torch.float32)
-            random = _draw_allowed(scores, allowed, r)
+            scores = torch.rand(self.all_heads, local.shape[0], layout.max_count, device=device, dtype=torch.float32)
+            random = _draw_allowed(self.own_heads(scores, 0), allowed, r)
         return random.masked_fill(~valid, 0) + first[:, None], valid
 
     def _token_random(self, layout: DocumentBlocks) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +222,8 @@ class HfxBlockSparseSelfAttention(PackedBlockSparse, HfxFullSelfAttention, Kerne
             # One draw per query block: the tokens of a block all read the draw made at its first token.
             j = torch.arange(ceil_div(length, b), device=local.device)
             allowed = (j >= 1) & (j <= (count - 2)[..., None]) & ((local[..., None] - j).abs() > 1)
-            scores = torch.rand(batch, heads, length, j.shape[0], device=local.device, dtype=torch.float32)
+            scores = torch.rand(batch, self.all_heads, length, j.shape[0], device=local.device, dtype=torch.float32)
+            scores = self.own_heads(scores, 1)
             # (Every token of a block is allowed the same blocks as its first, whose draw it reads.)
             block_start = torch.arange(length, device=local.device) - layout.position % b
             scores = scores.gather(2, block_start[:, None, :, None].expand(-1, heads, -1, scores.shape[-1]))

@@ -72,7 +72,11 @@ class LSHHashing:
     # ----- hashing -------------------------------------------------------------------------------------------
     def fixed_rotations(self, num_hashes: int) -> torch.Tensor:
         seed = self.layer_idx if self.hash_seed is None else self.hash_seed
-        return draw_rotations(self.num_heads, self.head_dim, num_hashes, self.num_buckets, seed)
+        # A sequence-parallel head shard hashes with its heads' rows of the draw for all heads: one process's buckets.
+        return self.own_heads(draw_rotations(self.all_heads, self.head_dim, num_hashes, self.num_buckets, seed), 0)
+
+    def narrow_head_state(self, first: int, count: int) -> None:
+        self.rotations = self.rotations.narrow(0, first, count)
 
     def rotations_for(self, num_hashes: int, like: torch.Tensor) -> torch.Tensor:
         """Rotations ``(heads, head_dim, num_hashes, sum(factors) / 2)`` float32 on ``like``'s device."""
@@ -81,8 +85,8 @@ class LSHHashing:
             # and copy per layer and step). Only their distribution is specified: the numbers depend on the device's
             # generator. The reversible backward pass restores that generator's state, so the recomputation draws the
             # same numbers.
-            shape = (self.num_heads, self.head_dim, num_hashes, sum(bucket_factors(self.num_buckets)) // 2)
-            return torch.randn(shape, device=like.device, dtype=torch.float32)
+            shape = (self.all_heads, self.head_dim, num_hashes, sum(bucket_factors(self.num_buckets)) // 2)
+            return self.own_heads(torch.randn(shape, device=like.device, dtype=torch.float32), 0)
         if num_hashes == self.num_hashes:
             return self.rotations.to(device=like.device, dtype=torch.float32)  # the buffer itself: no copy
         # A `num_hashes` other than the config's (an evaluation option): seeded rotations of that shape, drawn on the

@@ -56,8 +56,8 @@ class HfxPreTrainedModel(TransformersCheckpointMixin, PreTrainedModel):
         if self.sequence_parallel_refusal is not None:
             raise ValueError(
                 f"{name} cannot train with sequence parallelism: {self.sequence_parallel_refusal}. Train it without "
-                "sp_size (ParallelismConfig(sp_size=1)), or use hfx-longformer, hfx-bigbird, hfx-performer or "
-                "hfx-linformer (docs/training-past-one-device.md)."
+                "sp_size (ParallelismConfig(sp_size=1)), or use hfx-longformer, hfx-bigbird, hfx-performer, "
+                "hfx-linformer or hfx-reformer (docs/training-past-one-device.md)."
             )
         heads = self.config.num_attention_heads
         if heads % size:

@@ -64,6 +64,7 @@ from ...ops.input_checks import (
     unpadded_to_none,
 )
 from ...ops.packing import CuSeqLensKwargs, PackedBatch, PackedBatchKwargs, packing_kwargs, resolve_packed_batch
+from ...ops.sequence_parallel import SequenceShards, current_shards
 from ...ops.shapes import ceil_div, cut_to_length
 from .configuration_reformer import HfxReformerConfig
 from .reversible import reversible_sequence
@@ -186,16 +187,19 @@ class HfxReformerAttention(nn.Module):
         self.output = HfxReformerSelfOutput(config)
 
     def forward(self, hidden_states, attention_mask=None, padded_lengths=None, num_hashes=None, buckets=None,
-                output_attentions=False, output_length=None, documents=None):  # fmt: skip
+                output_attentions=False, output_length=None, documents=None, sequence_parallel=None):  # fmt: skip
         """``(batch, seq, hidden)`` -> (output, :class:`AttentionOutput` with the LSH buckets in ``global_attentions``'
-        place ``[2]``, the normalised input). ``documents``: the :class:`DocumentLayout` of a packed batch."""
+        place ``[2]``, the normalised input). ``documents``: the :class:`DocumentLayout` of a packed batch.
+        ``sequence_parallel``: the :class:`~hf_xformers.ops.sequence_parallel.SequenceShards` of a sequence-parallel
+        forward (``hidden_states`` is then this rank's tokens; masks and lengths are the whole sequence's)."""
         normed = self.layer_norm(hidden_states)
+        sp = {} if sequence_parallel is None else {"sequence_parallel": sequence_parallel}
         if isinstance(self.self_attention, HfxLSHSelfAttention):
             out = self.self_attention(normed, attention_mask, None, output_attentions, padded_lengths, num_hashes,
-                                      buckets, output_length, documents=documents)  # fmt: skip
+                                      buckets, output_length, documents=documents, **sp)  # fmt: skip
         else:
             out = self.self_attention(normed, attention_mask, None, output_attentions, padded_lengths, output_length,
-                                      documents=documents)  # fmt: skip
+                                      documents=documents, **sp)  # fmt: skip
         return self.output(out.context), out, normed
 
     def decode_step(
@@ -268,9 +272,10 @@ class HfxReformerLayer(nn.Module):
         self.attention = HfxReformerAttention(config, layer_idx)
         self.feed_forward = HfxReformerFeedForward(config)
 
-    def f(self, x2, extra=None, attention_mask=None, padded_lengths=None, num_hashes=None, documents=None):
+    def f(self, x2, extra=None, attention_mask=None, padded_lengths=None, num_hashes=None, documents=None,
+          sequence_parallel=None):  # fmt: skip
         out, attn, _ = self.attention(x2, attention_mask, padded_lengths, num_hashes, buckets=extra,
-                                      documents=documents)  # fmt: skip
+                                      documents=documents, sequence_parallel=sequence_parallel)  # fmt: skip
         return out, attn.global_attentions
 
     def g(self, y1: torch.Tensor) -> torch.Tensor:
@@ -345,7 +350,7 @@ class HfxReformerEncoder(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, padded_lengths=None, num_hashes=None,
                 output_attentions=False, output_hidden_states=False, cache=None, cache_length=None,
-                documents=None, slots=None):  # fmt: skip
+                documents=None, slots=None, sequence_parallel=None):  # fmt: skip
         """``(batch, seq, hidden)`` -> ``(batch, seq, 2 * hidden)``, the per-layer ``x2`` streams, attentions.
 
         ``cache``: an empty :class:`HfxReformerCache` to fill (prefill, ``cache_length`` real positions) or a filled
@@ -379,7 +384,7 @@ class HfxReformerEncoder(nn.Module):
             # around every f and g, which dynamo refuses to trace.)
             x1, x2 = reversible_sequence(
                 self.layers, x1, x2, attention_mask=attention_mask, padded_lengths=padded_lengths,
-                num_hashes=num_hashes, documents=documents,
+                num_hashes=num_hashes, documents=documents, sequence_parallel=sequence_parallel,
             )  # fmt: skip
         else:
             for i, layer in enumerate(self.layers):
@@ -391,7 +396,8 @@ class HfxReformerEncoder(nn.Module):
                     all_hidden.append(x2)
                 out, attn, normed = layer.attention(x2, attention_mask, padded_lengths, num_hashes,
                                                     output_attentions=output_attentions,
-                                                    output_length=cache_length, documents=documents)  # fmt: skip
+                                                    output_length=cache_length, documents=documents,
+                                                    sequence_parallel=sequence_parallel)  # fmt: skip
                 if cache is not None:
                     cache.add_prompt_layer(normed, attn.global_attentions, attention_mask, cache_length)
                 if output_attentions:
@@ -568,11 +574,7 @@ class HfxReformerPreTrainedModel(HfxPreTrainedModel):
     # Local attention's chunk windows as FlexAttention's BlockMask (LSH layers keep their sorted-chunk kernel).
     _supports_flex_attn = True
     config_class = HfxReformerConfig
-    sequence_parallel_refusal = (
-        "its reversible layers recompute activations in the backward pass and its LSH and local attention "
-        "read the input through their own paths (one shared query-key projection, buckets per head, chunked "
-        "look-back); they have no sequence-parallel path yet"
-    )
+    sequence_parallel_refusal = None  # Ulysses: each rank runs the whole sequence on heads / sp_size heads
     base_model_prefix = "reformer"
     # The unit FSDP shards by and device maps keep whole must be a module whose forward encloses every use of its
     # parameters: the reversible path calls each layer's f and g (never a layer's forward) from one autograd
@@ -780,13 +782,31 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         if use_cache and cache is None:
             cache = HfxReformerCache()
         cache = cache if use_cache else None
+        shards = current_shards()
+        if shards is not None:
+            hidden = self._local_tokens(hidden, shards)
         hidden, all_hidden, all_attn = self.encoder(
             hidden, mask, padded_lengths, num_hashes, output_attentions, output_hidden_states, cache=cache,
-            cache_length=seq_len,
+            cache_length=seq_len, sequence_parallel=shards,
         )  # fmt: skip
+        if shards is not None:
+            hidden = shards.gather(hidden)
         all_hidden = all_hidden if output_hidden_states else None
         all_attn = all_attn if output_attentions else None
         return _cut_output(hidden, all_hidden, all_attn, cache, seq_len, start)
+
+    def _local_tokens(self, hidden: torch.Tensor, shards: SequenceShards) -> torch.Tensor:
+        """This rank's tokens of the embeddings padded to the chunks, ``(batch, padded / size, hidden)``, for a
+        sequence-parallel forward (``ops/sequence_parallel.py``); the encoder runs on them."""
+        padded = hidden.shape[1]
+        if padded % shards.size:
+            raise ValueError(
+                f"Reformer pads this batch to {padded} positions (a multiple of its chunk lengths, "
+                f"config.chunk_multiple={self.config.chunk_multiple}), which the {shards.size} sequence-parallel ranks "
+                f"cannot share equally: pad the batch to a multiple of {self.config.chunk_multiple} (pad_to_multiple_of) "
+                "or choose an sp_size that divides it."
+            )
+        return hidden.narrow(1, shards.rank * (padded // shards.size), padded // shards.size)
 
     @staticmethod
     def _resolve_packed(reference, attention_mask, position_ids, packing: PackedBatchKwargs) -> PackedBatch | None:
@@ -883,9 +903,13 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
         # Real tokens are those of a document (padding holds document number `count`); empty slots stay masked.
         real = packed.index < packed.count
         row_mask = torch.zeros(batch, length, dtype=torch.bool, device=hidden.device).scatter(1, slots, real)
+        shards = current_shards()
         row, all_hidden, all_attn = self.encoder(
-            row, row_mask, None, num_hashes, output_attentions, output_hidden_states, documents=layout, slots=slots
-        )
+            row if shards is None else self._local_tokens(row, shards), row_mask, None, num_hashes, output_attentions,
+            output_hidden_states, documents=layout, slots=slots, sequence_parallel=shards,
+        )  # fmt: skip
+        if shards is not None:
+            row = shards.gather(row)
         attentions = None
         if output_attentions:
             rows = slots[:, None, :, None].expand(-1, all_attn[0].shape[1], -1, length)
