@@ -251,7 +251,13 @@ def main(out_path: str) -> None:
             seen = []  # the tokens each attention layer gets on this rank: the shard, or SP did not run
             layers = [mod for mod in model.modules() if isinstance(mod, HfxSelfAttention)]
             hooks = [
-                layer.register_forward_pre_hook(lambda mod, args, seen=seen: seen.append(args[0].shape[1]))
+                layer.register_forward_pre_hook(
+                    # Only the layer's own call (it carries the shards), not the calls a mechanism makes inside.
+                    lambda mod, args, kwargs, seen=seen: (
+                        seen.append(args[0].shape[1]) if "sequence_parallel" in kwargs else None
+                    ),
+                    with_kwargs=True,
+                )
                 for layer in layers
             ]
             if form == "adapter":
