@@ -165,7 +165,18 @@ def test_transfo_xl_entry_reads_the_row_in_segments_with_memories():
 
 def test_bf16_run_writes_a_suffixed_table_that_records_the_precision(tmp_path, monkeypatch):
     monkeypatch.setattr(long_context, "run_cell", _in_process)
-    argv = ["--arch", "universal", "--lengths", "32", "--dtype", "bfloat16", "--autocast", "--out", str(tmp_path), *TINY]
+    argv = [
+        "--arch",
+        "universal",
+        "--lengths",
+        "32",
+        "--dtype",
+        "bfloat16",
+        "--autocast",
+        "--out",
+        str(tmp_path),
+        *TINY,
+    ]
     assert long_context.main(argv) == 0
     stem = tmp_path / "universal_w16_h32_l1_b1_bf16_autocast"
     text = stem.with_suffix(".md").read_text()
@@ -180,7 +191,10 @@ def test_bf16_run_writes_a_suffixed_table_that_records_the_precision(tmp_path, m
     assert long_context.main(["--arch", "universal", "--lengths", "32", "--modes", "forward", "--impls", "hfx",
                               "--out", str(tmp_path), *TINY]) == 0  # fmt: skip
     assert (tmp_path / "universal_w16_h32_l1_b1.md").exists() and stem.with_suffix(".md").exists()
-    assert "dtype: float32 weights (forward); float32 weights (training)" in (tmp_path / "universal_w16_h32_l1_b1.md").read_text()
+    assert (
+        "dtype: float32 weights (forward); float32 weights (training)"
+        in (tmp_path / "universal_w16_h32_l1_b1.md").read_text()
+    )
 
 
 def test_precision_flags_refuse_what_cannot_work(capsys):
@@ -189,8 +203,13 @@ def test_precision_flags_refuse_what_cannot_work(capsys):
     with pytest.raises(SystemExit):
         long_context.main(["--autocast", "--render-only"])
     assert "--autocast needs a 16-bit --dtype" in capsys.readouterr().err
-    assert Precision("bfloat16").suffix() == "_bf16" and Precision("float16", True, "cuda").suffix() == "_fp16_autocast_cuda"
-    assert Precision().suffix() == "" and Precision("bfloat16").describe(training=True).endswith("no autocast (training)")
+    assert (
+        Precision("bfloat16").suffix() == "_bf16"
+        and Precision("float16", True, "cuda").suffix() == "_fp16_autocast_cuda"
+    )
+    assert Precision().suffix() == "" and Precision("bfloat16").describe(training=True).endswith(
+        "no autocast (training)"
+    )
 
 
 def test_old_float32_results_still_render(tmp_path):
@@ -359,3 +378,37 @@ def test_long_context_benchmark_reports_mfu_and_skips_past_its_budget(tmp_path, 
     saved = json.loads((tmp_path / "longformer_w16_h32_l1_b1.json").read_text())
     assert {r["status"] for r in saved["results"].values()} == {"skipped"}
     assert "Skipped (past `--budget-s`)" in (tmp_path / "longformer_w16_h32_l1_b1.md").read_text()
+
+
+# ----- sequence parallelism: per-rank memory and step time against length -------------------------------------------
+
+
+def test_sequence_parallel_benchmark_has_a_row_per_ranks_and_length(tmp_path):
+    """The real launches (a plain process for 1 rank, torch.distributed.run for 2) at a tiny size: a row per (ranks,
+    length), positive memory and time, the budget table."""
+    pytest.importorskip("deepspeed", reason="sequence parallelism runs on DeepSpeed")
+    import json
+
+    from benchmarks import benchmark_sequence_parallel as sp
+
+    argv = ["--hidden", "32", "--layers", "1", "--heads", "2", "--vocab", "50", "--window", "16", "--lengths", "64",
+            "--ranks", "1", "2", "--repeats", "1", "--timeout", "120", "--idle_check_s", "0", "--out", str(tmp_path)]  # fmt: skip
+    assert sp.main(argv) == 0
+    saved = json.loads((tmp_path / "sequence_parallel_longformer_h32_l1.json").read_text())
+    rows = {(r["ranks"], r["length"]): r for r in saved["results"]}
+    assert set(rows) == {(1, 64), (2, 64)}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["peak_mib"] > 0 and row["time_s"] > 0, row
+    assert len(rows[2, 64]["peak_mib_per_rank"]) == 2 and rows[2, 64]["tokens_per_rank"] == 32
+    assert set(saved["budget"]) == {"1", "2"}
+    text = (tmp_path / "sequence_parallel_longformer_h32_l1.md").read_text()
+    assert "| 64 | " in text and "peak RSS" in text and "1 thread(s) per rank" in text
+
+
+def test_sequence_parallel_budget_takes_the_longest_fitting_length_and_extrapolates():
+    from benchmarks.benchmark_sequence_parallel import budget_lengths
+
+    rows = [{"status": "ok", "length": n, "peak_mib": 10 + n / 100} for n in (1000, 2000, 4000)]
+    assert budget_lengths(rows, 35.0) == {"longest_measured": 2000, "linear_extrapolation": 2500}
+    assert budget_lengths(rows, 5.0)["longest_measured"] is None
+    assert budget_lengths(rows[:1], 35.0)["linear_extrapolation"] is None
