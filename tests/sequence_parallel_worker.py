@@ -266,6 +266,13 @@ def main(out_path: str) -> None:
                 loss, logits, grads = run(model, shard(batch_of(head, form), rank, size))
             for hook in hooks:
                 hook.remove()
+            tokens = logits.shape[-2] if head in ("masked_lm", "causal_lm", "token_classification") else None
+            if tokens == LENGTH // size:
+                # A token head returns this rank's tokens' logits (SequenceShards.token_outputs): gather to compare.
+                parts = [torch.empty_like(logits) for _ in range(size)]
+                dist.all_gather(parts, logits.contiguous(), group=group)
+                logits = torch.cat(parts, dim=-2)
+            results_tokens = tokens
             for g in grads.values():
                 dist.all_reduce(g, group=group)
                 g /= size
@@ -278,6 +285,7 @@ def main(out_path: str) -> None:
                 "grads_rel_diff": max(max_rel(grads[n], ref_grads[n]) for n in ref_grads),
                 "grads_max_abs": max(float(g.abs().max()) for g in ref_grads.values()),
                 "encoder_tokens": sorted(set(seen)),
+                "logits_tokens": results_tokens,
             }
         except Exception:  # reported per case: one broken case must not hide the others
             results[name] = {"error": traceback.format_exc()[-3000:]}

@@ -151,6 +151,7 @@ class HfxMaskedLMHeadMixin(HfxLMHeadMixin, HfxLogitsHeadMixin):
 
     task = "masked_lm"
     output_class = MaskedLMOutput
+    sequence_parallel_token_outputs = True
 
     def head_logits(self, out, attention_mask, documents) -> torch.Tensor:
         return self.lm_head(out.last_hidden_state)
@@ -209,6 +210,7 @@ class HfxTokenClassificationHeadMixin(HfxLogitsHeadMixin):
 
     task = "token_classification"
     output_class = TokenClassifierOutput
+    sequence_parallel_token_outputs = True
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -243,6 +245,7 @@ class HfxCausalLMHeadMixin(HfxLMHeadMixin, HfxGenerationMixin):
     """
 
     task = "causal_lm"
+    sequence_parallel_token_outputs = True
 
     def __init__(self, config) -> None:
         super().__init__(self.causal_config(config))

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.input_checks import reads_values, refuse
+from ..ops.sequence_parallel import current_shards
 
 
 def labels_out_of_range(labels: torch.Tensor, high: int, ignore_index: int = -100) -> bool:
@@ -39,7 +40,15 @@ def token_cross_entropy(
     """Cross-entropy of ``logits`` ``(..., num_classes)`` against ``targets`` ``(...)``, positions equal to
     ``ignore_index`` left out: the mean over the scored positions, or their sum divided by ``num_items_in_batch``
     (Trainer's count of scored tokens across gradient-accumulation steps). A batch with no scored position gives 0
-    with zero gradients (a plain mean gives NaN, which would poison accumulated gradients)."""
+    with zero gradients (a plain mean gives NaN, which would poison accumulated gradients). In a sequence-parallel
+    forward whose head scored only this rank's tokens (``logits`` ``(batch, seq_len / size, C)`` against the whole
+    sequence's ``targets``), the ranks' parts are summed: the loss of one process, on every rank."""
+    shards = current_shards()
+    if shards is not None and logits.shape[-2] == shards.shard != targets.shape[-1]:
+        # A sequence-parallel forward's token head scored this rank's tokens only (SequenceShards.token_outputs):
+        # this rank's sum over the whole batch's count, summed over the ranks, is the loss of one process.
+        count = (targets != ignore_index).sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return shards.sum(token_cross_entropy(logits, shards.local(targets), count, ignore_index))
     flat_logits = logits.float().reshape(-1, logits.shape[-1])
     flat_targets = targets.reshape(-1).to(logits.device, torch.long)
     total = F.cross_entropy(flat_logits, flat_targets, ignore_index=ignore_index, reduction="sum")

@@ -32,6 +32,9 @@ class HfxPreTrainedModel(TransformersCheckpointMixin, PreTrainedModel):
     # or None where it can: the architectures whose encoder is HfxTextModel's, with attention that reads its input
     # only through per-token projections, set None.
     sequence_parallel_refusal: str | None = "its layers have no sequence-parallel path"
+    # A head that scores tokens gets its rank's tokens from the base model under sequence parallelism (SequenceShards
+    # .token_outputs); the others get the whole sequence.
+    sequence_parallel_token_outputs = False
 
     def __call__(self, *args, **kwargs):
         # Sequence parallelism (DeepSpeed Ulysses under accelerate's ParallelismConfig(sp_backend="deepspeed")): in
@@ -45,6 +48,7 @@ class HfxPreTrainedModel(TransformersCheckpointMixin, PreTrainedModel):
             return super().__call__(*args, **kwargs)
         self.check_sequence_parallel(torch.distributed.get_world_size(group), args, kwargs)
         args, kwargs, shards = gather_batch(group, args, kwargs)
+        shards = shards._replace(token_outputs=self.sequence_parallel_token_outputs)
         with sharded_forward(shards):
             return super().__call__(*args, **kwargs)
 

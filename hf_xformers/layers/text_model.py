@@ -100,7 +100,8 @@ class HfxTextModel:
                        attention_kwargs: dict) -> HfxModelOutput:  # fmt: skip
         """The encoder on the embeddings ``hidden`` ``(batch, seq_len, hidden)``. In a sequence-parallel forward
         (``ops/sequence_parallel.py``) the masks and layouts are the whole sequence's, the encoder runs on this rank's
-        tokens (its attention exchanging heads for tokens) and the last hidden states are gathered whole."""
+        tokens (its attention exchanging heads for tokens) and the last hidden states are gathered whole, unless the
+        head scores tokens (``shards.token_outputs``: this rank's tokens are returned)."""
         shards = current_shards()
         if shards is not None:
             hidden = shards.local(hidden)
@@ -108,7 +109,7 @@ class HfxTextModel:
         out = self.encoder(
             hidden, attention_mask, global_attention_mask, output_attentions, output_hidden_states, attention_kwargs
         )
-        if shards is not None:
+        if shards is not None and not shards.token_outputs:
             out.last_hidden_state = shards.gather(out.last_hidden_state)
         return out
 

@@ -11,8 +11,10 @@ batch cut along dim 1 (rank ``r`` holds tokens ``r * S/N .. (r + 1) * S/N``). A 
 3. in every attention layer projects its tokens, exchanges tokens for heads with DeepSpeed's all-to-all
    (:func:`tokens_to_heads`: each rank then holds every token of ``H/N`` heads), runs the unchanged mechanism on those
    heads and exchanges back (:func:`heads_to_tokens`): the feed-forward blocks, the largest activations, stay sharded;
-4. gathers the last hidden states (:meth:`SequenceShards.gather`), so that every head (masked LM, classification, QA)
-   computes on every rank the loss one process computes.
+4. gathers the last hidden states (:meth:`SequenceShards.gather`), so that every sequence-level head (classification,
+   QA) computes on every rank the loss one process computes; a token-level head (masked LM, causal LM, token
+   classification) scores its rank's tokens and sums the ranks' parts of the loss (``token_outputs``): every rank
+   again holds the loss of one process, and its logits are its own tokens' ``(batch, seq_len / size, ...)``.
 
 Gradients: every rank computes the same loss, and the collectives' backward passes sum what flows back to each shard,
 so the average of the ranks' gradients over the group, which DeepSpeed's engine takes over its sequence-data-parallel
@@ -55,6 +57,10 @@ class SequenceShards(NamedTuple):
     """Ranks in ``group`` (``sp_size``)."""
     shard: int
     """Tokens per rank; the whole sequence is ``size * shard``."""
+    token_outputs: bool = False
+    """The head scores tokens (masked LM, causal LM, token classification): the base model then returns this rank's
+    tokens only (no gather), the head scores them, and :func:`~hf_xformers.layers.losses.token_cross_entropy` sums
+    the ranks' parts; the ``(seq_len, vocab)`` logits, a step's largest tensor, never exist whole on a rank."""
 
     def local(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of a whole-sequence tensor (its slice along ``dim``)."""
@@ -66,6 +72,12 @@ class SequenceShards(NamedTuple):
         from torch.distributed.nn.functional import all_gather
 
         return torch.cat(all_gather(tensor.contiguous(), group=self.group), dim=1)
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the ranks (autograd's all-reduce: each rank's part gets the gradient of the sum)."""
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(tensor, group=self.group)
 
 
 # A plain module global, not a ContextVar: torch.compile traces a read of it (and guards on it), not a ContextVar's.
