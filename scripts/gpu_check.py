@@ -24,6 +24,9 @@ Steps (:data:`STEPS`, in order):
 7. ``learning``: every architecture trains on a small synthetic classification task and must reach
    :data:`LEARNING_THRESHOLD` test accuracy (4 classes: chance is 25 %) in the steps it has (this file's worker).
    It replaces the ListOps run of earlier versions, which ended at chance after 60 steps on the H200.
+8. ``sequence_parallel``: ``tests/sequence_parallel_worker.py`` on 2 to 4 GPUs over NCCL (DeepSpeed Ulysses): every
+   supported type and head against one process, to 1e-5 in float32 (TF32 off). Needs DeepSpeed and two GPUs; with one
+   (the usual loan) it reports that and ends at once. The dry run takes 2 gloo ranks on the CPU.
 
 Steps whose work is a list of cells (the sweep, the two benchmarks, the learning check) get their step's time limit
 as a budget, less a margin for the cell in flight: they start no cell past it and list the cells left as skipped,
@@ -305,6 +308,32 @@ def long_context_argv(ctx: Context, step_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def sequence_parallel_argv(ctx: Context, step_dir: Path) -> list[str]:
+    """Sequence parallelism on 2 to 4 GPUs over NCCL (``tests/sequence_parallel_worker.py``: every supported type and
+    head against one process); the dry run takes 2 gloo ranks on the CPU. A machine with one GPU, or without
+    DeepSpeed, runs a line that says so (the step's figures report it)."""
+    import importlib.util
+
+    out = str(step_dir / "sequence_parallel.json")
+    if importlib.util.find_spec("deepspeed") is None:
+        why = "DeepSpeed is not installed (pip install deepspeed with DS_BUILD_OPS=0)"
+    elif ctx.device == "cpu":
+        why, ranks = None, 2
+    else:
+        import torch
+
+        ranks = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 0
+        why = None if ranks >= 2 else f"{ranks} GPU(s) here: sequence parallelism needs 2 or more"
+    if why is not None:
+        record = json.dumps({"skipped": why})
+        return [ctx.python, "-c", f"import pathlib; pathlib.Path({out!r}).write_text({record!r}); print({why!r})"]
+    return [
+        "env", f"HFX_SP_DEVICE={ctx.device}", f"DS_ACCELERATOR={ctx.device}", "OMP_NUM_THREADS=1",
+        ctx.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+        "-m", "tests.sequence_parallel_worker", out,
+    ]  # fmt: skip
+
+
 def packing_argv(ctx: Context, step_dir: Path) -> list[str]:
     sizes = (
         ["--arch", "longformer", "bigbird", "performer", "reformer", "universal", "--batch-sizes", "8",
@@ -316,8 +345,6 @@ def packing_argv(ctx: Context, step_dir: Path) -> list[str]:
         ctx.python, "-m", "benchmarks.benchmark_packing", "--device", ctx.device, "--dtype", "bfloat16", *sizes,
         "--name", "packing", "--out", str(step_dir),
     ]  # fmt: skip
-
-
 
 
 # ----- key figures for the summary (each reads what its step wrote; a step stopped early has written less) -----
@@ -510,6 +537,24 @@ def packing_figures(step_dir: Path, log: str) -> list[str]:
     return lines
 
 
+def sequence_parallel_figures(step_dir: Path, log: str) -> list[str]:
+    data = _read_json(step_dir / "sequence_parallel.json")
+    if not data:
+        return []
+    if "skipped" in data:
+        return [f"Not run: {data['skipped']}."]
+    cases = {name: c for name, c in data["cases"].items() if not name.startswith("refusal/")}
+    failed = sorted(name for name, c in cases.items() if "error" in c)
+    worst = max((max(c["loss_rel_diff"], c["logits_rel_diff"], c["grads_rel_diff"]) for c in cases.values()
+                 if "error" not in c), default=float("nan"))  # fmt: skip
+    return [
+        f"{data['world_size']} ranks on {data.get('device', 'cpu')}: {len(cases) - len(failed)} of {len(cases)} "
+        f"(type, head, batch) cases ran; largest relative difference from one process {worst:.2e} (loss, logits, "
+        "gradients).",
+        *(f"- {name}: {cases[name]['error'].strip().splitlines()[-1]}" for name in failed),
+    ]
+
+
 def learning_figures(step_dir: Path, log: str) -> list[str]:
     data = _read_json(step_dir / "learning.json")
     if not data:
@@ -540,10 +585,10 @@ STEPS = [
     Step("environment", "Versions, device, floors, one forward", {"cuda": 30, "cpu": 20},
          lambda ctx, d: worker_argv(ctx, d, "environment"), environment_figures),
     Step("conformance", "pytest --device: conformance suites in bf16 and fp16, packed batches",
-         {"cuda": 100, "cpu": 25}, conformance_argv, conformance_figures),
+         {"cuda": 90, "cpu": 25}, conformance_argv, conformance_figures),
     Step("attention_implementations",
          "Every attn_implementation of every architecture, forward + backward, bf16; FlexAttention in fp32 and head dim 128",
-         {"cuda": 120, "cpu": 30}, lambda ctx, d: worker_argv(ctx, d, "attention_implementations"), sweep_figures),
+         {"cuda": 110, "cpu": 30}, lambda ctx, d: worker_argv(ctx, d, "attention_implementations"), sweep_figures),
     Step("attention_switch", "Attention-switch benchmark: training, ours against transformers, MFU",
          {"cuda": 90, "cpu": 25}, attention_switch_argv, attention_switch_figures,
          module="benchmarks/benchmark_attention_switch.py", flags=("--device", "--dtype", "--autocast", "--budget-s"),
@@ -557,6 +602,9 @@ STEPS = [
          module="benchmarks/benchmark_packing.py", flags=("--device", "--dtype")),
     Step("learning", "Every architecture learns a small synthetic task (accuracy threshold)", {"cuda": 40, "cpu": 30},
          lambda ctx, d: worker_argv(ctx, d, "learning"), learning_figures),
+    # Last: one GPU (the usual loan) skips it at once; 2+ GPUs start NCCL ranks (about 10 s of the 20).
+    Step("sequence_parallel", "Sequence parallelism (DeepSpeed Ulysses) on 2-4 GPUs equals one process",
+         {"cuda": 20, "cpu": 40}, sequence_parallel_argv, sequence_parallel_figures),
 ]  # fmt: skip
 
 

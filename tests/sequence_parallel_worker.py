@@ -166,8 +166,8 @@ def through_adapter(model, batch: dict, rank: int, size: int, group) -> tuple:
     groups.mpu = parallel_state_sp  # what deepspeed.initialize(mpu=...) records
     positions = torch.arange(LENGTH).expand_as(batch["input_ids"]) + model.config.pad_token_id + 1
     full = {**batch, "position_ids": positions * batch["attention_mask"] + (1 - batch["attention_mask"])}
-    loader = UlyssesSPDataLoaderAdapter([full], sp_rank=rank, sp_group=group, sp_world_size=size, device="cpu")
-    inputs = next(iter(loader))
+    loader = UlyssesSPDataLoaderAdapter([full], sp_rank=rank, sp_group=group, sp_world_size=size, device=DEVICE)
+    inputs = on_device(next(iter(loader)))  # (the adapter keeps its shards on the CPU)
     inputs["labels"] = inputs["shift_labels"]
     pc = types.SimpleNamespace(sp_backend="deepspeed", sp_size=size)
     torch.manual_seed(1234)
@@ -215,8 +215,20 @@ def universal():
     return lambda: model(input_ids=ids)
 
 
+# HFX_SP_DEVICE=cuda (scripts/gpu_check.py on 2+ GPUs): each rank on its GPU, NCCL; otherwise the CPU and gloo.
+DEVICE = os.environ.get("HFX_SP_DEVICE", "cpu")
+
+
+def on_device(batch: dict) -> dict:
+    return {k: v.to(DEVICE) for k, v in batch.items()}
+
+
 def main(out_path: str) -> None:
-    deepspeed.init_distributed(dist_backend="gloo")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 exactness, as on the CPU
+        torch.backends.cudnn.allow_tf32 = False
+    deepspeed.init_distributed(dist_backend="nccl" if DEVICE == "cuda" else "gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     todo = cases()
@@ -225,7 +237,7 @@ def main(out_path: str) -> None:
     for case in todo:
         model_type, head, form = case
         try:
-            models[case] = build(model_type, head)
+            models[case] = build(model_type, head).to(DEVICE)
         except Exception:
             failed["/".join(case)] = {"error": "building: " + traceback.format_exc()[-3000:]}
             continue
@@ -235,7 +247,7 @@ def main(out_path: str) -> None:
             positions = torch.arange(LENGTH).expand_as(mask) + models[case].config.pad_token_id + 1
             batch["position_ids"] = positions * mask + (1 - mask)
         try:
-            references[case] = run(copy.deepcopy(models[case]), batch)
+            references[case] = run(copy.deepcopy(models[case]), on_device(batch))
         except Exception:
             failed["/".join(case)] = {"error": "one process: " + traceback.format_exc()[-3000:]}
     parallel_state_sp.initialize_sequence_parallel(size)
@@ -263,7 +275,7 @@ def main(out_path: str) -> None:
             if form == "adapter":
                 loss, logits, grads, _ = through_adapter(model, batch_of(head, "padded"), rank, size, group)
             else:
-                loss, logits, grads = run(model, shard(batch_of(head, form), rank, size))
+                loss, logits, grads = run(model, on_device(shard(batch_of(head, form), rank, size)))
             for hook in hooks:
                 hook.remove()
             tokens = logits.shape[-2] if head in ("masked_lm", "causal_lm", "token_classification") else None
@@ -295,7 +307,7 @@ def main(out_path: str) -> None:
     if rank == 0:
         merged = {name: {**result, "ranks": [g[name] for g in gathered]} for name, result in results.items()}
         with open(out_path, "w") as f:
-            json.dump({"world_size": size, "cases": merged}, f, indent=1)
+            json.dump({"world_size": size, "device": DEVICE, "cases": merged}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 
