@@ -4,13 +4,15 @@ Two modes, from the repository root, with ``DS_ACCELERATOR=cpu``:
 
 * ``torchrun --standalone --nproc_per_node=2 -m tests.sequence_parallel_trainer_worker sp OUT_DIR``: a few steps of
   masked LM on a tiny hfx-longformer with ``TrainingArguments(parallelism_config=ParallelismConfig(sp_backend=
-  "deepspeed", sp_size=2, ...), deepspeed={ZeRO stage 0})``. DeepSpeed's ``UlyssesSPDataLoaderAdapter`` makes the two
+  "deepspeed", sp_size=2, ...), deepspeed={ZeRO stage 0}, use_cpu=True)``, DeepSpeed's comm set up on gloo first
+  (see run_sp), every batch padded to LENGTH tokens with the model's ``position_ids``. DeepSpeed's ``UlyssesSPDataLoaderAdapter`` makes the two
   ranks process ONE batch per step, each rank's batch in turn; the collator records which examples each rank's batches
   hold, so rank 0 writes the order the group trained on (``OUT_DIR/sp.json``: that order, the logged losses, the
   tokens the encoder saw per rank) and the trained weights (``OUT_DIR/sp.pt``).
 * ``python -m tests.sequence_parallel_trainer_worker single OUT_DIR``: one process, no DeepSpeed, the same initial
   weights and arguments, the examples in the order of ``sp.json`` (sequential sampling, same batch size): the same
-  steps on the same batches; writes ``OUT_DIR/single.json`` and ``OUT_DIR/single.pt``.
+  steps on the same batches; writes ``OUT_DIR/single.json``, ``OUT_DIR/single.pt`` and the initial weights
+  ``OUT_DIR/initial.pt``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ from hf_xformers import HfxLongformerConfig, HfxLongformerForMaskedLM, position_
 
 SP_SIZE = 2
 BATCH = 2  # examples per batch (per rank): the group trains on one such batch per step
-LENGTHS = (13, 22, 9, 30, 17, 26, 11, 20)  # odd lengths too: the collator pads to a multiple of SP_SIZE
+LENGTHS = (13, 22, 9, 30, 17, 26, 11, 20)
+# Every batch padded to this many tokens (a multiple of SP_SIZE: the adapter cuts each row into SP_SIZE equal shards).
+# A fixed length, not the batch's longest: the adapter all-gathers each rank's batch with torch.distributed.all_gather,
+# which gloo refuses for tensors of different lengths ("ProcessGroupGloo::allgather: invalid tensor size").
+LENGTH = 32
 MASK_ID = 3
 
 CONFIG = dict(
@@ -59,20 +65,17 @@ def examples() -> list[dict]:
 
 
 class PaddingCollator:
-    """Pads a batch to a multiple of ``pad_to_multiple_of`` (DeepSpeed's adapter cuts every row into ``sp_size`` equal
-    shards) and gives the ``position_ids`` the adapter requires: the model's own positions (``position_ids_start`` for
+    """Pads a batch to ``length`` tokens (see LENGTH) and gives the ``position_ids`` the adapter requires: the model's own positions (``position_ids_start`` for
     the first token, RoBERTa-style: ``pad_token_id + 1``), ``pad_token_id`` on padding. Records the examples of each
     batch in ``seen``."""
 
-    def __init__(self, pad_token_id: int, position_ids_start: int, pad_to_multiple_of: int) -> None:
-        self.pad, self.start, self.multiple = pad_token_id, position_ids_start, pad_to_multiple_of
+    def __init__(self, pad_token_id: int, position_ids_start: int, length: int) -> None:
+        self.pad, self.start, self.length = pad_token_id, position_ids_start, length
         self.seen: list[list[int]] = []
 
     def __call__(self, features: list[dict]) -> dict:
         self.seen.append([f["idx"] for f in features])
-        longest = max(len(f["input_ids"]) for f in features)
-        width = -(-longest // self.multiple) * self.multiple
-        n = len(features)
+        n, width = len(features), self.length
         batch = {
             "input_ids": torch.full((n, width), self.pad),
             "attention_mask": torch.zeros(n, width, dtype=torch.long),
@@ -126,13 +129,22 @@ def weights(net) -> dict:
 
 
 def run_sp(out_dir: str) -> None:
+    import deepspeed
+    import torch.distributed as dist
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
 
+    # use_cpu=True makes accelerate see the 2 gloo processes (one data shard each, one main process); without it,
+    # on a machine with no GPU, accelerate finds no backend and every rank believes it is alone (num_processes 1:
+    # every rank reads every batch, so the adapter trains each twice, and every rank logs and saves as the main one).
+    # But with use_cpu=True accelerate leaves DeepSpeed's comm uninitialized, and register_with_transformers then
+    # fails (a bare AssertionError in parallel_state_sp.initialize_sequence_parallel): set it up first, on gloo.
+    deepspeed.init_distributed(dist_backend="gloo")
     net = model()
-    collator = PaddingCollator(net.config.pad_token_id, position_ids_start_for(net), SP_SIZE)
+    collator = PaddingCollator(net.config.pad_token_id, position_ids_start_for(net), LENGTH)
     args = arguments(
         out_dir,
+        use_cpu=True,
         ddp_backend="gloo",
         train_sampling_strategy="sequential",
         parallelism_config=ParallelismConfig(
@@ -152,8 +164,6 @@ def run_sp(out_dir: str) -> None:
     )
     trainer = Trainer(model=net, args=args, train_dataset=examples(), data_collator=collator)
     result = train(trainer, collator, net)
-
-    import torch.distributed as dist
 
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, {"batches": result["batches"], "losses": result["losses"]})
@@ -179,7 +189,7 @@ def run_single(out_dir: str) -> None:
     dataset = [by_idx[i] for batch in order for i in batch]
     net = model()
     torch.save(weights(net), os.path.join(out_dir, "initial.pt"))
-    collator = PaddingCollator(net.config.pad_token_id, position_ids_start_for(net), SP_SIZE)
+    collator = PaddingCollator(net.config.pad_token_id, position_ids_start_for(net), LENGTH)
     args = arguments(out_dir, train_sampling_strategy="sequential")
     trainer = Trainer(model=net, args=args, train_dataset=dataset, data_collator=collator)
     result = train(trainer, collator, net)

@@ -121,7 +121,9 @@ def test_sequence_parallel_trainer_equals_one_process(tmp_path):
         assert proc.returncode == 0, f"{mode} Trainer run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     sp = json.loads((tmp_path / "sp.json").read_text())
     single = json.loads((tmp_path / "single.json").read_text())
-    assert sp["world_size"] == 2
+    assert sp["world_size"] == sp["accelerate_num_processes"] == 2
+    # Each rank read its own share of the examples, and the group trained on every example once.
+    assert sorted(i for batch in sp["order"] for i in batch) == list(range(8))
     # DeepSpeed's adapter: one batch per step for the whole group, every rank's batch in turn (len(dataloader) * 2).
     assert sp["steps"] == single["steps"] == len(sp["order"]) == 2 * len(sp["batches"]) > 0
     assert single["batches"] == sp["order"]
