@@ -99,3 +99,49 @@ def test_sequence_parallel_four_ranks_equal_one_process(four_ranks, case):
 def test_sequence_parallel_refuses_what_it_cannot_serve(two_ranks, four_ranks, refusal, words):
     for results in (two_ranks, four_ranks):
         assert words in results[f"refusal/{refusal}"]["message"]
+
+
+def test_sequence_parallel_trainer_equals_one_process(tmp_path):
+    """The stock Trainer with ParallelismConfig(sp_backend="deepspeed", sp_size=2) and a ZeRO-0 DeepSpeed config, on
+    2 gloo ranks (tests/sequence_parallel_trainer_worker.py), logs the losses and ends with the weights of a
+    one-process Trainer run on the same batches in the same order."""
+    import torch
+
+    env = {
+        **os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "DS_ACCELERATOR": "cpu",
+    }  # fmt: skip
+    worker = ["-m", "tests.sequence_parallel_trainer_worker"]
+    runs = {
+        "sp": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *worker],
+        "single": [sys.executable, *worker],
+    }
+    for mode, cmd in runs.items():  # the one-process run reads the order of batches the SP run trained on
+        try:
+            proc = subprocess.run(
+                [*cmd, mode, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+            )
+        except subprocess.TimeoutExpired as error:
+            pytest.fail(f"the {mode} Trainer run did not finish in 240 s:\n{(error.stdout or b'')[-4000:]!r}")
+        assert proc.returncode == 0, f"{mode} Trainer run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    sp = json.loads((tmp_path / "sp.json").read_text())
+    single = json.loads((tmp_path / "single.json").read_text())
+    assert sp["world_size"] == sp["accelerate_num_processes"] == 2
+    # Each rank read its own share of the examples, and the group trained on every example once.
+    assert sorted(i for batch in sp["order"] for i in batch) == list(range(8))
+    # DeepSpeed's adapter: one batch per step for the whole group, every rank's batch in turn (len(dataloader) * 2).
+    assert sp["steps"] == single["steps"] == len(sp["order"]) == 2 * len(sp["batches"]) > 0
+    assert single["batches"] == sp["order"]
+    # The encoder ran on half of each padded row (not every rank on the whole batch).
+    assert max(sp["encoder_tokens"]) * 2 == max(single["encoder_tokens"])
+    assert all(losses == sp["losses"] for losses in sp["rank_losses"])
+    assert len(sp["losses"]) == sp["steps"]
+    for step, (a, b) in enumerate(zip(sp["losses"], single["losses"], strict=True)):
+        assert abs(a - b) <= TOLERANCE * max(1.0, abs(b)), (step, sp["losses"], single["losses"])
+    trained, reference = torch.load(tmp_path / "sp.pt"), torch.load(tmp_path / "single.pt")
+    initial = torch.load(tmp_path / "initial.pt")
+    assert trained.keys() == reference.keys() == initial.keys()
+    moved = max(float((reference[k] - initial[k]).abs().max()) for k in reference)
+    diff = max(float((trained[k] - reference[k]).abs().max()) for k in reference)
+    assert moved > 1e-2  # training changed the weights: their agreement proves something
+    assert diff <= 1e-3 * moved, (diff, moved)  # 8 AdamW steps amplify float32 rounding a little

@@ -71,6 +71,17 @@ class HfxTextConfig(PreTrainedConfig):
                 f"({self.num_attention_heads})."
             )
 
+    @property
+    def num_key_value_heads(self) -> int:
+        """Key/value heads: every attention here has one per query head (no grouped-query attention).
+
+        Read-only and never serialized. DeepSpeed's ``UlyssesSPAttentionHF.register_with_transformers``, which accelerate
+        calls when ``ParallelismConfig(sp_backend="deepspeed")`` prepares a model (Trainer does), reads
+        ``config.num_key_value_heads`` and fails without it; our models shard their own attention
+        (ops/sequence_parallel.py) and never call the attention function it wraps.
+        """
+        return self.num_attention_heads
+
     def _remove_keys_not_serialized(self, d: dict[str, Any]) -> None:
         super()._remove_keys_not_serialized(d)
         drop_runtime_keys(d)
