@@ -33,6 +33,10 @@ _PACKING_TOOLS = {
     "packing_refusal": "padding_free",
     "classify_documents": "packed_inference",
     "embed_documents": "packed_inference",
+    # Sequence parallelism: the batches DeepSpeed's data-loader adapter takes, and a script's set-up.
+    "DataCollatorForSequenceParallel": "sequence_parallel_data",
+    "sequence_parallel_size": "sequence_parallel_data",
+    "setup_sequence_parallel": "sequence_parallel_data",
 }
 
 

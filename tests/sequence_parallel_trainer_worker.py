@@ -28,7 +28,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
-from hf_xformers import HfxLongformerConfig, HfxLongformerForMaskedLM, position_ids_start_for  # noqa: E402
+from hf_xformers import (  # noqa: E402
+    DataCollatorForSequenceParallel,
+    HfxLongformerConfig,
+    HfxLongformerForMaskedLM,
+    HfxLongformerForSequenceClassification,
+    setup_sequence_parallel,
+)
 
 SP_SIZE = 2
 BATCH = 2  # examples per batch (per rank): the group trains on one such batch per step
@@ -38,6 +44,10 @@ LENGTHS = (13, 22, 9, 30, 17, 26, 11, 20)
 # which gloo refuses for tensors of different lengths ("ProcessGroupGloo::allgather: invalid tensor size").
 LENGTH = 32
 MASK_ID = 3
+CONFIG_PAD = 1
+# masked_lm (token labels: each rank scores its tokens) or sequence_classification (one label per example, spread over
+# its row by DataCollatorForSequenceParallel and read back by the model).
+TASK = sys.argv[3] if len(sys.argv) > 3 else "masked_lm"
 
 CONFIG = dict(
     vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
@@ -60,46 +70,56 @@ def examples() -> list[dict]:
         masked[1] = True  # at least one label per example
         labels = ids.masked_fill(~masked, -100)
         ids = ids.masked_fill(masked, MASK_ID)
-        out.append({"idx": idx, "input_ids": ids.tolist(), "labels": labels.tolist()})
+        label = labels.tolist() if TASK == "masked_lm" else idx % 3
+        out.append({"idx": idx, "input_ids": (ids if TASK == "masked_lm" else ids.masked_fill(masked, 7)).tolist(),
+                    "labels": label})  # fmt: skip
     return out
 
 
-class PaddingCollator:
-    """Pads a batch to ``length`` tokens (see LENGTH) and gives the ``position_ids`` the adapter requires: the model's own positions (``position_ids_start`` for
-    the first token, RoBERTa-style: ``pad_token_id + 1``), ``pad_token_id`` on padding. Records the examples of each
-    batch in ``seen``."""
+class RecordingCollator:
+    """The package's :class:`~hf_xformers.DataCollatorForSequenceParallel` (pads to LENGTH, adds the model's
+    ``position_ids``, spreads a sequence-level ``labels`` over its row) around a plain padding collator; records the
+    examples of each batch in ``seen``."""
 
-    def __init__(self, pad_token_id: int, position_ids_start: int, length: int) -> None:
-        self.pad, self.start, self.length = pad_token_id, position_ids_start, length
+    def __init__(self, net) -> None:
+        self.inner = DataCollatorForSequenceParallel(pad_longest, net, sp_size=SP_SIZE, max_length=LENGTH)
         self.seen: list[list[int]] = []
 
     def __call__(self, features: list[dict]) -> dict:
         self.seen.append([f["idx"] for f in features])
-        n, width = len(features), self.length
-        batch = {
-            "input_ids": torch.full((n, width), self.pad),
-            "attention_mask": torch.zeros(n, width, dtype=torch.long),
-            "labels": torch.full((n, width), -100),
-            "position_ids": torch.full((n, width), self.pad),
-        }
+        return self.inner(features)
+
+
+def pad_longest(features: list[dict]) -> dict:
+    """Pads to the batch's longest row (as DataCollatorWithPadding does); labels per token or one per example."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.full((len(features), width), CONFIG_PAD)
+    mask = torch.zeros(len(features), width, dtype=torch.long)
+    for row, f in enumerate(features):
+        ids[row, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+        mask[row, : len(f["input_ids"])] = 1
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if isinstance(features[0]["labels"], list):
+        labels = torch.full((len(features), width), -100)
         for row, f in enumerate(features):
-            k = len(f["input_ids"])
-            batch["input_ids"][row, :k] = torch.tensor(f["input_ids"])
-            batch["attention_mask"][row, :k] = 1
-            batch["labels"][row, :k] = torch.tensor(f["labels"])
-            batch["position_ids"][row, :k] = torch.arange(k) + self.start
-        return batch
+            labels[row, : len(f["labels"])] = torch.tensor(f["labels"])
+    else:
+        labels = torch.tensor([f["labels"] for f in features])
+    batch["labels"] = labels
+    return batch
 
 
-def model() -> HfxLongformerForMaskedLM:
+def model():
     torch.manual_seed(0)
-    return HfxLongformerForMaskedLM(HfxLongformerConfig(**CONFIG))
+    if TASK == "masked_lm":
+        return HfxLongformerForMaskedLM(HfxLongformerConfig(**CONFIG))
+    return HfxLongformerForSequenceClassification(HfxLongformerConfig(**CONFIG, num_labels=3))
 
 
 def arguments(out_dir: str, **kwargs) -> TrainingArguments:
     return TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=BATCH, num_train_epochs=1, learning_rate=1e-2,
-        lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1,
+        output_dir=out_dir, per_device_train_batch_size=BATCH, num_train_epochs=1, learning_rate=0.5,
+        lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=3.0, logging_steps=1,
         save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0,
         disable_tqdm=True, remove_unused_columns=False, **kwargs,
     )  # fmt: skip
@@ -113,13 +133,14 @@ def count_encoder_tokens(net) -> list[int]:
     return seen
 
 
-def train(trainer: Trainer, collator: PaddingCollator, net) -> dict:
+def train(trainer: Trainer, collator: RecordingCollator, net) -> dict:
     encoder_tokens = count_encoder_tokens(net)
     start = time.perf_counter()
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    grad_norms = [float(entry["grad_norm"]) for entry in trainer.state.log_history if "grad_norm" in entry]
     return {
-        "losses": losses, "steps": trainer.state.global_step, "seconds": time.perf_counter() - start,
+        "losses": losses, "grad_norms": grad_norms, "steps": trainer.state.global_step, "seconds": time.perf_counter() - start,
         "batches": collator.seen, "encoder_tokens": sorted(set(encoder_tokens)),
     }  # fmt: skip
 
@@ -129,7 +150,6 @@ def weights(net) -> dict:
 
 
 def run_sp(out_dir: str) -> None:
-    import deepspeed
     import torch.distributed as dist
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
@@ -137,11 +157,9 @@ def run_sp(out_dir: str) -> None:
     # use_cpu=True makes accelerate see the 2 gloo processes (one data shard each, one main process); without it,
     # on a machine with no GPU, accelerate finds no backend and every rank believes it is alone (num_processes 1:
     # every rank reads every batch, so the adapter trains each twice, and every rank logs and saves as the main one).
-    # But with use_cpu=True accelerate leaves DeepSpeed's comm uninitialized, and register_with_transformers then
-    # fails (a bare AssertionError in parallel_state_sp.initialize_sequence_parallel): set it up first, on gloo.
-    deepspeed.init_distributed(dist_backend="gloo")
+    # With use_cpu=True accelerate leaves DeepSpeed's comm unset: setup_sequence_parallel sets it up (gloo).
     net = model()
-    collator = PaddingCollator(net.config.pad_token_id, position_ids_start_for(net), LENGTH)
+    collator = RecordingCollator(net)
     args = arguments(
         out_dir,
         use_cpu=True,
@@ -162,6 +180,7 @@ def run_sp(out_dir: str) -> None:
             "fp16": {"enabled": False},
         },  # fmt: skip
     )
+    setup_sequence_parallel(args)
     trainer = Trainer(model=net, args=args, train_dataset=examples(), data_collator=collator)
     result = train(trainer, collator, net)
 
@@ -189,7 +208,7 @@ def run_single(out_dir: str) -> None:
     dataset = [by_idx[i] for batch in order for i in batch]
     net = model()
     torch.save(weights(net), os.path.join(out_dir, "initial.pt"))
-    collator = PaddingCollator(net.config.pad_token_id, position_ids_start_for(net), LENGTH)
+    collator = RecordingCollator(net)
     args = arguments(out_dir, train_sampling_strategy="sequential")
     trainer = Trainer(model=net, args=args, train_dataset=dataset, data_collator=collator)
     result = train(trainer, collator, net)
@@ -199,6 +218,6 @@ def run_single(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    mode, out = sys.argv[1], sys.argv[2]
+    mode, out = sys.argv[1], sys.argv[2]  # (argv[3]: TASK)
     os.makedirs(out, exist_ok=True)
     (run_sp if mode == "sp" else run_single)(out)

@@ -8,7 +8,7 @@ with ``DS_ACCELERATOR=cpu``. Each rank:
    ``UlyssesSPAttentionHF.register_with_transformers`` does under accelerate);
 3. runs each case again on its shard of the batch (rank ``r``: tokens ``r * S/N .. (r + 1) * S/N`` of every
    per-token tensor, as DeepSpeed's ``UlyssesSPDataLoaderAdapter`` cuts them; the ``*-adapter`` cases go through the
-   adapter itself and transformers' ``deepspeed_sp_compute_loss``, as Trainer does), averages the gradients over the
+   adapter itself and transformers' ``deepspeed_sp_compute_loss``, as Trainer does), sums the gradients over the
    group (what DeepSpeed's engine does over its sequence-data-parallel group) and compares.
 
 Rank 0 writes the largest differences per case to ``OUT.json``; ranks that disagree with rank 0 are reported too.
@@ -286,8 +286,7 @@ def main(out_path: str) -> None:
                 logits = torch.cat(parts, dim=-2)
             results_tokens = tokens
             for g in grads.values():
-                dist.all_reduce(g, group=group)
-                g /= size
+                dist.all_reduce(g, group=group)  # summed over the group, as DeepSpeed's engine does
             ref_loss, ref_logits, ref_grads = references[case]
             results[name] = {
                 "loss": float(loss),

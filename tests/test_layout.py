@@ -31,7 +31,7 @@ PACKAGE_DIR = Path(hf_xformers.__file__).resolve().parent
 REPO = PACKAGE_DIR.parent
 TOP_LEVEL = {"hf_xformers", "hf_xformers.models", "hf_xformers.registration", "hf_xformers.peft_support",
              "hf_xformers.export", "hf_xformers.card", "hf_xformers.moved_modules", "hf_xformers.padding_free",
-             "hf_xformers.packed_inference"}  # fmt: skip
+             "hf_xformers.packed_inference", "hf_xformers.sequence_parallel_data"}  # fmt: skip
 
 
 def module_name(path: Path) -> str:

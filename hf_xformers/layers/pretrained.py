@@ -10,9 +10,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
 
 from ..ops.attention_switch import mark_implementation_unset
-from ..ops.sequence_parallel import current_shards, gather_batch, sequence_parallel_group, sharded_forward
+from ..ops.sequence_parallel import (
+    current_shards,
+    gather_batch,
+    restore_per_sequence,
+    sequence_parallel_group,
+    sharded_forward,
+    share_of_gradient,
+)
 from .head_layers import HfxLMHead
 from .transformers_loading import TransformersCheckpointMixin
 
@@ -42,15 +50,20 @@ class HfxPreTrainedModel(TransformersCheckpointMixin, PreTrainedModel):
         # call gathers the inputs and marks the forward; a base model inside it shards its encoder. Evaluation runs
         # whole on every rank, as accelerate asks of DeepSpeed (disable_in_eval) and Trainer feeds it.
         if not self.training or current_shards() is not None:
-            return super().__call__(*args, **kwargs)
+            return super().__call__(*args, **restore_per_sequence(kwargs))
         group = sequence_parallel_group()
         if group is None:
-            return super().__call__(*args, **kwargs)
+            return super().__call__(*args, **restore_per_sequence(kwargs))
         self.check_sequence_parallel(torch.distributed.get_world_size(group), args, kwargs)
         args, kwargs, shards = gather_batch(group, args, kwargs)
         shards = shards._replace(token_outputs=self.sequence_parallel_token_outputs)
         with sharded_forward(shards):
-            return super().__call__(*args, **kwargs)
+            out = super().__call__(*args, **kwargs)
+        if isinstance(out, ModelOutput) and out.get("loss") is not None:
+            out["loss"] = share_of_gradient(out["loss"], shards.size)
+        elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and out[0].dim() == 0:
+            out = (share_of_gradient(out[0], shards.size), *out[1:])
+        return out
 
     def check_sequence_parallel(self, size: int, args: tuple, kwargs: dict) -> None:
         """``ValueError`` naming the fix when this model, or this call, cannot run on ``size`` ranks sharing the

@@ -16,9 +16,13 @@ batch cut along dim 1 (rank ``r`` holds tokens ``r * S/N .. (r + 1) * S/N``). A 
    classification) scores its rank's tokens and sums the ranks' parts of the loss (``token_outputs``): every rank
    again holds the loss of one process, and its logits are its own tokens' ``(batch, seq_len / size, ...)``.
 
-Gradients: every rank computes the same loss, and the collectives' backward passes sum what flows back to each shard,
-so the average of the ranks' gradients over the group, which DeepSpeed's engine takes over its sequence-data-parallel
-group, is one process's gradient (``tests/test_sequence_parallel.py`` checks it to 1e-5 in float32).
+Gradients: every rank computes the same loss, one process's. DeepSpeed's engine *sums* the ranks' gradients over the
+sequence-parallel group (it all-reduces over the sequence-data-parallel group and divides by the data-parallel size
+only), the convention of a loss split into per-rank parts. The loss a model returns therefore carries ``1 / size`` of
+its gradient on each rank (:func:`share_of_gradient`): each rank's copy counts for a part, the collectives' backward
+passes sum what flows back to each shard, and the sum of the ranks' gradients is one process's gradient, also under
+Trainer's ``deepspeed_sp_compute_loss``, which weights the ranks' (equal) losses by their token counts
+(``tests/test_sequence_parallel.py`` checks both to 1e-5 in float32).
 
 The exchanges are DeepSpeed's (``deepspeed.sequence.layer._SeqAllToAll``, the autograd all-to-all its
 ``DistributedAttention`` uses) and torch.distributed's autograd all-gather; nothing here is a collective of our own.
@@ -36,11 +40,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = [
+    "PER_SEQUENCE_KEY",
     "SequenceShards",
     "current_shards",
     "gather_batch",
     "heads_to_tokens",
     "sequence_parallel_group",
+    "share_of_gradient",
     "sharded_forward",
     "tokens_to_heads",
 ]
@@ -118,6 +124,26 @@ def sequence_parallel_group() -> object | None:
     return group
 
 
+# The batch entry (a dict, which DeepSpeed's adapter copies to every rank) by which
+# hf_xformers.sequence_parallel_data.DataCollatorForSequenceParallel names the sequence-level targets it spread over
+# their rows' tokens ("per_sequence") and the entries it added for the adapter only ("added").
+PER_SEQUENCE_KEY = "sequence_parallel_per_sequence"
+
+
+def restore_per_sequence(kwargs: dict) -> dict:
+    """The batch as the task made it, from one of ``DataCollatorForSequenceParallel``: each spread target read back
+    from its row's last token (``(batch,)``), the adapter's extra entries dropped. Other batches as they are."""
+    marks = kwargs.pop(PER_SEQUENCE_KEY, None)
+    if marks is None:
+        return kwargs
+    for name in marks.get("per_sequence", ()):
+        if isinstance(kwargs.get(name), torch.Tensor) and kwargs[name].dim() == 2:
+            kwargs[name] = kwargs[name][:, -1]
+    for name in marks.get("added", ()):
+        kwargs.pop(name, None)
+    return kwargs
+
+
 def _shard_length(args: tuple, kwargs: dict) -> int | None:
     for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args):
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
@@ -158,7 +184,13 @@ def gather_batch(group, args: tuple, kwargs: dict) -> tuple[tuple, dict, Sequenc
     shift_labels = kwargs.pop("shift_labels", None)
     if shift_labels is not None:
         kwargs["labels"] = F.pad(shift_labels[:, :-1], (1, 0), value=-100)
-    return args, kwargs, shards
+    return args, restore_per_sequence(kwargs), shards
+
+
+def share_of_gradient(loss: torch.Tensor, size: int) -> torch.Tensor:
+    """``loss`` with the same value and ``1 / size`` of its gradient: one rank's share of a loss that every rank of the
+    group computes whole (module docstring)."""
+    return loss.detach() + (loss - loss.detach()) / size
 
 
 def tokens_to_heads(tensor: torch.Tensor, group) -> torch.Tensor:
