@@ -87,6 +87,7 @@ from examples.utils_examples import (
     parse_script_args,
     require_columns,
     resume_checkpoint,
+    sequence_parallel_collator,
     setup_logging,
     take,
     token_length_report,
@@ -98,6 +99,7 @@ from hf_xformers.packed_inference import (
     document_windows,
     special_token_layout,
 )
+from hf_xformers.sequence_parallel_data import DataCollatorForSequenceParallel, sequence_label_ids
 
 logger = logging.getLogger("run_classification")
 
@@ -673,12 +675,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     model, tokenizer, max_length = load_model(model_args, data_args, kind, labels)
     collator = data_collator(model, tokenizer, max_length, data_args, training_args)
+    collator = sequence_parallel_collator(collator, model, training_args, max_length, data_args.padding_free, logger)
+    sequence_parallel = isinstance(collator, DataCollatorForSequenceParallel)
     features, document_index, reports = tokenize_splits(encoded, tokenizer, max_length, data_args, training_args)
 
     def window_metrics(prediction: EvalPrediction) -> dict[str, float]:
         # Periodic evaluation during training scores windows; the final evaluation scores documents.
         logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
-        return compute_metrics(kind, logits, prediction.label_ids, data_args.multi_label_threshold)
+        label_ids = prediction.label_ids
+        if sequence_parallel and kind != MULTI_LABEL:
+            label_ids = sequence_label_ids(label_ids)  # spread over the tokens for DeepSpeed's adapter
+        return compute_metrics(kind, logits, label_ids, data_args.multi_label_threshold)
 
     trainer = Trainer(
         model=model,

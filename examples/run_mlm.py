@@ -94,6 +94,7 @@ from examples.utils_examples import (  # noqa: E402
     packed_collator,
     parse_script_args,
     resume_checkpoint,
+    sequence_parallel_collator,
     setup_logging,
 )
 from hf_xformers.conversion.convert_roberta_to_long import copy_proj_layers  # noqa: E402
@@ -685,7 +686,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_dataset=train,
         eval_dataset=evaluation,
         processing_class=tokenizer,
-        data_collator=MaskingCollator(tokenizer, data_args.mlm_probability, packed),
+        data_collator=sequence_parallel_collator(
+            MaskingCollator(tokenizer, data_args.mlm_probability, packed),
+            model,
+            training_args,
+            block_size,
+            packed is not None,
+            logger,
+        ),  # fmt: skip
         compute_metrics=compute_metrics,
         preprocess_logits_for_metrics=token_losses if packed is None else packed_token_losses,
     )

@@ -79,6 +79,7 @@ from examples.utils_examples import (
     parse_script_args,
     require_columns,
     resume_checkpoint,
+    sequence_parallel_collator,
     setup_logging,
     supports_global_attention,
     take,
@@ -674,7 +675,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         train_dataset=model_inputs(train),
         eval_dataset=model_inputs(evaluation),
         processing_class=tokenizer,
-        data_collator=QACollator(tokenizer.pad_token_id),
+        data_collator=sequence_parallel_collator(
+            QACollator(tokenizer.pad_token_id), model, training_args, options["max_length"], False, logger
+        ),
         compute_metrics=evaluator,
     )
     metrics: dict[str, float] = {}

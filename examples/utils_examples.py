@@ -34,6 +34,11 @@ from hf_xformers.export import export_for_hub
 from hf_xformers.ops.compat import checkpointing_argv
 from hf_xformers.padding_free import DataCollatorForPackedDocuments, packing_refusal
 from hf_xformers.registration import REGISTRY
+from hf_xformers.sequence_parallel_data import (
+    DataCollatorForSequenceParallel,
+    sequence_parallel_size,
+    setup_sequence_parallel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +234,27 @@ def check_world_size(training_args: TrainingArguments) -> None:
             f"{launched} processes were launched but Trainer set up {training_args.world_size} "
             f"(parallel mode {training_args.parallel_mode.value}). On a machine without GPUs pass --use_cpu."
         )
+
+
+def sequence_parallel_collator(collator, model, training_args: TrainingArguments, max_length: int, packed: bool,
+                               script_logger: logging.Logger):  # fmt: skip
+    """``collator`` as it is, or, when the run is sequence-parallel (``ParallelismConfig(sp_backend="deepspeed",
+    sp_size > 1)`` in the TrainingArguments, or an accelerate config file's ``parallelism_config_sp_size``), wrapped in
+    :class:`~hf_xformers.DataCollatorForSequenceParallel` (batches of ``max_length`` rounded up to a multiple of
+    ``sp_size``, the model's position ids, sequence-level labels spread over their rows), with DeepSpeed's
+    communication set up (:func:`~hf_xformers.setup_sequence_parallel`). docs/training-past-one-device.md."""
+    sp_size = sequence_parallel_size(training_args)
+    if sp_size < 2:
+        return collator
+    if packed:
+        raise ValueError(
+            "--padding_free cannot be combined with sequence parallelism here (DeepSpeed's adapter cuts every tensor "
+            "of a batch along its tokens, and a packed batch carries per-document tensors): drop --padding_free."
+        )
+    setup_sequence_parallel(training_args)
+    length = -(-max_length // sp_size) * sp_size
+    script_logger.info("Sequence parallelism over %d ranks: every training batch padded to %d tokens.", sp_size, length)
+    return DataCollatorForSequenceParallel(collator, model, sp_size=sp_size, max_length=length)
 
 
 def setup_logging(training_args: TrainingArguments, *script_loggers: logging.Logger) -> None:

@@ -36,6 +36,7 @@ _PACKING_TOOLS = {
     # Sequence parallelism: the batches DeepSpeed's data-loader adapter takes, and a script's set-up.
     "DataCollatorForSequenceParallel": "sequence_parallel_data",
     "sequence_parallel_size": "sequence_parallel_data",
+    "sequence_label_ids": "sequence_parallel_data",
     "setup_sequence_parallel": "sequence_parallel_data",
 }
 

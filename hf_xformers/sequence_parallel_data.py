@@ -28,10 +28,24 @@ import torch.nn.functional as F
 from .ops.sequence_parallel import PER_SEQUENCE_KEY
 from .padding_free import position_ids_start_for
 
-__all__ = ["DataCollatorForSequenceParallel", "sequence_parallel_size", "setup_sequence_parallel"]
+__all__ = [
+    "DataCollatorForSequenceParallel",
+    "sequence_label_ids",
+    "sequence_parallel_size",
+    "setup_sequence_parallel",
+]
 
 # What each per-token input is padded with (input_ids: the model's pad token).
 PAD_VALUES = {"attention_mask": 0, "labels": -100, "token_type_ids": 0, "global_attention_mask": 0}
+
+
+def sequence_label_ids(label_ids):
+    """``label_ids`` of a sequence-level task as Trainer's ``compute_metrics`` gets them from batches of
+    :class:`DataCollatorForSequenceParallel` (one per token, ``(examples, max_length)``), one per example
+    ``(examples,)``; other arrays as they are. A NumPy array or a tensor."""
+    if getattr(label_ids, "ndim", 0) == 2:
+        return label_ids[:, -1]
+    return label_ids
 
 
 def sequence_parallel_size(training_args=None) -> int:
@@ -73,10 +87,10 @@ class DataCollatorForSequenceParallel:
         max_length: every batch is padded to this many tokens, a multiple of ``sp_size`` (the ranks' batches must have
             one shape); longer batches are refused.
 
-    Batches made while ``model`` is in evaluation mode are the wrapped collator's own: Trainer evaluates without
-    sequence parallelism (every rank runs whole sequences; accelerate disables SP in evaluation), and its metrics read
-    the batch's ``labels`` as the task made them. (Collate in the main process, ``dataloader_num_workers=0``, for the
-    model's mode to be the one of the loop.)
+    Trainer collates its evaluation batches with the same collator (it has one): the model reads them as the task
+    made them (evaluation runs without sequence parallelism, whole sequences on every rank), but a ``compute_metrics``
+    of a sequence-level task then gets ``label_ids`` ``(examples, max_length)``: :func:`sequence_label_ids` gives them
+    back as ``(examples,)``.
 
     Example::
 
@@ -91,7 +105,6 @@ class DataCollatorForSequenceParallel:
                 "sp_size tokens of every row; round it up."
             )
         config = getattr(model, "config", model)
-        self.model = model if hasattr(model, "training") else None
         self.collator = collator
         self.sp_size = sp_size
         self.max_length = max_length
@@ -102,8 +115,6 @@ class DataCollatorForSequenceParallel:
         batch = dict(self.collator(features)) if self.collator is not None else {
             k: torch.stack([torch.as_tensor(f[k]) for f in features]) for k in features[0]
         }  # fmt: skip
-        if self.model is not None and not self.model.training:
-            return batch
         ids = batch["input_ids"]
         rows, length = ids.shape
         if length > self.max_length:
@@ -128,6 +139,13 @@ class DataCollatorForSequenceParallel:
                 batch[name] = value[:, None].expand(rows, length).contiguous()
                 carried.append(name)
         batch["attention_mask"] = mask
+        for name, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] != length:
+                raise ValueError(
+                    f"`{name}` has shape {tuple(value.shape)}, neither one value per example nor one per token: "
+                    "DeepSpeed's sequence-parallel adapter cuts every tensor of a batch along its tokens, so such a "
+                    "target (multi-label classes, for example) cannot train sequence-parallel; train without sp_size."
+                )
         for name, value in batch.items():
             if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == length and pad:
                 fill = self.pad_token_id if name in ("input_ids", "position_ids") else PAD_VALUES.get(name, 0)

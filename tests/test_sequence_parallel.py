@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +152,81 @@ def test_sequence_parallel_trainer_equals_one_process(tmp_path, task):
     if task == "masked_lm":
         # Clipping acted on some step (max_grad_norm=3.0), not on all (a clipped step hides the gradient's scale).
         assert max(single["grad_norms"]) > 3.0 > min(single["grad_norms"])
+
+
+# ----- the example scripts under `accelerate launch`, on a converted long model -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def launch_setup(tmp_path_factory) -> dict[str, Path]:
+    """A tiny RoBERTa converted to a 128-token hfx-longformer, a masked-LM corpus, a classification CSV, a ZeRO-0
+    DeepSpeed config and an accelerate config file that asks for sequence parallelism over 2 CPU processes."""
+    import csv
+
+    import numpy as np
+    import torch
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long
+    from tests.tiny_tokenizers import SENTENCES, roberta_tokenizer
+
+    folder = tmp_path_factory.mktemp("sp_launch")
+    tokenizer = roberta_tokenizer()
+    config = RobertaConfig(
+        vocab_size=len(tokenizer), max_position_embeddings=34, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=37, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    RobertaForMaskedLM(config).save_pretrained(folder / "source")
+    tokenizer.save_pretrained(folder / "source")
+    convert_roberta_to_long(folder / "source", "longformer", 128, 32, folder / "long", None, overwrite=True)
+    rng = np.random.default_rng(0)
+    docs = [" ".join(SENTENCES[i] for i in rng.integers(0, len(SENTENCES), 12)) for _ in range(24)]
+    (folder / "train.txt").write_text("\n".join(docs) + "\n", encoding="utf-8")
+    (folder / "valid.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:8]), encoding="utf-8")
+    with open(folder / "classes.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "label"])
+        writer.writerows([d[:200], "abc"[i % 3]] for i, d in enumerate(docs))
+    deepspeed_config = {
+        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "zero_optimization": {"stage": 0},
+    }  # fmt: skip
+    (folder / "ds.json").write_text(json.dumps(deepspeed_config))
+    (folder / "sp.yaml").write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
+        f"deepspeed_config:\n  deepspeed_config_file: {folder / 'ds.json'}\n"
+        "num_machines: 1\nnum_processes: 2\nuse_cpu: true\n"
+        "parallelism_config:\n  parallelism_config_sp_size: 2\n  parallelism_config_sp_backend: deepspeed\n"
+        "  parallelism_config_sp_seq_length_is_variable: true\n  parallelism_config_sp_attn_implementation: sdpa\n"
+    )
+    return {"folder": folder}
+
+
+@pytest.mark.parametrize("script", ["run_mlm", "run_classification"])
+def test_sequence_parallel_accelerate_launch_trains_a_converted_model(launch_setup, script, tmp_path):
+    """`accelerate launch --config_file sp.yaml examples/<script>.py ...`: the config file's parallelism_config (sp_size
+    2, DeepSpeed) reaches Trainer, the script wraps its collator (DataCollatorForSequenceParallel), and a converted
+    hfx-longformer trains three steps and evaluates, on 2 CPU processes."""
+    folder = launch_setup["folder"]
+    data = {
+        "run_mlm": ["--train_file", folder / "train.txt", "--validation_file", folder / "valid.jsonl",
+                    "--eval_bucket_size", "32", "--gradient_accumulation_steps", "1", "--warmup_steps", "0"],
+        "run_classification": ["--train_file", folder / "classes.csv", "--validation_file", folder / "classes.csv",
+                               "--do_train", "--do_eval"],
+    }[script]  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", folder / "sp.yaml", f"examples/{script}.py",
+        "--model_name_or_path", folder / "long", *data, "--max_seq_length", "128", "--per_device_train_batch_size",
+        "2", "--per_device_eval_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-3", "--use_cpu",
+        "--report_to", "none", "--save_strategy", "no", "--output_dir", tmp_path / "out", "--logging_steps", "1",
+        "--disable_tqdm", "true",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert "Sequence parallelism over 2 ranks: every training batch padded to 128 tokens." in proc.stdout
+    losses = [float(x) for x in re.findall(r"\{'loss': '([0-9.]+)'", proc.stdout)]
+    assert len(losses) == 3 and all(0 < x < 20 for x in losses), proc.stdout[-3000:]
+    metrics = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    assert metrics["eval_loss"] > 0
