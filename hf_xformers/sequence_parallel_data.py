@@ -157,7 +157,8 @@ class DataCollatorForSequenceParallel:
         added = []
         if "labels" not in batch:
             # The adapter needs one (it shifts it); the model drops it again (a QA head takes start/end positions).
-            batch["labels"] = torch.full((rows, self.max_length), -100, dtype=torch.long)
+            # Not -100: transformers' deepspeed_sp_compute_loss zeroes the loss of a batch whose labels count no token.
+            batch["labels"] = torch.zeros((rows, self.max_length), dtype=torch.long)
             added.append("labels")
         if carried or added:
             batch[PER_SEQUENCE_KEY] = {"per_sequence": carried, "added": added}

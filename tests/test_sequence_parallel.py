@@ -168,6 +168,7 @@ def launch_setup(tmp_path_factory) -> dict[str, Path]:
     from transformers import RobertaConfig, RobertaForMaskedLM
 
     from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long
+    from tests.test_run_qa import squad_file
     from tests.tiny_tokenizers import SENTENCES, roberta_tokenizer
 
     folder = tmp_path_factory.mktemp("sp_launch")
@@ -193,6 +194,7 @@ def launch_setup(tmp_path_factory) -> dict[str, Path]:
         "gradient_clipping": "auto", "zero_optimization": {"stage": 0},
     }  # fmt: skip
     (folder / "ds.json").write_text(json.dumps(deepspeed_config))
+    squad_file(folder / "squad.json", 8, n_sentences=10)
     (folder / "sp.yaml").write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
         f"deepspeed_config:\n  deepspeed_config_file: {folder / 'ds.json'}\n"
@@ -203,7 +205,7 @@ def launch_setup(tmp_path_factory) -> dict[str, Path]:
     return {"folder": folder}
 
 
-@pytest.mark.parametrize("script", ["run_mlm", "run_classification"])
+@pytest.mark.parametrize("script", ["run_mlm", "run_classification", "run_qa"])
 def test_sequence_parallel_accelerate_launch_trains_a_converted_model(launch_setup, script, tmp_path):
     """`accelerate launch --config_file sp.yaml examples/<script>.py ...`: the config file's parallelism_config (sp_size
     2, DeepSpeed) reaches Trainer, the script wraps its collator (DataCollatorForSequenceParallel), and a converted
@@ -214,6 +216,8 @@ def test_sequence_parallel_accelerate_launch_trains_a_converted_model(launch_set
                     "--eval_bucket_size", "32", "--gradient_accumulation_steps", "1", "--warmup_steps", "0"],
         "run_classification": ["--train_file", folder / "classes.csv", "--validation_file", folder / "classes.csv",
                                "--do_train", "--do_eval"],
+        "run_qa": ["--train_file", folder / "squad.json", "--validation_file", folder / "squad.json", "--do_train",
+                   "--do_eval", "--doc_stride", "32"],
     }[script]  # fmt: skip
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", folder / "sp.yaml", f"examples/{script}.py",
