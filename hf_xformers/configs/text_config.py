@@ -27,7 +27,32 @@ def drop_runtime_keys(d: dict[str, Any]) -> None:
             drop_runtime_keys(value)
 
 
-class HfxTextConfig(PreTrainedConfig):
+class KeyValueHeadsMixin:
+    """``num_key_value_heads`` for configs whose attention has one key/value head per query head (no grouped-query
+    attention): equal to ``num_attention_heads``, never serialized.
+
+    DeepSpeed's ``UlyssesSPAttentionHF.register_with_transformers``, which accelerate calls when
+    ``ParallelismConfig(sp_backend="deepspeed")`` prepares a model (Trainer does), reads ``config.num_key_value_heads``
+    and fails without it; our models shard their own attention (ops/sequence_parallel.py) and never call the
+    attention function it wraps.
+    """
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.num_attention_heads
+
+    @num_key_value_heads.setter
+    def num_key_value_heads(self, value: int) -> None:
+        # A config.json that names it (written by other code): the same value is accepted and not stored.
+        heads = self.__dict__.get("num_attention_heads")
+        if heads is not None and value is not None and value != heads:
+            raise ValueError(
+                f"num_key_value_heads={value} differs from num_attention_heads={heads}: these models have one key/value "
+                "head per query head (no grouped-query attention); drop num_key_value_heads from the config."
+            )
+
+
+class HfxTextConfig(KeyValueHeadsMixin, PreTrainedConfig):
     r"""Fields shared by the hf_xformers text configs (names and defaults as in ``RobertaConfig``).
 
     Args:
@@ -70,17 +95,6 @@ class HfxTextConfig(PreTrainedConfig):
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads})."
             )
-
-    @property
-    def num_key_value_heads(self) -> int:
-        """Key/value heads: every attention here has one per query head (no grouped-query attention).
-
-        Read-only and never serialized. DeepSpeed's ``UlyssesSPAttentionHF.register_with_transformers``, which accelerate
-        calls when ``ParallelismConfig(sp_backend="deepspeed")`` prepares a model (Trainer does), reads
-        ``config.num_key_value_heads`` and fails without it; our models shard their own attention
-        (ops/sequence_parallel.py) and never call the attention function it wraps.
-        """
-        return self.num_attention_heads
 
     def _remove_keys_not_serialized(self, d: dict[str, Any]) -> None:
         super()._remove_keys_not_serialized(d)

@@ -6,6 +6,7 @@ import math
 
 from transformers import PreTrainedConfig
 
+from ...configs.text_config import KeyValueHeadsMixin
 from ...configs.transformers_checkpoints import TransformersCheckpointConfig, WeightRenames
 
 ATTENTION_TYPES = ("local", "lsh")
@@ -23,7 +24,7 @@ def default_num_buckets(max_length: int, chunk_length: int) -> int | list[int]:
     return 2**power
 
 
-class HfxReformerConfig(TransformersCheckpointConfig, PreTrainedConfig):
+class HfxReformerConfig(KeyValueHeadsMixin, TransformersCheckpointConfig, PreTrainedConfig):
     r"""Configuration of a Reformer (Kitaev et al., 2020): reversible layers with LSH or chunked local self-attention.
 
     Field names and defaults are those of ``transformers.ReformerConfig``, so its checkpoints import unchanged.
