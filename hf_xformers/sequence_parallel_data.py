@@ -87,6 +87,10 @@ class DataCollatorForSequenceParallel:
         max_length: every batch is padded to this many tokens, a multiple of ``sp_size`` (the ranks' batches must have
             one shape); longer batches are refused.
 
+    Raises:
+        ValueError: ``max_length`` not a multiple of ``sp_size``; a model that cannot train sequence-parallel (its
+            architecture, or heads that ``sp_size`` does not divide), named with the fix.
+
     Trainer collates its evaluation batches with the same collator (it has one): the model reads them as the task
     made them (evaluation runs without sequence parallelism, whole sequences on every rank), but a ``compute_metrics``
     of a sequence-level task then gets ``label_ids`` ``(examples, max_length)``: :func:`sequence_label_ids` gives them
@@ -105,6 +109,9 @@ class DataCollatorForSequenceParallel:
                 "sp_size tokens of every row; round it up."
             )
         config = getattr(model, "config", model)
+        if hasattr(model, "check_sequence_parallel"):
+            # At set-up, not at the first step: an architecture without the path, or heads sp_size does not divide.
+            model.check_sequence_parallel(sp_size, (), {})
         self.collator = collator
         self.sp_size = sp_size
         self.max_length = max_length

@@ -15,6 +15,8 @@ from hf_xformers import (
     HfxLongformerConfig,
     HfxLongformerForSequenceClassification,
     HfxReformerConfig,
+    HfxUniversalConfig,
+    HfxUniversalForMaskedLM,
     sequence_label_ids,
     sequence_parallel_size,
 )
@@ -94,6 +96,14 @@ def test_collator_refuses_what_the_adapter_cannot_cut():
 
     with pytest.raises(ValueError, match="multi-label classes"):
         DataCollatorForSequenceParallel(multi_label, config, sp_size=2, max_length=8)(FEATURES)
+    # At set-up: a model sp_size cannot serve.
+    model = HfxLongformerForSequenceClassification(config)
+    with pytest.raises(ValueError, match="choose an sp_size that divides 4"):
+        DataCollatorForSequenceParallel(padded, model, sp_size=8, max_length=8)
+    universal = HfxUniversalForMaskedLM(HfxUniversalConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1,
+                                                           num_attention_heads=4, intermediate_size=37))  # fmt: skip
+    with pytest.raises(ValueError, match="HfxUniversalForMaskedLM cannot train with sequence parallelism"):
+        DataCollatorForSequenceParallel(padded, universal, sp_size=2, max_length=8)
 
 
 def test_num_key_value_heads_is_the_head_count_and_never_saved(tmp_path):
