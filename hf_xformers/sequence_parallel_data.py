@@ -39,7 +39,7 @@ __all__ = [
 PAD_VALUES = {"attention_mask": 0, "labels": -100, "token_type_ids": 0, "global_attention_mask": 0}
 
 
-def sequence_label_ids(label_ids):
+def sequence_label_ids(label_ids: Any) -> Any:
     """``label_ids`` of a sequence-level task as Trainer's ``compute_metrics`` gets them from batches of
     :class:`DataCollatorForSequenceParallel` (one per token, ``(examples, max_length)``), one per example
     ``(examples,)``; other arrays as they are. A NumPy array or a tensor."""
@@ -48,7 +48,7 @@ def sequence_label_ids(label_ids):
     return label_ids
 
 
-def sequence_parallel_size(training_args=None) -> int:
+def sequence_parallel_size(training_args: Any = None) -> int:
     """The ``sp_size`` a run trains with: ``training_args.parallelism_config``'s, or the one ``accelerate launch``
     passes from its config file (``parallelism_config_sp_size``, in ``PARALLELISM_CONFIG_SP_SIZE``); 1 without."""
     config = getattr(training_args, "parallelism_config", None)
@@ -60,7 +60,7 @@ def sequence_parallel_size(training_args=None) -> int:
     return 1
 
 
-def setup_sequence_parallel(training_args) -> None:
+def setup_sequence_parallel(training_args: Any) -> None:
     """What a training script does once, after parsing its ``TrainingArguments``, before ``Trainer.train``, when it
     trains sequence-parallel: DeepSpeed's communication set up on the process group (on the CPU, gloo: with
     ``use_cpu=True`` accelerate leaves it unset and DeepSpeed's ``initialize_sequence_parallel`` then fails with a bare
@@ -102,7 +102,7 @@ class DataCollatorForSequenceParallel:
                                                    max_length=65536)
     """
 
-    def __init__(self, collator: Callable | None, model, sp_size: int, max_length: int) -> None:
+    def __init__(self, collator: Callable | None, model: Any, sp_size: int, max_length: int) -> None:
         if max_length % sp_size:
             raise ValueError(
                 f"max_length ({max_length}) must be a multiple of sp_size ({sp_size}): each rank takes max_length / "
