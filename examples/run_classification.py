@@ -601,12 +601,15 @@ def load_model(model_args: ModelArguments, data_args: DataTrainingArguments, kin
 
 def data_collator(model, tokenizer, max_length: int, data_args: DataTrainingArguments, training_args):
     """The batches' collator: packed (``--padding_free``; a model that cannot take packed batches fails here,
-    before the data are tokenized), padded to ``max_length`` (``--pad_to_max_length``), or to each batch's longest."""
+    before the data are tokenized), padded to ``max_length`` (``--pad_to_max_length``), or to each batch's longest;
+    for sequence parallelism wrapped for DeepSpeed's adapter (``sequence_parallel_collator``)."""
     if data_args.padding_free:
-        return packed_collator(model, training_args, logger, per_document_labels=True)
-    if data_args.pad_to_max_length:
-        return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_length)
-    return DataCollatorWithPadding(tokenizer)
+        collator = packed_collator(model, training_args, logger, per_document_labels=True)
+    elif data_args.pad_to_max_length:
+        collator = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_length)
+    else:
+        collator = DataCollatorWithPadding(tokenizer)
+    return sequence_parallel_collator(collator, model, training_args, max_length, data_args.padding_free, logger)
 
 
 def tokenize_splits(
@@ -675,15 +678,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     model, tokenizer, max_length = load_model(model_args, data_args, kind, labels)
     collator = data_collator(model, tokenizer, max_length, data_args, training_args)
-    collator = sequence_parallel_collator(collator, model, training_args, max_length, data_args.padding_free, logger)
-    sequence_parallel = isinstance(collator, DataCollatorForSequenceParallel)
     features, document_index, reports = tokenize_splits(encoded, tokenizer, max_length, data_args, training_args)
 
     def window_metrics(prediction: EvalPrediction) -> dict[str, float]:
         # Periodic evaluation during training scores windows; the final evaluation scores documents.
         logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
         label_ids = prediction.label_ids
-        if sequence_parallel and kind != MULTI_LABEL:
+        if isinstance(collator, DataCollatorForSequenceParallel) and kind != MULTI_LABEL:
             label_ids = sequence_label_ids(label_ids)  # spread over the tokens for DeepSpeed's adapter
         return compute_metrics(kind, logits, label_ids, data_args.multi_label_threshold)
 
