@@ -164,22 +164,14 @@ def launch_setup(tmp_path_factory) -> dict[str, Path]:
     import csv
 
     import numpy as np
-    import torch
-    from transformers import RobertaConfig, RobertaForMaskedLM
 
     from hf_xformers.conversion.convert_roberta_to_long import convert_roberta_to_long
+    from tests.test_examples_readme import _tiny_roberta_mlm
     from tests.test_run_qa import squad_file
-    from tests.tiny_tokenizers import SENTENCES, roberta_tokenizer
+    from tests.tiny_tokenizers import SENTENCES
 
     folder = tmp_path_factory.mktemp("sp_launch")
-    tokenizer = roberta_tokenizer()
-    config = RobertaConfig(
-        vocab_size=len(tokenizer), max_position_embeddings=34, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, intermediate_size=37, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    RobertaForMaskedLM(config).save_pretrained(folder / "source")
-    tokenizer.save_pretrained(folder / "source")
+    _tiny_roberta_mlm(folder / "source")
     convert_roberta_to_long(folder / "source", "longformer", 128, 32, folder / "long", None, overwrite=True)
     rng = np.random.default_rng(0)
     docs = [" ".join(SENTENCES[i] for i in rng.integers(0, len(SENTENCES), 12)) for _ in range(24)]
