@@ -1,17 +1,19 @@
 """The stock transformers ``Trainer`` under DeepSpeed Ulysses sequence parallelism on the CPU (``tests/test_sequence_parallel.py``).
 
-Two modes, from the repository root, with ``DS_ACCELERATOR=cpu``:
+Two modes, from the repository root, with ``DS_ACCELERATOR=cpu``; TASK (third argument) is ``masked_lm`` or
+``sequence_classification``:
 
-* ``torchrun --standalone --nproc_per_node=2 -m tests.sequence_parallel_trainer_worker sp OUT_DIR``: a few steps of
-  masked LM on a tiny hfx-longformer with ``TrainingArguments(parallelism_config=ParallelismConfig(sp_backend=
-  "deepspeed", sp_size=2, ...), deepspeed={ZeRO stage 0}, use_cpu=True)``, DeepSpeed's comm set up on gloo first
-  (see run_sp), every batch padded to LENGTH tokens with the model's ``position_ids``. DeepSpeed's ``UlyssesSPDataLoaderAdapter`` makes the two
-  ranks process ONE batch per step, each rank's batch in turn; the collator records which examples each rank's batches
-  hold, so rank 0 writes the order the group trained on (``OUT_DIR/sp.json``: that order, the logged losses, the
-  tokens the encoder saw per rank) and the trained weights (``OUT_DIR/sp.pt``).
-* ``python -m tests.sequence_parallel_trainer_worker single OUT_DIR``: one process, no DeepSpeed, the same initial
-  weights and arguments, the examples in the order of ``sp.json`` (sequential sampling, same batch size): the same
-  steps on the same batches; writes ``OUT_DIR/single.json``, ``OUT_DIR/single.pt`` and the initial weights
+* ``torchrun --standalone --nproc_per_node=2 -m tests.sequence_parallel_trainer_worker sp OUT_DIR TASK``: four SGD
+  steps (gradient clipping at 3.0) on a tiny hfx-longformer with ``TrainingArguments(parallelism_config=
+  ParallelismConfig(sp_backend="deepspeed", sp_size=2, ...), deepspeed={ZeRO stage 0}, use_cpu=True)``, DeepSpeed's
+  communication set up by ``setup_sequence_parallel``, batches from ``DataCollatorForSequenceParallel`` (LENGTH
+  tokens, the model's ``position_ids``, a class label spread over its row). DeepSpeed's ``UlyssesSPDataLoaderAdapter``
+  makes the two ranks process ONE batch per step, each rank's batch in turn; the collator records which examples each
+  rank's batches hold, so rank 0 writes the order the group trained on (``OUT_DIR/sp.json``: that order, the logged
+  losses, the tokens the encoder saw per rank) and the trained weights (``OUT_DIR/sp.pt``).
+* ``python -m tests.sequence_parallel_trainer_worker single OUT_DIR TASK``: one process, no DeepSpeed, the same
+  initial weights and arguments, the examples in the order of ``sp.json`` (sequential sampling, same batch size): the
+  same steps on the same batches; writes ``OUT_DIR/single.json``, ``OUT_DIR/single.pt`` and the initial weights
   ``OUT_DIR/initial.pt``.
 """
 
