@@ -693,7 +693,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             block_size,
             packed is not None,
             logger,
-        ),  # fmt: skip
+        ),
         compute_metrics=compute_metrics,
         preprocess_logits_for_metrics=token_losses if packed is None else packed_token_losses,
     )

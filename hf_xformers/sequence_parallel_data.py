@@ -147,14 +147,15 @@ class DataCollatorForSequenceParallel:
                 carried.append(name)
         batch["attention_mask"] = mask
         for name, value in batch.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] != length:
+            if not isinstance(value, torch.Tensor) or value.dim() != 2:
+                continue
+            if value.shape[1] != length:
                 raise ValueError(
                     f"`{name}` has shape {tuple(value.shape)}, neither one value per example nor one per token: "
                     "DeepSpeed's sequence-parallel adapter cuts every tensor of a batch along its tokens, so such a "
                     "target (multi-label classes, for example) cannot train sequence-parallel; train without sp_size."
                 )
-        for name, value in batch.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == length and pad:
+            if pad:
                 fill = self.pad_token_id if name in ("input_ids", "position_ids") else PAD_VALUES.get(name, 0)
                 if name in carried:
                     fill = value[:, -1:]  # a carried target is the same at every token

@@ -49,9 +49,7 @@ class HfxPreTrainedModel(TransformersCheckpointMixin, PreTrainedModel):
         # training, with DeepSpeed's group set up, the batch arrives as this rank's slice of the tokens. The outermost
         # call gathers the inputs and marks the forward; a base model inside it shards its encoder. Evaluation runs
         # whole on every rank, as accelerate asks of DeepSpeed (disable_in_eval) and Trainer feeds it.
-        if not self.training or current_shards() is not None:
-            return super().__call__(*args, **restore_per_sequence(kwargs))
-        group = sequence_parallel_group()
+        group = None if not self.training or current_shards() is not None else sequence_parallel_group()
         if group is None:
             return super().__call__(*args, **restore_per_sequence(kwargs))
         self.check_sequence_parallel(torch.distributed.get_world_size(group), args, kwargs)

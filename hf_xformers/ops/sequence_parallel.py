@@ -69,8 +69,10 @@ class SequenceShards(NamedTuple):
     the ranks' parts; the ``(seq_len, vocab)`` logits, a step's largest tensor, never exist whole on a rank."""
 
     def local(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's tokens of a whole-sequence tensor (its slice along ``dim``)."""
-        return tensor.narrow(dim, self.rank * self.shard, self.shard)
+        """This rank's tokens of a whole-sequence tensor: its ``1 / size`` slice along ``dim`` (a length ``size``
+        divides; Reformer's row padded to its chunks is longer than the batch)."""
+        part = tensor.shape[dim] // self.size
+        return tensor.narrow(dim, self.rank * part, part)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """The whole sequence from every rank's ``(batch, shard, ...)`` slice: ``(batch, size * shard, ...)``. Autograd's

@@ -806,7 +806,7 @@ class HfxReformerModel(HfxReformerPreTrainedModel):
                 f"cannot share equally: pad the batch to a multiple of {self.config.chunk_multiple} (pad_to_multiple_of) "
                 "or choose an sp_size that divides it."
             )
-        return hidden.narrow(1, shards.rank * (padded // shards.size), padded // shards.size)
+        return shards.local(hidden)
 
     @staticmethod
     def _resolve_packed(reference, attention_mask, position_ids, packing: PackedBatchKwargs) -> PackedBatch | None:
