@@ -12,6 +12,8 @@ with ``DS_ACCELERATOR=cpu``. Each rank:
    group (what DeepSpeed's engine does over its sequence-data-parallel group) and compares.
 
 Rank 0 writes the largest differences per case to ``OUT.json``; ranks that disagree with rank 0 are reported too.
+Further arguments keep only the cases whose name (``type/head/batch``) starts with one of them (scripts/gpu_check.py's
+CPU dry run checks its plumbing on one case; the refusals always run).
 """
 
 from __future__ import annotations
@@ -223,7 +225,7 @@ def on_device(batch: dict) -> dict:
     return {k: v.to(DEVICE) for k, v in batch.items()}
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, only: list[str] | None = None) -> None:
     if DEVICE == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 exactness, as on the CPU
@@ -231,7 +233,7 @@ def main(out_path: str) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if DEVICE == "cuda" else "gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    todo = cases()
+    todo = [case for case in cases() if not only or "/".join(case).startswith(tuple(only))]
     models, references = {}, {}
     failed = {}
     for case in todo:
@@ -312,4 +314,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])

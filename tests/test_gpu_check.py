@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.once_per_run import once_per_run
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,20 +40,26 @@ gpu_check = _load_script()
 # ----- the dry run ---------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory) -> tuple[Path, dict, subprocess.CompletedProcess]:
-    """``scripts/gpu_check.py --device cpu`` once for this module: its run folder, summary.json and the process."""
-    out = tmp_path_factory.mktemp("gpu_check")
+def _dry_run(out: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     command = [sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--out", str(out)]
     command += ["--limit-scale", "8", "--budget-s", "1200"]
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1500)
     runs = list(out.glob("*-cpu"))
     assert len(runs) == 1, (runs, done.stdout[-3000:], done.stderr[-3000:])
-    summary = json.loads((runs[0] / "summary.json").read_text())
-    return runs[0], summary, done
+    return {"run_dir": str(runs[0]), "returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
 
 
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[Path, dict, subprocess.CompletedProcess]:
+    """``scripts/gpu_check.py --device cpu`` once for the test run: its run folder, summary.json and the process."""
+    run = once_per_run(tmp_path_factory, "gpu_check_dry_run", _dry_run)
+    run_dir = Path(run["run_dir"])
+    done = subprocess.CompletedProcess("scripts/gpu_check.py", run["returncode"], run["stdout"], run["stderr"])
+    return run_dir, json.loads((run_dir / "summary.json").read_text()), done
+
+
+@pytest.mark.xdist_group("gpu_check_dry_run")
 def test_dry_run_runs_every_step_ok(dry_run):
     run_dir, summary, done = dry_run
     steps = {s["name"]: s for s in summary["steps"]}
@@ -67,6 +75,7 @@ def test_dry_run_runs_every_step_ok(dry_run):
         assert f"| {name} | ok |" in text and f"## {name}:" in text, name
 
 
+@pytest.mark.xdist_group("gpu_check_dry_run")
 def test_dry_run_figures_come_from_each_step(dry_run):
     run_dir, summary, _ = dry_run
     env = json.loads((run_dir / "environment" / "environment.json").read_text())

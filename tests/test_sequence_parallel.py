@@ -25,13 +25,14 @@ TOLERANCE = 1e-5  # relative to the largest reference value (at least 1), float3
 TIMEOUT_S = 420
 
 sys.path.insert(0, str(ROOT))
+from tests.once_per_run import once_per_run  # noqa: E402
 from tests.sequence_parallel_worker import cases  # noqa: E402
 
 CASES = ["/".join(case) for case in cases()]
 
 
-def _launch(tmp_path_factory, ranks: int) -> dict:
-    out = tmp_path_factory.mktemp(f"sp{ranks}") / "results.json"
+def _launch(folder: Path, ranks: int) -> dict:
+    out = folder / "results.json"
     env = {
         **os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
         "DS_ACCELERATOR": "cpu",
@@ -54,12 +55,12 @@ def _launch(tmp_path_factory, ranks: int) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
-    return _launch(tmp_path_factory, 2)
+    return once_per_run(tmp_path_factory, "sequence_parallel_two_ranks", lambda folder: _launch(folder, 2))
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> dict:
-    return _launch(tmp_path_factory, 4)
+    return once_per_run(tmp_path_factory, "sequence_parallel_four_ranks", lambda folder: _launch(folder, 4))
 
 
 def _check_exact(result: dict, ranks: int, case: str) -> None:
@@ -79,27 +80,37 @@ def _check_exact(result: dict, ranks: int, case: str) -> None:
     assert len({rank["loss"] for rank in result["ranks"]}) == 1
 
 
+# Each launch's tests form one xdist group (Makefile: --dist loadgroup), so that one worker reads them while the other
+# runs other tests, rather than waiting on the launch (once_per_run launches it once either way).
+REFUSALS = [
+    ("heads_not_divisible", "choose an sp_size that divides"),
+    ("output_attentions", "pass output_attentions=False"),
+    ("unsupported_architecture", "HfxUniversalForMaskedLM cannot train with sequence parallelism"),
+]
+
+
+@pytest.mark.xdist_group("sequence_parallel_two_ranks")
 @pytest.mark.parametrize("case", CASES)
 def test_sequence_parallel_two_ranks_equal_one_process(two_ranks, case):
     _check_exact(two_ranks[case], 2, case)
 
 
+@pytest.mark.xdist_group("sequence_parallel_four_ranks")
 @pytest.mark.parametrize("case", CASES)
 def test_sequence_parallel_four_ranks_equal_one_process(four_ranks, case):
     _check_exact(four_ranks[case], 4, case)
 
 
-@pytest.mark.parametrize(
-    "refusal, words",
-    [
-        ("heads_not_divisible", "choose an sp_size that divides"),
-        ("output_attentions", "pass output_attentions=False"),
-        ("unsupported_architecture", "HfxUniversalForMaskedLM cannot train with sequence parallelism"),
-    ],
-)
-def test_sequence_parallel_refuses_what_it_cannot_serve(two_ranks, four_ranks, refusal, words):
-    for results in (two_ranks, four_ranks):
-        assert words in results[f"refusal/{refusal}"]["message"]
+@pytest.mark.xdist_group("sequence_parallel_two_ranks")
+@pytest.mark.parametrize("refusal, words", REFUSALS)
+def test_sequence_parallel_two_ranks_refuse_what_they_cannot_serve(two_ranks, refusal, words):
+    assert words in two_ranks[f"refusal/{refusal}"]["message"]
+
+
+@pytest.mark.xdist_group("sequence_parallel_four_ranks")
+@pytest.mark.parametrize("refusal, words", REFUSALS)
+def test_sequence_parallel_four_ranks_refuse_what_they_cannot_serve(four_ranks, refusal, words):
+    assert words in four_ranks[f"refusal/{refusal}"]["message"]
 
 
 @pytest.mark.parametrize("task", ["masked_lm", "sequence_classification"])
