@@ -19,12 +19,18 @@ row of ``L`` tokens with masked-LM labels on 15% of them, gradients set to None 
 * time = the slowest rank's step (ranks start together after a barrier), median of ``--repeats`` steps after
   ``--warmup`` steps.
 
+Precision (the flags of every benchmark here, :mod:`benchmarks.precision`; a step is training): ``--dtype bfloat16
+--autocast`` runs what ``Trainer(bf16=True)`` runs (float32 weights, the forward under ``torch.autocast``: the
+projections, the all-to-all exchanges and the mechanisms in bfloat16), ``--dtype bfloat16`` alone trains bfloat16
+weights. Results other than float32 go to files with a suffix (``_bf16_autocast``).
+
 ``--budget_mb``: for each rank count, the longest tested length whose per-rank peak fits the budget, and a linear
 extrapolation (least squares over the measured lengths) of the length whose peak would reach it.
 
     HF_HUB_OFFLINE=1 python -m benchmarks.benchmark_sequence_parallel --ranks 1 2 4 --lengths 1024 2048 4096 8192
 
-Writes ``sequence_parallel_{arch}_h{hidden}_l{layers}.{json,md}`` to ``--out`` (default ``benchmarks/results``).
+Writes ``sequence_parallel_{arch}_h{hidden}_l{layers}[_v{vocab}]{precision suffix}.{json,md}`` (``_v``: a
+``--vocab`` other than 1000) to ``--out`` (default ``benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import time
 from pathlib import Path
 
 from benchmarks.measurement import BackgroundLoad, PeakRSS, git_describe, rss_kib
+from benchmarks.precision import AUTOCAST_HELP, DTYPE_HELP, DTYPES, Precision
 from examples.utils_examples import script_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +57,7 @@ ARCHS = ("hfx-longformer", "hfx-bigbird", "hfx-performer")
 WINDOW_DEFAULT = {"hfx-longformer": 128, "hfx-bigbird": 64, "hfx-performer": 128}
 WINDOW_MEANING = {"hfx-longformer": "attention_window", "hfx-bigbird": "block_size (3 random blocks)",
                   "hfx-performer": "num_random_features"}  # fmt: skip
+VOCAB_DEFAULT = 1000  # small, so that the encoder's memory shows; RoBERTa's 50,265 makes the logits dominate
 MALLOC_MMAP_THRESHOLD = "131072"  # fixed: glibc then maps every tensor over 128 KiB and unmaps it when freed
 
 
@@ -106,7 +114,8 @@ def run_worker(spec: dict, out_path: str) -> None:
         deepspeed.init_distributed(dist_backend="gloo")
         parallel_state_sp.initialize_sequence_parallel(size)
     rank = dist.get_rank() if dist else 0
-    model = build_model(spec, max(spec["lengths"]))
+    precision = Precision.from_record(spec)
+    model = precision.prepare(build_model(spec, max(spec["lengths"])), training=True)
     params = sum(p.numel() for p in model.parameters())
     peak_mode = PeakRSS().mode
     rows = []
@@ -126,7 +135,9 @@ def run_worker(spec: dict, out_path: str) -> None:
             peak = PeakRSS()
             start = time.perf_counter()
             try:
-                model(**batch).loss.backward()
+                with precision.context(training=True):  # autocast around the forward only, as Trainer
+                    loss = model(**batch).loss
+                loss.backward()
             except Exception as exc:  # noqa: BLE001 - reported per length; other lengths still run
                 error = f"{type(exc).__name__}: {str(exc)[:500]}"
             elapsed = time.perf_counter() - start
@@ -237,6 +248,7 @@ def render(meta: dict, results: list[dict], budgets: dict) -> str:
         f"feed-forward {s['intermediate']}, vocab {s['vocab']}, --window {s['window']} ({WINDOW_MEANING[s['arch']]}), "
         f"dropout {s['dropout']}; {meta['params_m']:.2f} M parameters. 1 rank: the plain model, no group; N ranks: "
         "DeepSpeed's sequence-parallel group over N gloo processes, each holding L/N tokens.",
+        f"- {Precision.from_record(s).describe(forward=False)}.",
         "- step = forward + backward (train mode, 15% masked-LM labels); time = slowest rank per step, median of "
         f"{s['repeats']} steps after {s['warmup']} warm-up step(s).",
         "- MiB = per-rank growth of the process's peak RSS (VmHWM reset just before the step) over its RSS just before "
@@ -298,11 +310,13 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=None, help="default: 4 * hidden")
-    p.add_argument("--vocab", type=int, default=1000)
+    p.add_argument("--vocab", type=int, default=VOCAB_DEFAULT)
     p.add_argument("--window", type=int, default=None,
                    help="Longformer attention_window (default 128), BigBird block_size (64), Performer random "
                    "features (128)")  # fmt: skip
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help=DTYPE_HELP)
+    p.add_argument("--autocast", action="store_true", help=AUTOCAST_HELP)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -320,11 +334,13 @@ def main(argv=None) -> int:
 
     import psutil
 
+    precision = Precision(args.dtype, args.autocast)
     spec = {
         "arch": args.arch, "lengths": sorted(args.lengths), "hidden": args.hidden, "layers": args.layers,
         "heads": args.heads, "intermediate": args.intermediate or 4 * args.hidden, "vocab": args.vocab,
         "window": args.window or WINDOW_DEFAULT[args.arch], "dropout": args.dropout, "threads": args.threads,
         "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed, "budget_mb": args.budget_mb,
+        **precision.record(),
     }  # fmt: skip
 
     def version(package: str) -> str:  # the version only: importing them would cost the parent seconds
@@ -353,7 +369,9 @@ def main(argv=None) -> int:
     }  # fmt: skip
     budgets = {str(k): budget_lengths([r for r in results if r["ranks"] == k], args.budget_mb) for k in args.ranks}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"sequence_parallel_{args.arch.removeprefix('hfx-')}_h{args.hidden}_l{args.layers}"
+    name = f"sequence_parallel_{args.arch.removeprefix('hfx-')}_h{args.hidden}_l{args.layers}"
+    name += (f"_v{args.vocab}" if args.vocab != VOCAB_DEFAULT else "") + precision.suffix()
+    stem = args.out / name
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results, "budget": budgets}, indent=1))
     stem.with_suffix(".md").write_text(render(meta, results, budgets))
     print(f"wrote {stem}.md, {stem}.json")

@@ -7,9 +7,10 @@ with ``DS_ACCELERATOR=cpu``. Each rank:
 2. sets up DeepSpeed's sequence-parallel group over all ranks (``parallel_state_sp.initialize_sequence_parallel``, what
    ``UlyssesSPAttentionHF.register_with_transformers`` does under accelerate);
 3. runs each case again on its shard of the batch (rank ``r``: tokens ``r * S/N .. (r + 1) * S/N`` of every
-   per-token tensor, as DeepSpeed's ``UlyssesSPDataLoaderAdapter`` cuts them; the ``*-adapter`` cases go through the
-   adapter itself and transformers' ``deepspeed_sp_compute_loss``, as Trainer does), sums the gradients over the
-   group (what DeepSpeed's engine does over its sequence-data-parallel group) and compares.
+   per-token tensor, as DeepSpeed's ``UlyssesSPDataLoaderAdapter`` cuts them; the ``.../adapter`` cases go through the
+   adapter itself and transformers' ``deepspeed_sp_compute_loss``, as Trainer does; the ``.../bf16`` cases run both
+   under bfloat16 autocast), sums the gradients over the group (what DeepSpeed's engine does over its
+   sequence-data-parallel group) and compares.
 
 Rank 0 writes the largest differences per case to ``OUT.json``; ranks that disagree with rank 0 are reported too.
 Further arguments keep only the cases whose name (``type/head/batch``) starts with one of them (scripts/gpu_check.py's
@@ -119,6 +120,14 @@ def cases() -> list[tuple[str, str, str]]:
                 if model_type == "hfx-linformer" and form == "packed":
                     continue  # Linformer refuses packed batches (its projections span the whole row)
                 out.append((model_type, head, form))
+    # Under bfloat16 autocast (Trainer(bf16=True)): the projections, the exchanges and the mechanisms in 16 bits.
+    out += [
+        ("hfx-longformer", "masked_lm", "bf16"),
+        ("hfx-bigbird", "sequence_classification", "bf16"),
+        ("hfx-performer-causal", "causal_lm", "bf16"),
+        ("hfx-linformer", "question_answering", "bf16"),
+        ("hfx-reformer-drawn", "masked_lm", "bf16"),
+    ]
     out += [
         ("hfx-longformer", "masked_lm", "adapter"),
         ("hfx-performer-causal", "causal_lm", "adapter"),
@@ -140,9 +149,10 @@ def batch_of(head: str, form: str) -> dict:
     return packed_batch(head) if form == "packed" else padded_batch(head)
 
 
-def run(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def run(model, batch: dict, bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
     torch.manual_seed(1234)  # the same random draws in one process and on every rank
-    out = model(**batch)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=bf16):
+        out = model(**batch)
     out.loss.backward()
     logits = out.logits if hasattr(out, "logits") else torch.stack([out.start_logits, out.end_logits])
     grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
@@ -180,6 +190,7 @@ def through_adapter(model, batch: dict, rank: int, size: int, group) -> tuple:
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
     return float((a - b).abs().max() / b.abs().max().clamp(min=1.0))
 
 
@@ -249,7 +260,7 @@ def main(out_path: str, only: list[str] | None = None) -> None:
             positions = torch.arange(LENGTH).expand_as(mask) + models[case].config.pad_token_id + 1
             batch["position_ids"] = positions * mask + (1 - mask)
         try:
-            references[case] = run(copy.deepcopy(models[case]), on_device(batch))
+            references[case] = run(copy.deepcopy(models[case]), on_device(batch), bf16=form == "bf16")
         except Exception:
             failed["/".join(case)] = {"error": "one process: " + traceback.format_exc()[-3000:]}
     parallel_state_sp.initialize_sequence_parallel(size)
@@ -277,7 +288,7 @@ def main(out_path: str, only: list[str] | None = None) -> None:
             if form == "adapter":
                 loss, logits, grads, _ = through_adapter(model, batch_of(head, "padded"), rank, size, group)
             else:
-                loss, logits, grads = run(model, on_device(shard(batch_of(head, form), rank, size)))
+                loss, logits, grads = run(model, on_device(shard(batch_of(head, form), rank, size)), form == "bf16")
             for hook in hooks:
                 hook.remove()
             tokens = logits.shape[-2] if head in ("masked_lm", "causal_lm", "token_classification") else None

@@ -384,8 +384,9 @@ def test_long_context_benchmark_reports_mfu_and_skips_past_its_budget(tmp_path, 
 
 
 def test_sequence_parallel_benchmark_has_a_row_per_ranks_and_length(tmp_path):
-    """The real launches (a plain process for 1 rank, torch.distributed.run for 2) at a tiny size: a row per (ranks,
-    length), positive memory and time, the budget table."""
+    """The real launches (a plain process for 1 rank, torch.distributed.run for 2) at a tiny size, under bfloat16
+    autocast (float32 differs by the context only): a row per (ranks, length), positive memory and time, the budget
+    table, the precision in the file name and the header."""
     pytest.importorskip("deepspeed", reason="sequence parallelism runs on DeepSpeed")
     import json
 
@@ -394,17 +395,19 @@ def test_sequence_parallel_benchmark_has_a_row_per_ranks_and_length(tmp_path):
     # The vocabulary makes each rank's logits (128 x 600 x 4 B = 300 KiB whole, 150 KiB per rank of 2) larger than the
     # benchmark's mmap threshold (128 KiB): a step's tensors below it are reused from the heap and the peak need not grow.
     argv = ["--hidden", "32", "--layers", "1", "--heads", "2", "--vocab", "600", "--window", "16", "--lengths", "128",
-            "--ranks", "1", "2", "--repeats", "1", "--timeout", "120", "--idle_check_s", "0", "--out", str(tmp_path)]  # fmt: skip
+            "--ranks", "1", "2", "--repeats", "1", "--timeout", "120", "--idle_check_s", "0", "--out", str(tmp_path),
+            "--dtype", "bfloat16", "--autocast"]  # fmt: skip
     assert sp.main(argv) == 0
-    saved = json.loads((tmp_path / "sequence_parallel_longformer_h32_l1.json").read_text())
+    saved = json.loads((tmp_path / "sequence_parallel_longformer_h32_l1_v600_bf16_autocast.json").read_text())
     rows = {(r["ranks"], r["length"]): r for r in saved["results"]}
     assert set(rows) == {(1, 128), (2, 128)}
     for row in rows.values():
         assert row["status"] == "ok" and row["peak_mib"] > 0 and row["time_s"] > 0, row
     assert len(rows[2, 128]["peak_mib_per_rank"]) == 2 and rows[2, 128]["tokens_per_rank"] == 64
     assert set(saved["budget"]) == {"1", "2"}
-    text = (tmp_path / "sequence_parallel_longformer_h32_l1.md").read_text()
+    text = (tmp_path / "sequence_parallel_longformer_h32_l1_v600_bf16_autocast.md").read_text()
     assert "| 128 | " in text and "peak RSS" in text and "1 thread(s) per rank" in text
+    assert "autocast bfloat16, fp32 weights (training)" in text and saved["meta"]["spec"]["autocast"] is True
 
 
 def test_sequence_parallel_budget_takes_the_longest_fitting_length_and_extrapolates():

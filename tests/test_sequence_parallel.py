@@ -3,8 +3,9 @@
 One ``torchrun`` launch of ``tests/sequence_parallel_worker.py`` per group size runs every case (starting processes
 costs more than the tiny models): hfx-longformer, hfx-bigbird (seeded random blocks), hfx-performer (bidirectional
 and causal) and hfx-linformer, with every token-sequence head, on a padded batch (one row's last shard pure padding)
-and on a packed row (``seq_idx``; Linformer refuses packing), plus two cases through DeepSpeed's own data-loader
-adapter and transformers' ``deepspeed_sp_compute_loss`` (what Trainer runs), and the set-up refusals.
+and on a packed row (``seq_idx``; Linformer refuses packing), one case per type under bfloat16 autocast (what
+``Trainer(bf16=True)`` runs), three cases through DeepSpeed's own data-loader adapter and transformers'
+``deepspeed_sp_compute_loss`` (what Trainer runs), and the set-up refusals.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ pytest.importorskip("deepspeed", reason="sequence parallelism runs on DeepSpeed 
 
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-5  # relative to the largest reference value (at least 1), float32
+# Under bfloat16 autocast: bfloat16's machine epsilon. The ranks sum a weight's gradient over their tokens in other
+# 16-bit partial sums than one process does (measured: up to 5.5e-4 on 2 ranks); logits and loss are within 3e-7.
+BF16_TOLERANCE = 2**-8
 TIMEOUT_S = 420
 
 sys.path.insert(0, str(ROOT))
@@ -72,9 +76,10 @@ def _check_exact(result: dict, ranks: int, case: str) -> None:
     if case.split("/")[1] in ("masked_lm", "causal_lm", "token_classification") and "reformer" not in case:
         # Token heads score this rank's tokens only: the logits never exist whole on a rank (Reformer gathers).
         assert result["logits_tokens"] == 32 // ranks
-    assert result["loss_rel_diff"] <= TOLERANCE, (result["loss"], result["reference_loss"])
-    assert result["logits_rel_diff"] <= TOLERANCE
-    assert result["grads_rel_diff"] <= TOLERANCE
+    tolerance = BF16_TOLERANCE if case.endswith("/bf16") else TOLERANCE
+    assert result["loss_rel_diff"] <= tolerance, (result["loss"], result["reference_loss"])
+    assert result["logits_rel_diff"] <= tolerance
+    assert result["grads_rel_diff"] <= tolerance
     assert result["grads_max_abs"] > 1e-3  # gradients that are not all zero: the comparison proves something
     # Every rank computed the same loss (Trainer and DeepSpeed average what the ranks report).
     assert len({rank["loss"] for rank in result["ranks"]}) == 1
