@@ -94,6 +94,10 @@ class LongformerModelTester(TextModelTester):
         global_attention_mask = torch.zeros_like(inputs["input_ids"])
         global_attention_mask[:, -1] = 1
         inputs["global_attention_mask"] = global_attention_mask
+        # The global token is a real token: random_attention_mask keeps only the first one, and a padded token never
+        # attends globally (as in transformers' Longformer), so with the last token padded in all 3 rows (1 draw in
+        # 8) no row had a global key and the attentions were a column narrower than key_length.
+        inputs["attention_mask"][:, -1] = 1
         return config, inputs
 
 
