@@ -36,6 +36,8 @@ import transformers  # noqa: E402
 from deepspeed.runtime.sequence_parallel import parallel_state_sp  # noqa: E402
 
 from hf_xformers.attention.base import HfxSelfAttention  # noqa: E402
+from hf_xformers.attention.lsh import HfxLSHSelfAttention  # noqa: E402
+from hf_xformers.ops.sequence_parallel import SequenceShards  # noqa: E402
 from tests.conformance import _TINY, _ids  # noqa: E402
 from tests.test_bigbird import TestBigBirdConformance  # noqa: E402
 from tests.test_linformer import TestLinformerConformance  # noqa: E402
@@ -214,6 +216,42 @@ def refusals(rank: int, size: int) -> dict:
     return out
 
 
+def lsh_float32_hash(rank: int, size: int, group) -> dict:
+    """One LSH layer under bfloat16 autocast with seeded rotations, where one process hashes a float32 re-projection
+    of the layer input (LSHHashing.hash_input): the head shards must hash the same numbers. At 2 x 256 tokens hashing
+    the exchanged bfloat16 query-keys flips buckets (on 2 ranks the context was 38 % away from one process's, the
+    gradients 10 %)."""
+    config = transformers.AutoConfig.for_model(
+        "hfx-reformer", hidden_size=64, num_attention_heads=4, attn_layers=["lsh"], num_hidden_layers=1,
+        lsh_attn_chunk_length=16, num_buckets=8, num_hashes=2, hash_seed=3, lsh_attention_probs_dropout_prob=0.0,
+        axial_pos_shape=[16, 16], axial_pos_embds_dim=[32, 32], max_position_embeddings=256, vocab_size=50,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    layer = HfxLSHSelfAttention(config).train().to(DEVICE)
+    x = torch.randn(2, 256, 64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+    def step(inputs, **kwargs):
+        layer.zero_grad(set_to_none=True)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            context = layer(inputs, **kwargs).context
+        context.float().square().sum().backward()
+        return context.detach(), {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+    reference, reference_grads = step(x)
+    shards = SequenceShards(group, rank, size, 256 // size)
+    context, grads = step(shards.local(x), sequence_parallel=shards)
+    parts = [torch.empty_like(context) for _ in range(size)]
+    dist.all_gather(parts, context.contiguous(), group=group)
+    for g in grads.values():
+        dist.all_reduce(g, group=group)
+    return {
+        "lsh_float32_hash": {
+            "context_rel_diff": max_rel(torch.cat(parts, dim=1), reference),
+            "grads_rel_diff": max(max_rel(grads[n], reference_grads[n]) for n in reference_grads),
+        }
+    }
+
+
 def build_with(conformance, **overrides):
     """A call of a masked-LM model built with ``overrides`` on this rank's shard of the padded batch."""
     config = conformance().make_config(**overrides)
@@ -314,6 +352,10 @@ def main(out_path: str, only: list[str] | None = None) -> None:
         except Exception:  # reported per case: one broken case must not hide the others
             results[name] = {"error": traceback.format_exc()[-3000:]}
     results.update(refusals(rank, size))
+    try:
+        results.update(lsh_float32_hash(rank, size, group))
+    except Exception:
+        results["lsh_float32_hash"] = {"error": traceback.format_exc()[-3000:]}
     gathered = [None] * size
     dist.all_gather_object(gathered, results)
     if rank == 0:

@@ -141,24 +141,33 @@ class HfxSelfAttention(KernelChoice):
         batch, shard = hidden_states.shape[:2]
         heads, dim = self.num_heads, self.head_dim
         names = self.sequence_parallel_projections
-        projected = torch.cat([getattr(self, name)(hidden_states) for name in names], dim=-1)
+        parts = [self.sequence_parallel_project(name, hidden_states) for name in names]
+        # A float32 part (LSH's hash input under autocast) promotes 16-bit ones, exactly; their selectors cast back.
+        dtypes = [part.dtype for part in parts]
+        projected = torch.cat(parts, dim=-1)
         # (batch, shard, P, heads, dim) -> (batch, shard, heads, P * dim): each head's P projections travel together.
         per_head = projected.view(batch, shard, len(names), heads, dim).transpose(2, 3).flatten(3)
         arrived = tokens_to_heads(per_head, shards.group)  # (batch, seq, heads / size, P * dim)
         length, local_heads = arrived.shape[1], arrived.shape[2]
         arrived = arrived.view(batch, length, local_heads, len(names), dim).transpose(2, 3).flatten(2)
-        view = self.head_shard(shards.rank * local_heads, local_heads)
+        view = self.head_shard(shards.rank * local_heads, local_heads, dtypes)
         out = view.attend_tokens(arrived, attention_mask, False, *extras, **named_extras)
         context = heads_to_tokens(out.context.view(batch, length, local_heads, dim), shards.group)
         # The third field is the variant's own (Reformer's LSH buckets of this rank's heads, which the reversible
         # backward pass hands back to this rank's recomputation); attention probabilities are refused under SP.
         return AttentionOutput(context.reshape(batch, shard, heads * dim), None, out.global_attentions)
 
-    def head_shard(self, first: int, count: int) -> HfxSelfAttention:
+    def sequence_parallel_project(self, name: str, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Projection ``name`` of :attr:`sequence_parallel_projections` on this rank's tokens ``(batch, shard,
+        hidden)`` -> ``(batch, shard, heads * head_dim)``: the submodule of that name (a variant may add others)."""
+        return getattr(self, name)(hidden_states)
+
+    def head_shard(self, first: int, count: int, dtypes: list[torch.dtype] | None = None) -> HfxSelfAttention:
         """This module restricted to heads ``first .. first + count`` of its input, the projections of
         :attr:`sequence_parallel_projections` replaced by column selectors of :meth:`attend_sequence_parallel`'s
-        exchanged input. A view: it shares every parameter and buffer; a variant with per-head state (BigBird's
-        random blocks) narrows it in :meth:`narrow_head_state`."""
+        exchanged input (each cast to ``dtypes[i]``, its projection's dtype, when given). A view: it shares every
+        parameter and buffer; a variant with per-head state (BigBird's random blocks) narrows it in
+        :meth:`narrow_head_state`."""
         view = copy.copy(self)
         view._modules = dict(self._modules)
         view._buffers = dict(self._buffers)
@@ -166,7 +175,7 @@ class HfxSelfAttention(KernelChoice):
         view.head_range = (first, count, self.num_heads)
         width = count * self.head_dim
         for i, name in enumerate(self.sequence_parallel_projections):
-            setattr(view, name, _Columns(i * width, width))
+            setattr(view, name, _Columns(i * width, width, None if dtypes is None else dtypes[i]))
         view.narrow_head_state(first, count)
         return view
 
@@ -182,15 +191,16 @@ class HfxSelfAttention(KernelChoice):
 
 
 class _Columns(nn.Module):
-    """``x[..., start:start + width]``: a projection of :meth:`HfxSelfAttention.head_shard`, whose input already holds
-    the projected heads."""
+    """``x[..., start:start + width]`` in ``dtype`` (None: ``x``'s): a projection of
+    :meth:`HfxSelfAttention.head_shard`, whose input already holds the projected heads."""
 
-    def __init__(self, start: int, width: int) -> None:
+    def __init__(self, start: int, width: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.start, self.width = start, width
+        self.start, self.width, self.dtype = start, width, dtype
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hidden_states.narrow(-1, self.start, self.width)
+        columns = hidden_states.narrow(-1, self.start, self.width)
+        return columns if self.dtype is None else columns.to(self.dtype)
 
 
 def plain_linears(*modules: nn.Module) -> bool:

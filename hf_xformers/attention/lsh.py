@@ -86,8 +86,6 @@ class HfxLSHSelfAttention(LSHHashing, ChunkedSelfAttention):
     probabilities ``(batch, heads, seq, seq)`` (rounds combined). Hashing: :class:`LSHHashing`.
     """
 
-    sequence_parallel_projections = ("query_key", "value")
-
     def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__(
             config, layer_idx, config.lsh_attn_chunk_length, config.lsh_num_chunks_before,

@@ -54,6 +54,11 @@ def hash_buckets(qk: torch.Tensor, rotations: torch.Tensor, num_buckets: int | l
     return buckets
 
 
+# The name of the float32 query-key projection among a sequence-parallel layer's exchanged projections, and of its
+# column selector on a head shard (a module of the shard, not an attribute of the class: see `hash_input`).
+SEQUENCE_PARALLEL_HASH_INPUT = "hash_query_key"
+
+
 class LSHHashing:
     """The hashing of :class:`~hf_xformers.attention.lsh.HfxLSHSelfAttention`, which inherits it: its rotations
     (the ``rotations`` buffer, kept float32) and buckets. Reads the layer's ``num_heads``, ``head_dim``,
@@ -111,14 +116,41 @@ class LSHHashing:
         model's, for one more float32 matmul of the size of the ``qk`` projection. Training with fresh rotations per
         call skips it (the hash is random there anyway), and so do half-precision weights (their rounded weights give
         other buckets than the float32 model's however the projection computes)."""
-        device_type = hidden_states.device.type
-        if not torch.is_autocast_enabled(device_type) or (self.training and self.hash_seed is None):
+        if SEQUENCE_PARALLEL_HASH_INPUT in self._modules:
+            # A sequence-parallel head shard: each rank projected its tokens in float32 before the exchange
+            # (`sequence_parallel_projections`), and this selects its heads' columns of what arrived.
+            return split_heads(getattr(self, SEQUENCE_PARALLEL_HASH_INPUT)(hidden_states), self.num_heads)
+        if not self.hashes_float32_projection(hidden_states.device.type):
             return qk
-        if not plain_linears(self.query_key):
-            return qk  # an adapter (LoRA ...) changes the projection: hash what it computed
-        with float32_autocast_off(device_type):
-            projected = nn.functional.linear(hidden_states.float(), self.query_key.weight.float())
-        return split_heads(projected, self.num_heads)
+        return split_heads(self.float32_query_key(hidden_states), self.num_heads)
+
+    def hashes_float32_projection(self, device_type: str) -> bool:
+        """Whether :meth:`hash_input` recomputes the query-key projection in float32: under autocast with fixed
+        rotations, and only on the plain projection (an adapter, LoRA ..., changes it: hash what it computed)."""
+        if not torch.is_autocast_enabled(device_type) or (self.training and self.hash_seed is None):
+            return False
+        return plain_linears(self.query_key)
+
+    def float32_query_key(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq, hidden)`` -> the query-key projection ``(batch, seq, heads * head_dim)`` computed in
+        float32 with autocast off (see :meth:`hash_input`)."""
+        with float32_autocast_off(hidden_states.device.type):
+            return nn.functional.linear(hidden_states.float(), self.query_key.weight.float())
+
+    @property
+    def sequence_parallel_projections(self) -> tuple[str, ...]:
+        """What each rank projects on its tokens before the exchange (``attention/base.py``): the query-keys and the
+        values, and, where :meth:`hash_input` hashes a float32 re-projection, that too. A head shard cannot recompute
+        it from the exchanged 16-bit query-keys, and hashing those flips buckets: measured on one LSH layer (2 x 256
+        tokens, bfloat16 autocast, seeded rotations, 2 ranks), contexts 38-65 % away from one process's, against 1 %
+        between one process's bfloat16 and float32 contexts (tests/sequence_parallel_worker.py)."""
+        extra = (SEQUENCE_PARALLEL_HASH_INPUT,) if self.hashes_float32_projection(self.rotations.device.type) else ()
+        return ("query_key", "value", *extra)
+
+    def sequence_parallel_project(self, name: str, hidden_states: torch.Tensor) -> torch.Tensor:
+        if name == SEQUENCE_PARALLEL_HASH_INPUT:
+            return self.float32_query_key(hidden_states)
+        return super().sequence_parallel_project(name, hidden_states)
 
 
 __all__ = ["LSHHashing", "bucket_factors", "draw_rotations", "hash_buckets"]
