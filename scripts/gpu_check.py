@@ -543,16 +543,21 @@ def sequence_parallel_figures(step_dir: Path, log: str) -> list[str]:
         return []
     if "skipped" in data:
         return [f"Not run: {data['skipped']}."]
-    cases = {name: c for name, c in data["cases"].items() if not name.startswith("refusal/")}
+    # The model cases are named type/head/batch; the worker's other entries are the refusals and the LSH layer check.
+    cases = {name: c for name, c in data["cases"].items() if name.count("/") == 2}
     failed = sorted(name for name, c in cases.items() if "error" in c)
     worst = max((max(c["loss_rel_diff"], c["logits_rel_diff"], c["grads_rel_diff"]) for c in cases.values()
                  if "error" not in c), default=float("nan"))  # fmt: skip
+    lsh = data["cases"].get("lsh_float32_hash", {"error": "not run"})
     return [
         f"{data['world_size']} ranks on {data.get('device', 'cpu')}: {len(cases) - len(failed)} of {len(cases)} "
         f"(type, head, batch) cases ran; largest relative difference from one process {worst:.2e} (loss, logits, "
         "gradients).",
         *(f"- {name}: {cases[name]['error'].strip().splitlines()[-1]}" for name in failed),
-    ]
+        "LSH layer under bfloat16 autocast, seeded rotations: "
+        + (f"failed: {lsh['error'].strip().splitlines()[-1]}" if "error" in lsh else
+           f"context {lsh['context_rel_diff']:.2e}, gradients {lsh['grads_rel_diff']:.2e} from one process."),
+    ]  # fmt: skip
 
 
 def learning_figures(step_dir: Path, log: str) -> list[str]:

@@ -99,6 +99,9 @@ def test_dry_run_figures_come_from_each_step(dry_run):
     assert "| hfx|128|backward | ok |" in figures["long_context"] and "| MFU |" in figures["long_context"]
     assert "| packed | ok |" in figures["packing"] and "| padded | ok |" in figures["packing"]
     assert "| hfx-longformer |" in figures["learning"] and "| yes |" in figures["learning"]
+    assert figures["sequence_parallel"].startswith("2 ranks on cpu: 1 of 1 (type, head, batch) cases ran")
+    assert "LSH layer under bfloat16 autocast, seeded rotations: context " in figures["sequence_parallel"]
+    assert "figures unreadable" not in (run_dir / "summary.md").read_text()
     learning = json.loads((run_dir / "learning" / "learning.json").read_text())
     assert learning["threshold"] == gpu_check.LEARNING_THRESHOLD
     assert all(c["accuracy"] >= learning["threshold"] for c in learning["cells"])
