@@ -27,10 +27,9 @@ COMPAT_ONLY_PINNED := test_docs.py test_doc_examples.py test_tutorials.py test_a
 	test_cli.py test_benchmarks.py test_benchmark_packing.py test_lra.py test_lra_data.py test_demo.py test_packing_fuzz.py \
 	test_packing_faithful.py test_gpu_check.py test_sequence_parallel.py
 COMPAT_TESTS ?= tests $(addprefix --ignore=tests/,$(COMPAT_ONLY_PINNED))
-# pytest-xdist: one test process per logical CPU (PYTEST_WORKERS=0: all in this process); the tests of one xdist_group
-# mark run in one worker (tests/test_sequence_parallel.py: one torchrun launch feeds each group).
+# pytest-xdist: one test process per logical CPU (PYTEST_WORKERS=0: all in this process).
 PYTEST_WORKERS ?= logical
-PYTEST := -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+PYTEST := -m pytest -q -n $(PYTEST_WORKERS)
 # Where torch comes from. Empty: the configured index, which serves the CPU build of torch==2.13.0 only where it mirrors
 # PyTorch's CPU wheels (on PyPI, Linux gets the CUDA build). TORCH_INDEX=https://download.pytorch.org/whl/cpu asks
 # PyTorch's CPU index (docs/installation.md).

@@ -59,7 +59,6 @@ def dry_run(tmp_path_factory) -> tuple[Path, dict, subprocess.CompletedProcess]:
     return run_dir, json.loads((run_dir / "summary.json").read_text()), done
 
 
-@pytest.mark.xdist_group("gpu_check_dry_run")
 def test_dry_run_runs_every_step_ok(dry_run):
     run_dir, summary, done = dry_run
     steps = {s["name"]: s for s in summary["steps"]}
@@ -75,7 +74,6 @@ def test_dry_run_runs_every_step_ok(dry_run):
         assert f"| {name} | ok |" in text and f"## {name}:" in text, name
 
 
-@pytest.mark.xdist_group("gpu_check_dry_run")
 def test_dry_run_figures_come_from_each_step(dry_run):
     run_dir, summary, _ = dry_run
     env = json.loads((run_dir / "environment" / "environment.json").read_text())

@@ -85,57 +85,39 @@ def _check_exact(result: dict, ranks: int, case: str) -> None:
     assert len({rank["loss"] for rank in result["ranks"]}) == 1
 
 
-# Each launch's tests form one xdist group (Makefile: --dist loadgroup), so that one worker reads them while the other
-# runs other tests, rather than waiting on the launch (once_per_run launches it once either way).
-REFUSALS = [
-    ("heads_not_divisible", "choose an sp_size that divides"),
-    ("output_attentions", "pass output_attentions=False"),
-    ("unsupported_architecture", "HfxUniversalForMaskedLM cannot train with sequence parallelism"),
-]
-
-
-@pytest.mark.xdist_group("sequence_parallel_two_ranks")
 @pytest.mark.parametrize("case", CASES)
 def test_sequence_parallel_two_ranks_equal_one_process(two_ranks, case):
     _check_exact(two_ranks[case], 2, case)
 
 
-@pytest.mark.xdist_group("sequence_parallel_four_ranks")
 @pytest.mark.parametrize("case", CASES)
 def test_sequence_parallel_four_ranks_equal_one_process(four_ranks, case):
     _check_exact(four_ranks[case], 4, case)
 
 
-@pytest.mark.xdist_group("sequence_parallel_two_ranks")
-def test_sequence_parallel_two_ranks_hash_lsh_as_one_process_under_bf16(two_ranks):
-    _check_lsh_hash(two_ranks["lsh_float32_hash"])
-
-
-@pytest.mark.xdist_group("sequence_parallel_four_ranks")
-def test_sequence_parallel_four_ranks_hash_lsh_as_one_process_under_bf16(four_ranks):
-    _check_lsh_hash(four_ranks["lsh_float32_hash"])
-
-
-def _check_lsh_hash(result: dict) -> None:
+def test_sequence_parallel_hashes_lsh_as_one_process_under_bf16(two_ranks, four_ranks):
     """LSH under bfloat16 autocast with seeded rotations hashes a float32 re-projection; the head shards receive it
     from the ranks (a flipped bucket moves a context by tens of percent, far beyond bfloat16's rounding)."""
-    assert "error" not in result, result.get("error")
-    assert result["context_rel_diff"] <= BF16_TOLERANCE  # measured 0 (hashing the bfloat16 query-keys: 0.38)
-    # The weights' gradients sum 512 tokens' bfloat16 products, in other partial sums on each rank than in one process
-    # (measured 3.2e-3 on 2 ranks; hashing the bfloat16 query-keys: 0.10).
-    assert result["grads_rel_diff"] <= 2e-2
+    for results in (two_ranks, four_ranks):
+        result = results["lsh_float32_hash"]
+        assert "error" not in result, result.get("error")
+        assert result["context_rel_diff"] <= BF16_TOLERANCE  # measured 0 (hashing the bfloat16 query-keys: 0.38)
+        # The weights' gradients sum 512 tokens' bfloat16 products, in other partial sums on each rank than in one
+        # process (measured 3.2e-3 on 2 ranks; hashing the bfloat16 query-keys: 0.10).
+        assert result["grads_rel_diff"] <= 2e-2
 
 
-@pytest.mark.xdist_group("sequence_parallel_two_ranks")
-@pytest.mark.parametrize("refusal, words", REFUSALS)
-def test_sequence_parallel_two_ranks_refuse_what_they_cannot_serve(two_ranks, refusal, words):
-    assert words in two_ranks[f"refusal/{refusal}"]["message"]
-
-
-@pytest.mark.xdist_group("sequence_parallel_four_ranks")
-@pytest.mark.parametrize("refusal, words", REFUSALS)
-def test_sequence_parallel_four_ranks_refuse_what_they_cannot_serve(four_ranks, refusal, words):
-    assert words in four_ranks[f"refusal/{refusal}"]["message"]
+@pytest.mark.parametrize(
+    "refusal, words",
+    [
+        ("heads_not_divisible", "choose an sp_size that divides"),
+        ("output_attentions", "pass output_attentions=False"),
+        ("unsupported_architecture", "HfxUniversalForMaskedLM cannot train with sequence parallelism"),
+    ],
+)
+def test_sequence_parallel_refuses_what_it_cannot_serve(two_ranks, four_ranks, refusal, words):
+    for results in (two_ranks, four_ranks):
+        assert words in results[f"refusal/{refusal}"]["message"]
 
 
 @pytest.mark.parametrize("task", ["masked_lm", "sequence_classification"])
